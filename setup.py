@@ -1,0 +1,47 @@
+"""Build of the one compiled module, shmq._core.
+
+Compiler directives live here, in one place:
+- language_level=3, embedsignature: ordinary Python 3 semantics and signatures
+  in docstrings.
+- boundscheck/wraparound stay ON module-wide; the hot functions in _core.pyx
+  switch them off where a reader sees it.
+Environment switches:
+- SHMQ_DEBUG=1: -O0 -g, C asserts kept.
+- SHMQ_SANITIZE=address|undefined|thread: build with that sanitizer (run the
+  tests with LD_PRELOAD of the matching runtime).
+"""
+
+import os
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+debug = os.environ.get("SHMQ_DEBUG") == "1"
+sanitize = os.environ.get("SHMQ_SANITIZE")
+
+compile_args = ["-O0", "-g"] if debug else ["-O3", "-DNDEBUG"]
+compile_args += ["-std=gnu11", "-Wall", "-Wno-unused-function"]
+link_args = []
+if sanitize:
+    compile_args += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"]
+    link_args += [f"-fsanitize={sanitize}"]
+
+extensions = [
+    Extension(
+        "shmq._core",
+        ["shmq/_core.pyx"],
+        include_dirs=[np.get_include(), "shmq"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+        depends=["shmq/shmq_ring.h", "shmq/_ring.pxd"],
+    )
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives={"language_level": "3", "embedsignature": True},
+    ),
+)

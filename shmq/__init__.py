@@ -1,0 +1,27 @@
+"""shmq: a lock-free shared-memory queue for numpy arrays.
+
+    q = shmq.Queue(capacity_bytes=64 << 20)     # create; q.name identifies it
+    p = shmq.Queue.attach(q.name)               # from any other process
+    q.put(array_or_tree); obj = q.get()         # copies; never pickles arrays
+    with q.get_view() as obj: ...               # zero-copy read
+    with q.reserve(shape, dtype) as arr: ...    # zero-copy write
+
+Linux only (POSIX shared memory in /dev/shm, futexes, /proc).
+"""
+
+from shmq.errors import (Closed, Empty, Full, IncompatibleRing, MessageTooLarge, PeerLost,
+                         ShmFull, ShmqError)
+from shmq.queue import Queue
+
+__all__ = [
+    "Queue",
+    "ShmqError",
+    "Full",
+    "Empty",
+    "Closed",
+    "PeerLost",
+    "IncompatibleRing",
+    "MessageTooLarge",
+    "ShmFull",
+]
+__version__ = "0.1.0"

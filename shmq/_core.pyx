@@ -1,0 +1,852 @@
+# The compiled half of shmq: owns the mapping, encodes and decodes records,
+# runs the bounded wait loops without the GIL, and maps every C status to an
+# exception in one place (_raise_status).  The layout and the lock-free
+# algorithm live in shmq_ring.h; the ergonomic API lives in queue.py.
+#
+# Compiler directives are set in setup.py; the hot functions below add
+# boundscheck/wraparound off where a reader sees them.
+
+cimport cython
+cimport numpy as cnp
+from cpython.object cimport PyObject, PyTypeObject
+from cpython.ref cimport Py_INCREF
+from cpython.exc cimport PyErr_CheckSignals
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.errno cimport errno
+from libc.string cimport memcpy
+from posix.mman cimport (mmap, munmap, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_PRIVATE,
+                         MAP_SHARED, PROT_NONE, PROT_READ, PROT_WRITE)
+from posix.signal cimport kill
+from posix.unistd cimport getpid
+
+from shmq._ring cimport *
+
+import os
+import pickle
+import time
+
+import numpy as np
+
+from shmq.errors import (Closed, Empty, Full, IncompatibleRing, MessageTooLarge, PeerLost,
+                         ShmqError)
+
+cnp.import_array()
+
+cdef extern from "sys/mman.h" nogil:
+    int MAP_POPULATE
+    int MAP_NORESERVE
+
+cdef extern from "signal.h" nogil:
+    int SIGKILL
+
+cdef extern from "numpy/arrayobject.h":
+    # Steals a reference to descr (callers Py_INCREF first).
+    object PyArray_NewFromDescr(PyTypeObject *subtype, cnp.PyArray_Descr *descr, int nd,
+                                cnp.npy_intp *dims, cnp.npy_intp *strides, void *data,
+                                int flags, object obj)
+    # Steals a reference to descr.
+    object PyArray_Empty(int nd, cnp.npy_intp *dims, cnp.PyArray_Descr *descr, int fortran)
+
+# Longest time a blocked call stays inside C before it re-checks signals,
+# closed flags and peer liveness (Ctrl-C, dead peers are noticed this fast).
+cdef uint64_t WAIT_SLICE_NS = 100_000_000
+# Copies at least this large run without the GIL.
+cdef uint64_t NOGIL_COPY_BYTES = 1 << 16
+
+RECORD_ALIGN = SHMQ_RECORD_ALIGN
+MAX_NDIM = SHMQ_MAX_NDIM
+MIN_CAPACITY = SHMQ_MIN_CAPACITY
+MAX_CAPACITY = SHMQ_MAX_CAPACITY
+MAX_ATTACH = SHMQ_MAX_ATTACH
+HEADER_BYTES = sizeof(shmq_header)
+
+_FIELD_NAMES = {
+    SHMQ_FIELD_MAGIC: "magic",
+    SHMQ_FIELD_VERSION: "version",
+    SHMQ_FIELD_FLAGS: "flags",
+    SHMQ_FIELD_CAPACITY: "capacity_bytes",
+    SHMQ_FIELD_OFFSETS: "region offsets",
+    SHMQ_FIELD_FILE_SIZE: "file size",
+    SHMQ_FIELD_POSITIONS: "head_pos/tail_pos",
+    SHMQ_FIELD_RECORD_BYTES: "record_bytes",
+    SHMQ_FIELD_MAX_ATTACH: "max_attach",
+    SHMQ_FIELD_ROLE_SLOT: "consumer_slot/producer_slot",
+}
+
+
+def layout_offsets():
+    """Field offsets as this build sees them, for the header/pxd layout test."""
+    cdef shmq_header h
+    cdef shmq_slot s
+    cdef shmq_record rec
+    base = <size_t>&h
+    return {
+        "header_bytes": sizeof(shmq_header),
+        "slot_bytes": sizeof(shmq_slot),
+        "record_bytes": sizeof(shmq_record),
+        "tail_pos": <size_t>&h.tail_pos - base,
+        "head_pos": <size_t>&h.head_pos - base,
+        "data_seq": <size_t>&h.data_seq - base,
+        "consumer_slot": <size_t>&h.consumer_slot - base,
+        "creator_pid": <size_t>&h.creator_pid - base,
+        "creator_starttime": <size_t>&h.creator_starttime - base,
+        "slot.claim_pos": <size_t>&s.claim_pos - <size_t>&s,
+        "record.kind": <size_t>&rec.kind - <size_t>&rec,
+    }
+
+
+def segment_bytes(uint64_t capacity, bint mpsc):
+    """Total size of a segment holding a ring of this capacity."""
+    cdef uint64_t so, ao, dof
+    shmq_layout(capacity, mpsc, SHMQ_MAX_ATTACH, &so, &ao, &dof)
+    return dof + capacity
+
+
+def proc_starttime(uint32_t pid):
+    """Start time of a live, non-zombie process (clock ticks), or 0."""
+    return shmq_proc_starttime(pid)
+
+
+def read_creator(bytes header):
+    """(creator_pid, creator_starttime) from the first bytes of a segment,
+    or None when they are not a shmq header."""
+    cdef const shmq_header *h
+    if len(header) < sizeof(shmq_header):
+        return None
+    h = <const shmq_header *><const char *>header
+    if h.magic != SHMQ_MAGIC:
+        return None
+    return h.creator_pid, h.creator_starttime
+
+
+# --- test-only kill points (see RELIABILITY.md: "kill points compiled into
+# the C core").  Set by SHMQ_KILL_POINT=<point>:<n> at import, or by
+# _set_kill_point() in a forked child; the n-th put that reaches the point
+# SIGKILLs its own process there.
+cdef int KILL_NONE = 0, KILL_AFTER_CLAIM = 1, KILL_MID_COPY = 2, KILL_BEFORE_PUBLISH = 3
+cdef int _kill_point = KILL_NONE
+cdef long _kill_countdown = 0
+_KILL_POINTS = {"after_claim": KILL_AFTER_CLAIM, "mid_copy": KILL_MID_COPY,
+                "before_publish": KILL_BEFORE_PUBLISH}
+
+
+def _set_kill_point(str point, long after_n=1):
+    global _kill_point, _kill_countdown
+    if point not in _KILL_POINTS:
+        raise ValueError(f"unknown kill point {point!r}; choose one of {sorted(_KILL_POINTS)}")
+    _kill_point = _KILL_POINTS[point]
+    _kill_countdown = after_n
+
+
+cdef inline void _maybe_die(int point) noexcept nogil:
+    global _kill_countdown
+    if _kill_point == point:
+        _kill_countdown -= 1
+        if _kill_countdown <= 0:
+            kill(getpid(), SIGKILL)
+
+
+_env_kill = os.environ.get("SHMQ_KILL_POINT")
+if _env_kill:
+    _p, _, _n = _env_kill.partition(":")
+    _set_kill_point(_p, int(_n or 1))
+
+
+cdef class Mapping:
+    """The process's mapping of one segment, data region mapped twice.
+
+    Arrays returned by get_view()/reserve() hold this object as their base,
+    so the memory stays mapped as long as any of them is alive, even after
+    the queue handle is closed: a view may go stale, never dangling."""
+    cdef uint8_t *base
+    cdef size_t length
+
+    def __dealloc__(self):
+        if self.base != NULL:
+            munmap(self.base, self.length)
+            self.base = NULL
+
+    @staticmethod
+    cdef Mapping map_ring(int fd, uint64_t data_offset, uint64_t capacity):
+        cdef Mapping m = Mapping.__new__(Mapping)
+        cdef size_t total = data_offset + 2 * capacity
+        cdef void *res
+        cdef void *p
+        # Reserve the address range first so the two data mappings are
+        # guaranteed to be adjacent, then map the file over it.
+        res = mmap(NULL, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        if res == MAP_FAILED:
+            raise OSError(errno, f"cannot reserve {total} bytes of address space for the "
+                                 f"ring: {os.strerror(errno)}")
+        m.base = <uint8_t *>res
+        m.length = total
+        # MAP_POPULATE pre-faults the page tables: no page fault on the hot path.
+        p = mmap(res, data_offset + capacity, PROT_READ | PROT_WRITE,
+                 MAP_SHARED | MAP_FIXED | MAP_POPULATE, fd, 0)
+        if p == MAP_FAILED:
+            raise OSError(errno, f"cannot map the shmq segment: {os.strerror(errno)}")
+        p = mmap(m.base + data_offset + capacity, capacity, PROT_READ | PROT_WRITE,
+                 MAP_SHARED | MAP_FIXED | MAP_POPULATE, fd, data_offset)
+        if p == MAP_FAILED:
+            raise OSError(errno, f"cannot map the shmq data region a second time: "
+                                 f"{os.strerror(errno)}")
+        return m
+
+
+# dtype <-> dtype.str caches: the hot path must not rebuild either.
+cdef dict _dtype_codes = {}
+cdef dict _code_dtypes = {}
+
+
+cdef inline bytes _dtype_code(cnp.dtype dt):
+    code = _dtype_codes.get(dt)
+    if code is None:
+        code = dt.str.encode("ascii")
+        _dtype_codes[dt] = code
+    return code
+
+
+cdef bint _fast_path_dtype(object dt):
+    # dtype.str round-trips exactly for these; structured, sub-array and
+    # object dtypes go through the pickle path (which refuses object).
+    # Python attribute access on purpose: numpy 2 moved these fields out of
+    # the descriptor struct Cython's numpy declarations describe.
+    return not dt.hasobject and dt.names is None and dt.subdtype is None and dt.itemsize > 0
+
+
+cdef cnp.dtype _dtype_from_code(bytes code, Ring ring, uint64_t pos):
+    dt = _code_dtypes.get(code)
+    if dt is None:
+        try:
+            dt = np.dtype(code.decode("ascii"))
+        except (TypeError, ValueError, UnicodeDecodeError):
+            ring._corrupt(pos, f"unknown dtype code {code!r}")
+        if not _fast_path_dtype(dt) or dt.str.encode("ascii") != code:
+            ring._corrupt(pos, f"dtype code {code!r} is not a plain numeric/bytes dtype")
+        _code_dtypes[code] = dt
+    return dt
+
+
+cdef inline void _copy(void *dst, const void *src, uint64_t n) noexcept:
+    if n >= NOGIL_COPY_BYTES:
+        with nogil:
+            memcpy(dst, src, n)
+    else:
+        memcpy(dst, src, n)
+
+
+cdef uint64_t _this_starttime_pid = 0
+cdef uint64_t _this_starttime = 0
+
+
+cdef uint64_t _own_starttime():
+    global _this_starttime_pid, _this_starttime
+    cdef uint32_t pid = getpid()
+    if _this_starttime_pid != pid:
+        _this_starttime = shmq_proc_starttime(pid)
+        _this_starttime_pid = pid
+    return _this_starttime
+
+
+cdef class Ring:
+    """One process's handle on a ring.  Not thread-safe: one thread at a time
+    (attach again for another thread)."""
+    cdef shmq_ring r
+    cdef readonly Mapping mapping
+    cdef readonly str name
+    cdef readonly bint closed
+    cdef bint produced        # this handle has taken the producer role
+    cdef bint consuming       # this handle has taken the consumer role
+    cdef bint view_open       # a get_view() record is held
+    cdef uint64_t view_pos, view_bytes
+    cdef bint reserve_open    # a reserve() record is held
+    cdef uint64_t reserve_pos, reserve_bytes
+    cdef int32_t child_slot   # reserved in the parent for a child being forked
+
+    # --- construction -----------------------------------------------------
+
+    @staticmethod
+    def create(int fd, uint64_t capacity, bint mpsc, str name):
+        cdef uint64_t so, ao, dof
+        shmq_layout(capacity, mpsc, SHMQ_MAX_ATTACH, &so, &ao, &dof)
+        cdef Mapping m = Mapping.map_ring(fd, dof, capacity)
+        shmq_init(m.base, capacity, mpsc, getpid(), _own_starttime())
+        return Ring._bind(m, name)
+
+    @staticmethod
+    def attach(int fd, uint64_t file_bytes, bytes header_copy, str name):
+        """Attach to an existing segment.  header_copy holds its first bytes,
+        read with pread, so a hostile header is validated before anything
+        is mapped at the sizes it claims."""
+        cdef int bad = 0
+        cdef const shmq_header *h
+        if file_bytes < sizeof(shmq_header) or len(header_copy) < sizeof(shmq_header):
+            raise IncompatibleRing(
+                f"{name!r} is {file_bytes} bytes, smaller than a shmq header "
+                f"({sizeof(shmq_header)} bytes): not a shmq queue, or its creator died while creating it")
+        h = <const shmq_header *><const char *>header_copy
+        if shmq_validate(h, file_bytes, &bad) != SHMQ_OK:
+            raise IncompatibleRing(_header_problem(name, bad, h, file_bytes))
+        cdef uint64_t capacity = h.capacity_bytes, dof = h.data_offset
+        cdef Mapping m = Mapping.map_ring(fd, dof, capacity)
+        # Validate again on the shared copy: it is what we will read from.
+        if shmq_validate(m.base, file_bytes, &bad) != SHMQ_OK or \
+                (<shmq_header *>m.base).capacity_bytes != capacity or \
+                (<shmq_header *>m.base).data_offset != dof:
+            raise IncompatibleRing(_header_problem(name, bad, <shmq_header *>m.base, file_bytes))
+        return Ring._bind(m, name)
+
+    @staticmethod
+    cdef Ring _bind(Mapping m, str name):
+        cdef Ring ring = Ring.__new__(Ring)
+        ring.mapping = m
+        ring.name = name
+        ring.child_slot = -1
+        shmq_bind(&ring.r, m.base)
+        ring.r.slot = shmq_slot_acquire(&ring.r, getpid(), _own_starttime(), SHMQ_SLOT_OPEN)
+        if ring.r.slot < 0:
+            raise ShmqError(
+                f"shmq queue {name!r} has all {SHMQ_MAX_ATTACH} attachment slots held by live "
+                f"handles; close handles you no longer need (each attach() and each forked "
+                f"child holding a handle takes one)")
+        return ring
+
+    # --- properties -------------------------------------------------------
+
+    @property
+    def capacity_bytes(self):
+        return self.r.capacity
+
+    @property
+    def multi_producer(self):
+        return bool(self.r.mpsc)
+
+    @property
+    def creator_pid(self):
+        return self.r.hdr.creator_pid
+
+    @property
+    def slot(self):
+        return self.r.slot
+
+    def stats(self):
+        """A snapshot of the shared counters (for diagnostics and tests)."""
+        self._check_open()
+        h = self.r.hdr
+        return {
+            "head_pos": h.head_pos,
+            "tail_pos": h.tail_pos,
+            "used_bytes": h.tail_pos - h.head_pos,
+            "closed_writers": h.closed_writers,
+            "gone_writers": h.gone_writers,
+            "skipped_records": h.skipped_records,
+            "consumer_slot": h.consumer_slot,
+        }
+
+    def max_message_bytes(self):
+        """Largest array payload one put() of a 1-d array can carry."""
+        return self.r.capacity - 128
+
+    # --- roles ------------------------------------------------------------
+
+    cdef inline int _check_open(self) except -1:
+        if self.closed:
+            raise ValueError(f"operation on a closed shmq queue handle ({self.name!r}); "
+                             f"use Queue.attach(name) for a new handle")
+        return 0
+
+    cdef int _ensure_producer(self) except -1:
+        cdef int64_t holder
+        cdef uint64_t o
+        self._check_open()
+        if self.produced:
+            return 0
+        if not self.r.mpsc:
+            holder = shmq_take_role(&self.r, &self.r.hdr.producer_slot, self.r.slot,
+                                    SHMQ_SLOT_PRODUCED, 1)
+            if holder >= 0:
+                raise ShmqError(
+                    f"shmq queue {self.name!r} is single-producer and pid {holder} is already "
+                    f"putting into it (this is pid {getpid()}); create the queue with "
+                    f"multi_producer=True to put from several processes")
+        else:
+            while True:
+                o = shmq_slot_owner(&self.r, self.r.slot)
+                if shmq_slot_update(&self.r, self.r.slot, o, o | SHMQ_SLOT_PRODUCED):
+                    break
+        self.produced = True
+        return 0
+
+    cdef int _ensure_consumer(self) except -1:
+        cdef int64_t holder
+        self._check_open()
+        if self.consuming:
+            return 0
+        holder = shmq_take_role(&self.r, &self.r.hdr.consumer_slot, self.r.slot,
+                                SHMQ_SLOT_CONSUMER, 0)
+        if holder >= 0:
+            raise ShmqError(
+                f"shmq queue {self.name!r} already has a consumer (pid {holder}; this is pid "
+                f"{getpid()}); a queue has exactly one consumer: use one queue per consumer")
+        self.consuming = True
+        return 0
+
+    # --- status -> exception: the one place ---------------------------------
+
+    cdef int _raise_status(self, int rc, str op, uint64_t need=0, object timeout=None) except -1:
+        h = self.r.hdr
+        if rc == SHMQ_FULL:
+            raise Full(f"shmq queue {self.name!r}: no room for a {need}-byte record within "
+                       f"timeout={timeout!r}s ({h.tail_pos - h.head_pos} of {self.r.capacity} "
+                       f"bytes in use); get() faster, wait longer, or use a larger capacity_bytes")
+        if rc == SHMQ_EMPTY:
+            raise Empty(f"shmq queue {self.name!r}: no message within timeout={timeout!r}s")
+        if op == "get":
+            if rc == SHMQ_PEERS_CLOSED:
+                raise Closed(f"shmq queue {self.name!r}: every producer closed and the ring is "
+                             f"drained ({h.closed_writers} closed); no more messages will arrive")
+            if rc == SHMQ_PEERS_LOST:
+                raise PeerLost(
+                    f"shmq queue {self.name!r}: {h.gone_writers} producer(s) died without "
+                    f"closing and no producer is left; the ring is drained. Check how the "
+                    f"producer processes ended (killed by a signal, os._exit, out of memory)")
+        else:
+            pid = self._consumer_pid()
+            if rc == SHMQ_PEERS_CLOSED:
+                raise Closed(f"shmq queue {self.name!r}: the consumer (pid {pid}) closed the queue; "
+                             f"nothing more can be delivered")
+            if rc == SHMQ_PEERS_LOST:
+                raise PeerLost(
+                    f"shmq queue {self.name!r}: the consumer (pid {pid}) died without closing "
+                    f"while this producer (pid {getpid()}) waited for {need} free bytes; stop "
+                    f"producing, or start a new consumer with Queue.attach({self.name!r})")
+        raise ShmqError(f"shmq queue {self.name!r}: unexpected status {rc} in {op}")
+
+    cdef object _consumer_pid(self):
+        cdef int32_t c = self.r.hdr.consumer_slot
+        if c < 0 or c >= <int32_t>SHMQ_MAX_ATTACH:
+            return None
+        return shmq_slot_owner(&self.r, c) >> 32
+
+    cdef int _corrupt(self, uint64_t pos, str what) except -1:
+        raise IncompatibleRing(
+            f"shmq queue {self.name!r}: record at position {pos} is malformed: {what}. The "
+            f"segment was written by an incompatible shmq version or corrupted by another "
+            f"program; recreate the queue")
+
+    # --- producer ---------------------------------------------------------
+
+    cdef uint64_t _claim(self, uint64_t need, object timeout) except? 0:
+        """Claim `need` bytes, waiting in bounded slices.  Returns the
+        position (callers treat 0 as a real position; errors raise)."""
+        cdef uint64_t pos = 0
+        cdef int rc, st
+        cdef uint64_t slice_ns
+        if need > self.r.capacity:
+            raise MessageTooLarge(
+                f"shmq queue {self.name!r}: message needs {need} bytes but the ring holds "
+                f"{self.r.capacity}; create the queue with capacity_bytes >= {need}")
+        self._ensure_producer()
+        if shmq_claim(&self.r, need, &pos) == SHMQ_OK:
+            return pos
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            st = shmq_reader_status(&self.r)
+            if st != SHMQ_PEERS_OPEN:
+                self._raise_status(st, "put", need)
+            if deadline is None:
+                slice_ns = WAIT_SLICE_NS
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._raise_status(SHMQ_FULL, "put", need, timeout)
+                slice_ns = min(WAIT_SLICE_NS, <uint64_t>(left * 1e9) + 1)
+            with nogil:
+                shmq_wait_writable(&self.r, need, slice_ns)
+            PyErr_CheckSignals()
+            if shmq_claim(&self.r, need, &pos) == SHMQ_OK:
+                return pos
+
+    cdef inline shmq_record *_start_record(self, uint64_t pos, uint64_t need, uint32_t kind,
+                                           uint32_t nbuffers, uint64_t meta_bytes) noexcept:
+        cdef shmq_record *rec = <shmq_record *>shmq_at(&self.r, pos)
+        rec.record_bytes = need
+        rec.kind = kind
+        rec.nbuffers = nbuffers
+        rec.meta_bytes = meta_bytes
+        rec.producer_pid = getpid()
+        rec.reserved = 0
+        return rec
+
+    cdef inline void _publish(self, uint64_t pos, uint64_t need) noexcept:
+        _maybe_die(KILL_BEFORE_PUBLISH)
+        shmq_publish(&self.r, pos, need)
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def put_array(self, cnp.ndarray arr not None, object timeout):
+        """Fast path: one C-contiguous array of a plain dtype."""
+        cdef int ndim = cnp.PyArray_NDIM(arr)
+        cdef bytes code = _dtype_code(<cnp.dtype><PyObject *>cnp.PyArray_DESCR(arr))
+        cdef uint64_t nbytes = cnp.PyArray_NBYTES(arr)
+        cdef uint64_t meta = sizeof(shmq_array_meta) + 8 * ndim + len(code)
+        cdef uint64_t data_off = shmq_align_up(sizeof(shmq_record) + meta, SHMQ_RECORD_ALIGN)
+        cdef uint64_t need = shmq_align_up(data_off + nbytes, SHMQ_RECORD_ALIGN)
+        cdef uint64_t pos = self._claim(need, timeout)
+        _maybe_die(KILL_AFTER_CLAIM)
+        cdef shmq_record *rec = self._start_record(pos, need, SHMQ_KIND_ARRAY, 1, meta)
+        cdef shmq_array_meta *am = <shmq_array_meta *>(<uint8_t *>rec + sizeof(shmq_record))
+        am.ndim = ndim
+        am.dtype_chars = len(code)
+        am.data_offset = data_off
+        am.data_bytes = nbytes
+        cdef uint64_t *shape = <uint64_t *>(<uint8_t *>am + sizeof(shmq_array_meta))
+        cdef cnp.npy_intp *dims = cnp.PyArray_DIMS(arr)
+        cdef int i
+        for i in range(ndim):
+            shape[i] = dims[i]
+        memcpy(<uint8_t *>(shape + ndim), <const char *>code, len(code))
+        if _kill_point == KILL_MID_COPY:
+            _copy(<uint8_t *>rec + data_off, cnp.PyArray_DATA(arr), nbytes // 2)
+            _maybe_die(KILL_MID_COPY)
+        _copy(<uint8_t *>rec + data_off, cnp.PyArray_DATA(arr), nbytes)
+        self._publish(pos, need)
+
+    def put_tree(self, bytes pickled, list buffers, object timeout):
+        """A pickle-5 stream and its out-of-band buffers (PickleBuffer), in
+        one record; each buffer is copied once, 64-byte aligned."""
+        cdef Py_ssize_t nbuf = len(buffers), i
+        cdef list views = [pb.raw() for pb in buffers]
+        cdef uint64_t meta = sizeof(shmq_tree_meta) + nbuf * sizeof(shmq_buffer_entry)
+        cdef uint64_t pickle_off = sizeof(shmq_record) + meta
+        cdef uint64_t end = pickle_off + len(pickled)
+        cdef list offsets = []
+        cdef const uint8_t[::1] mv
+        for i in range(nbuf):
+            end = shmq_align_up(end, SHMQ_RECORD_ALIGN)
+            offsets.append(end)
+            end += len(views[i])
+        cdef uint64_t need = shmq_align_up(end, SHMQ_RECORD_ALIGN)
+        cdef uint64_t pos = self._claim(need, timeout)
+        _maybe_die(KILL_AFTER_CLAIM)
+        cdef shmq_record *rec = self._start_record(pos, need, SHMQ_KIND_TREE, nbuf, meta)
+        cdef uint8_t *base = <uint8_t *>rec
+        cdef shmq_tree_meta *tm = <shmq_tree_meta *>(base + sizeof(shmq_record))
+        tm.pickle_offset = pickle_off
+        tm.pickle_bytes = len(pickled)
+        cdef shmq_buffer_entry *entries = <shmq_buffer_entry *>(base + sizeof(shmq_record) + sizeof(shmq_tree_meta))
+        memcpy(base + pickle_off, <const char *>pickled, len(pickled))
+        for i in range(nbuf):
+            mv = views[i]
+            entries[i].offset = offsets[i]
+            entries[i].nbytes = mv.shape[0]
+            if mv.shape[0]:
+                if _kill_point == KILL_MID_COPY:
+                    _copy(base + <uint64_t>offsets[i], &mv[0], mv.shape[0] // 2)
+                    _maybe_die(KILL_MID_COPY)
+                _copy(base + <uint64_t>offsets[i], &mv[0], mv.shape[0])
+        self._publish(pos, need)
+
+    def reserve_array(self, tuple shape, cnp.dtype dtype, object timeout):
+        """Claim a record for an array and return a writable view of its
+        data; commit_reserved() publishes it, cancel_reserved() drops it."""
+        if self.reserve_open:
+            raise ShmqError(f"shmq queue {self.name!r}: this handle already holds a reservation; "
+                            f"commit or cancel it (leave its `with` block) before reserving again")
+        if not _fast_path_dtype(dtype):
+            raise TypeError(f"reserve() needs a plain numeric, bool or fixed-width bytes/str dtype, "
+                            f"not {dtype!r}")
+        cdef int ndim = len(shape), i
+        if ndim > <int>SHMQ_MAX_NDIM:
+            raise ValueError(f"reserve() supports at most {SHMQ_MAX_NDIM} dimensions, got {ndim}")
+        cdef uint64_t nbytes = dtype.itemsize
+        for d in shape:
+            if d < 0:
+                raise ValueError(f"negative dimension in shape {shape!r}")
+            nbytes *= <uint64_t>d
+            if nbytes > self.r.capacity:
+                nbytes = self.r.capacity + 1  # too large either way; avoids overflow
+        cdef bytes code = _dtype_code(dtype)
+        cdef uint64_t meta = sizeof(shmq_array_meta) + 8 * ndim + len(code)
+        cdef uint64_t data_off = shmq_align_up(sizeof(shmq_record) + meta, SHMQ_RECORD_ALIGN)
+        cdef uint64_t need = shmq_align_up(data_off + nbytes, SHMQ_RECORD_ALIGN)
+        cdef uint64_t pos = self._claim(need, timeout)
+        cdef shmq_record *rec = self._start_record(pos, need, SHMQ_KIND_ARRAY, 1, meta)
+        cdef shmq_array_meta *am = <shmq_array_meta *>(<uint8_t *>rec + sizeof(shmq_record))
+        am.ndim = ndim
+        am.dtype_chars = len(code)
+        am.data_offset = data_off
+        am.data_bytes = nbytes
+        cdef uint64_t *sh = <uint64_t *>(<uint8_t *>am + sizeof(shmq_array_meta))
+        cdef cnp.npy_intp dims[32]
+        for i in range(ndim):
+            sh[i] = shape[i]
+            dims[i] = shape[i]
+        memcpy(<uint8_t *>(sh + ndim), <const char *>code, len(code))
+        self.reserve_open = True
+        self.reserve_pos = pos
+        self.reserve_bytes = need
+        return self._view_array(<uint8_t *>rec + data_off, ndim, dims, dtype)
+
+    def commit_reserved(self):
+        if not self.reserve_open:
+            raise ShmqError(f"shmq queue {self.name!r}: no reservation to commit")
+        self.reserve_open = False
+        self._publish(self.reserve_pos, self.reserve_bytes)
+
+    def cancel_reserved(self):
+        """Publish the reserved record as SKIP: the space was claimed and the
+        consumer must step over it, but nothing is delivered."""
+        if not self.reserve_open:
+            return
+        self.reserve_open = False
+        (<shmq_record *>shmq_at(&self.r, self.reserve_pos)).kind = SHMQ_KIND_SKIP
+        shmq_publish(&self.r, self.reserve_pos, self.reserve_bytes)
+
+    # --- consumer ---------------------------------------------------------
+
+    cdef int _next(self, object timeout, uint64_t *pos, uint64_t *nbytes) except -1:
+        """Wait for the next deliverable record at head."""
+        cdef int rc, st
+        cdef uint64_t skip
+        cdef uint32_t dead_pid
+        cdef uint64_t slice_ns
+        cdef bint waited = False
+        self._ensure_consumer()
+        if self.view_open:
+            raise ShmqError(f"shmq queue {self.name!r}: a get_view() block is still open on this "
+                            f"handle; leave it before getting the next message")
+        deadline = None
+        while True:
+            rc = shmq_peek(&self.r, pos, nbytes)
+            if rc == SHMQ_OK:
+                if (<shmq_record *>shmq_at(&self.r, pos[0])).kind == SHMQ_KIND_SKIP:
+                    shmq_release(&self.r, pos[0], nbytes[0])
+                    continue
+                return 0
+            if rc == SHMQ_CORRUPT:
+                raise IncompatibleRing(
+                    f"shmq queue {self.name!r}: record at position {self.r.hdr.head_pos} has an "
+                    f"invalid record_bytes field; the segment is corrupt or from an incompatible "
+                    f"writer; recreate the queue")
+            if rc == SHMQ_PENDING and waited:
+                rc = shmq_resolve_pending(&self.r, &skip, &dead_pid)
+                if rc == SHMQ_OK:
+                    head = self.r.hdr.head_pos
+                    shmq_release(&self.r, head, skip)
+                    raise PeerLost(
+                        f"shmq queue {self.name!r}: producer pid {dead_pid} died while writing a "
+                        f"{skip}-byte record at position {head}; the record was dropped and the "
+                        f"other producers' messages follow: call get() again to continue")
+                if rc == SHMQ_CORRUPT:
+                    raise PeerLost(
+                        f"shmq queue {self.name!r}: several dead producers claimed position "
+                        f"{self.r.hdr.head_pos} with different sizes, so the next record cannot "
+                        f"be located; recreate the queue")
+            elif rc == SHMQ_EMPTY and (waited or self.r.hdr.closed_writers or self.r.hdr.gone_writers):
+                # Only scan the slots once someone finished or a slice passed:
+                # the streaming fast path never touches /proc.
+                st = shmq_writers_status(&self.r)
+                if st != SHMQ_PEERS_OPEN:
+                    # A producer may have published and closed after our peek.
+                    if shmq_peek(&self.r, pos, nbytes) != SHMQ_EMPTY:
+                        continue
+                    self._raise_status(st, "get")
+            if timeout is not None:
+                if deadline is None:
+                    deadline = time.monotonic() + timeout
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._raise_status(SHMQ_EMPTY, "get", 0, timeout)
+                slice_ns = min(WAIT_SLICE_NS, <uint64_t>(left * 1e9) + 1)
+            else:
+                slice_ns = WAIT_SLICE_NS
+            with nogil:
+                rc = shmq_wait_readable(&self.r, slice_ns)
+            PyErr_CheckSignals()
+            waited = rc == SHMQ_TIMEOUT
+
+    cdef object _view_array(self, uint8_t *data, int ndim, cnp.npy_intp *dims, cnp.dtype dtype):
+        Py_INCREF(dtype)  # PyArray_NewFromDescr steals a reference
+        arr = PyArray_NewFromDescr(<PyTypeObject *>np.ndarray, <cnp.PyArray_Descr *>dtype, ndim,
+                                   dims, NULL, data, cnp.NPY_ARRAY_CARRAY, None)
+        Py_INCREF(self.mapping)  # PyArray_SetBaseObject steals a reference
+        cnp.PyArray_SetBaseObject(arr, self.mapping)
+        return arr
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    cdef object _decode(self, uint64_t pos, uint64_t n, bint copy):
+        """Build the message at pos.  Every field is read once into a local,
+        then validated against the record before use."""
+        cdef uint8_t *base = shmq_at(&self.r, pos)
+        cdef shmq_record *rec = <shmq_record *>base
+        cdef uint32_t kind = rec.kind
+        cdef uint64_t meta = rec.meta_bytes
+        if meta > n - sizeof(shmq_record):
+            self._corrupt(pos, f"meta_bytes {meta} exceeds record_bytes {n}")
+        if kind == SHMQ_KIND_ARRAY:
+            return self._decode_array(pos, base, n, meta, copy)
+        if kind == SHMQ_KIND_TREE:
+            return self._decode_tree(pos, base, n, meta, rec.nbuffers, copy)
+        self._corrupt(pos, f"unknown kind {kind}")
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    cdef object _decode_array(self, uint64_t pos, uint8_t *base, uint64_t n, uint64_t meta,
+                              bint copy):
+        cdef shmq_array_meta *am = <shmq_array_meta *>(base + sizeof(shmq_record))
+        cdef uint32_t ndim = am.ndim, chars = am.dtype_chars
+        cdef uint64_t doff = am.data_offset, dbytes = am.data_bytes
+        if ndim > SHMQ_MAX_NDIM or chars == 0 or chars > SHMQ_MAX_DTYPE_CHARS:
+            self._corrupt(pos, f"ndim {ndim} / dtype_chars {chars} out of range")
+        if sizeof(shmq_array_meta) + 8 * ndim + chars > meta:
+            self._corrupt(pos, f"array metadata ({ndim} dims) overruns meta_bytes {meta}")
+        if doff % SHMQ_RECORD_ALIGN or doff < sizeof(shmq_record) + meta or doff > n or dbytes > n - doff:
+            self._corrupt(pos, f"data_offset {doff} / data_bytes {dbytes} outside the {n}-byte record")
+        cdef uint64_t *shape = <uint64_t *>(<uint8_t *>am + sizeof(shmq_array_meta))
+        cdef bytes code = (<char *>(shape + ndim))[:chars]
+        cdef cnp.dtype dt = _dtype_from_code(code, self, pos)
+        cdef cnp.npy_intp dims[32]
+        cdef uint64_t count = 1, d
+        cdef uint32_t i
+        cdef bint zero = False
+        for i in range(ndim):
+            d = shape[i]
+            if d > <uint64_t>0x7fffffffffffffff:
+                self._corrupt(pos, f"shape[{i}] = {d} overflows")
+            dims[i] = <cnp.npy_intp>d
+            if d == 0:
+                zero = True
+            elif not zero:
+                if count > dbytes // d + 1:
+                    self._corrupt(pos, "shape overflows data_bytes")
+                count *= d
+        if zero:
+            count = 0
+        if count * <uint64_t>dt.itemsize != dbytes:
+            self._corrupt(pos, f"shape x itemsize = {count * dt.itemsize} != data_bytes {dbytes}")
+        if not copy:
+            return self._view_array(base + doff, ndim, dims, dt)
+        Py_INCREF(dt)  # PyArray_Empty steals a reference
+        arr = PyArray_Empty(ndim, dims, <cnp.PyArray_Descr *>dt, 0)
+        _copy(cnp.PyArray_DATA(arr), base + doff, dbytes)
+        return arr
+
+    cdef object _decode_tree(self, uint64_t pos, uint8_t *base, uint64_t n, uint64_t meta,
+                             uint32_t nbuf, bint copy):
+        cdef shmq_tree_meta *tm = <shmq_tree_meta *>(base + sizeof(shmq_record))
+        cdef uint64_t poff = tm.pickle_offset, pbytes = tm.pickle_bytes
+        if (meta - sizeof(shmq_tree_meta)) // sizeof(shmq_buffer_entry) < nbuf or meta < sizeof(shmq_tree_meta):
+            self._corrupt(pos, f"{nbuf} buffer entries overrun meta_bytes {meta}")
+        if poff > n or pbytes > n - poff:
+            self._corrupt(pos, f"pickle_offset {poff} / pickle_bytes {pbytes} outside the record")
+        cdef shmq_buffer_entry *entries = <shmq_buffer_entry *>(<uint8_t *>tm + sizeof(shmq_tree_meta))
+        cdef list spans = []
+        cdef uint32_t i
+        cdef uint64_t off, nb
+        for i in range(nbuf):
+            off = entries[i].offset
+            nb = entries[i].nbytes
+            if off % SHMQ_RECORD_ALIGN or off > n or nb > n - off:
+                self._corrupt(pos, f"buffer {i} (offset {off}, {nb} bytes) outside the record")
+            spans.append((off, nb))
+        cdef cnp.npy_intp whole = n
+        if copy:
+            # One copy of the record into private memory; every array of the
+            # message then views that block.
+            block = cnp.PyArray_EMPTY(1, &whole, cnp.NPY_UINT8, 0)
+            _copy(cnp.PyArray_DATA(block), base, n)
+        else:
+            block = self._view_array(base, 1, &whole, np.dtype(np.uint8))
+        buffers = [block[o:o + b] for o, b in spans]
+        return pickle.loads(block[poff:poff + pbytes], buffers=buffers)
+
+    def get(self, object timeout):
+        """The next message, owned by the caller (copied out of the ring)."""
+        cdef uint64_t pos, n
+        self._next(timeout, &pos, &n)
+        try:
+            return self._decode(pos, n, True)
+        finally:
+            shmq_release(&self.r, pos, n)
+
+    def get_view(self, object timeout):
+        """The next message with arrays viewing ring memory; the record stays
+        held until release_view()."""
+        cdef uint64_t pos, n
+        self._next(timeout, &pos, &n)
+        try:
+            obj = self._decode(pos, n, False)
+        except BaseException:
+            shmq_release(&self.r, pos, n)
+            raise
+        self.view_open = True
+        self.view_pos = pos
+        self.view_bytes = n
+        return obj
+
+    def release_view(self):
+        if self.view_open:
+            self.view_open = False
+            shmq_release(&self.r, self.view_pos, self.view_bytes)
+
+    # --- lifetime ---------------------------------------------------------
+
+    def close(self):
+        """End this handle: drop any held record, close the slot.  The
+        mapping lives on while arrays still view it."""
+        if self.closed:
+            return
+        self.cancel_reserved()
+        self.release_view()
+        if self.r.slot >= 0:
+            shmq_slot_close(&self.r, self.r.slot)
+        self.closed = True
+
+    def reserve_child_slot(self):
+        """Before fork: take a slot for the child, owned by this pid and
+        marked PENDING until the child adopts it (see adopt_child_slot)."""
+        if self.closed:
+            return
+        self.child_slot = shmq_slot_acquire(&self.r, getpid(), 0,
+                                            SHMQ_SLOT_OPEN | SHMQ_SLOT_PENDING)
+
+    def forget_child_slot(self):
+        """In the parent after fork: the child owns the reserved slot now."""
+        self.child_slot = -1
+
+    def adopt_child_slot(self, uint32_t parent_pid):
+        """In the child after fork: take over the slot the parent reserved,
+        so the child counts as a potential producer from the instant it
+        exists.  Roles and held records stay with the parent."""
+        cdef uint64_t expect
+        if self.closed:
+            return
+        self.produced = self.consuming = self.view_open = self.reserve_open = False
+        cdef int32_t slot = self.child_slot
+        self.child_slot = -1
+        expect = (<uint64_t>parent_pid << 32) | SHMQ_SLOT_OPEN | SHMQ_SLOT_PENDING
+        if slot >= 0:
+            self.r.slots[slot].starttime = _own_starttime()
+            if shmq_slot_update(&self.r, slot, expect, (<uint64_t>getpid() << 32) | SHMQ_SLOT_OPEN):
+                self.r.slot = slot
+                return
+        self.r.slot = shmq_slot_acquire(&self.r, getpid(), _own_starttime(), SHMQ_SLOT_OPEN)
+        if self.r.slot < 0:
+            self.closed = True  # every slot taken: this child cannot use the queue
+
+
+cdef str _header_problem(str name, int bad, const shmq_header *h, uint64_t file_bytes):
+    field = _FIELD_NAMES.get(bad, "header")
+    if bad == SHMQ_FIELD_MAGIC:
+        detail = f"magic is {h.magic:#x}, expected {SHMQ_MAGIC:#x} (not a shmq ring, or its creator died while creating it)"
+    elif bad == SHMQ_FIELD_VERSION:
+        detail = f"layout version {h.version}, this shmq reads version {SHMQ_VERSION}; use the same shmq version on both sides"
+    elif bad == SHMQ_FIELD_FILE_SIZE:
+        detail = f"file is {file_bytes} bytes, header implies {h.data_offset + h.capacity_bytes}"
+    elif bad == SHMQ_FIELD_CAPACITY:
+        detail = f"capacity_bytes {h.capacity_bytes} is not a power of two in [{SHMQ_MIN_CAPACITY}, {SHMQ_MAX_CAPACITY}]"
+    else:
+        detail = "inconsistent with the rest of the header"
+    return f"cannot attach to {name!r}: field {field}: {detail}"

@@ -1,0 +1,278 @@
+"""``shmq.Queue``: the Python face of one ring.
+
+Roles.  A queue has one consumer (the first handle that calls ``get``) and
+one producer (``multi_producer=False``) or any number of producers.  Like
+the write end of a pipe, every open handle that is not the consumer counts
+as a potential producer: the creator, every ``attach()``, and every process
+forked while holding a handle.  The consumer sees ``Closed`` once the ring
+is drained and all of them have closed, or ``PeerLost`` if one died without
+closing.  Interpreter exit closes a process's handles; a kill does not.
+
+Ownership.  Only the process that created a queue unlinks its name, on
+``close()``, garbage collection or interpreter exit; forked children and
+attachers never do.  ``unlink()`` removes the name early, once every process
+that needs it has attached.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import warnings
+import weakref
+
+import numpy as np
+
+from shmq import _core, codec, segment
+from shmq.views import MessageView, Reservation
+
+__all__ = ["Queue"]
+
+_DEFAULT_CAPACITY = 64 << 20
+
+# Every open handle in this process, for the fork and exit hooks.
+_open_handles: "weakref.WeakSet[Queue]" = weakref.WeakSet()
+_open_lock = threading.Lock()
+
+
+def _capacity_for(capacity_bytes) -> int:
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+        raise TypeError(f"capacity_bytes must be an int, not {type(capacity_bytes).__name__}")
+    if capacity_bytes <= 0 or capacity_bytes > _core.MAX_CAPACITY:
+        raise ValueError(f"capacity_bytes must be in 1..{_core.MAX_CAPACITY}, got {capacity_bytes}")
+    # A power of two (index = pos & mask) and at least a page (the data
+    # region is mapped twice, page by page).
+    return max(_core.MIN_CAPACITY, 1 << (capacity_bytes - 1).bit_length())
+
+
+def _check_timeout(timeout):
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
+    if timeout != timeout or timeout < 0:
+        raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+    return timeout
+
+
+def _creation_site() -> str:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("shmq"):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame else "?"
+
+
+class Queue:
+    """A lock-free queue of numpy arrays (and trees of them) in one POSIX
+    shared-memory segment.
+
+    ``Queue(capacity_bytes, multi_producer)`` creates a ring; ``q.name``
+    identifies it and ``Queue.attach(name)`` opens it from any process.
+    ``capacity_bytes`` is rounded up to a power of two (at least 4096); the
+    largest message is about that size.  A handle is for one thread at a
+    time: attach again to use the queue from another thread.
+    """
+
+    __slots__ = ("_ring", "_name", "_creator_pid", "_pid", "_site", "__weakref__")
+
+    def __init__(self, capacity_bytes: int = _DEFAULT_CAPACITY, multi_producer: bool = False):
+        capacity = _capacity_for(capacity_bytes)
+        mpsc = bool(multi_producer)
+        name = segment.new_name()
+        fd = segment.create(name, _core.segment_bytes(capacity, mpsc))
+        try:
+            ring = _core.Ring.create(fd, capacity, mpsc, name)
+        except BaseException:
+            segment.unlink(name)
+            raise
+        finally:
+            os.close(fd)
+        self._setup(ring, name, creator_pid=os.getpid())
+
+    @classmethod
+    def attach(cls, name: str) -> "Queue":
+        """Open an existing queue by name, from any process."""
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, not {type(name).__name__}")
+        fd, size, head = segment.open_existing(name)
+        try:
+            ring = _core.Ring.attach(fd, size, head, name)
+        finally:
+            os.close(fd)
+        q = cls.__new__(cls)
+        q._setup(ring, name, creator_pid=None)
+        return q
+
+    def _setup(self, ring, name, creator_pid):
+        self._ring = ring
+        self._name = name
+        self._creator_pid = creator_pid
+        self._pid = os.getpid()
+        self._site = _creation_site()
+        with _open_lock:
+            _open_handles.add(self)
+
+    # --- data -------------------------------------------------------------
+
+    def put(self, obj, timeout: float | None = None) -> None:
+        """Copy ``obj`` into the ring (arrays once, never pickled).
+
+        ``obj`` is an array, or a tuple/list/dict tree of arrays and small
+        values (int, float, str, bytes, None...).  Blocks up to ``timeout``
+        seconds for room (None: until room, or the consumer is gone); raises
+        ``Full`` on timeout, ``Closed``/``PeerLost`` if the consumer closed or
+        died, ``MessageTooLarge`` if it can never fit, ``TypeError`` for
+        object arrays.  Non-contiguous arrays are copied contiguous first."""
+        timeout = _check_timeout(timeout)
+        if type(obj) is np.ndarray and obj.flags.c_contiguous and obj.ndim <= _core.MAX_NDIM:
+            dt = obj.dtype
+            if not dt.hasobject and dt.names is None and dt.subdtype is None and dt.itemsize:
+                self._ring.put_array(obj, timeout)
+                return
+        pickled, buffers = codec.encode(obj)
+        self._ring.put_tree(pickled, buffers, timeout)
+
+    def put_nowait(self, obj) -> None:
+        """``put(obj, timeout=0)``: raises ``Full`` at once if there is no room."""
+        self.put(obj, 0)
+
+    def get(self, timeout: float | None = None):
+        """Remove and return the next message, copied out of the ring (safe
+        to keep).  Raises ``Empty`` on timeout, ``Closed`` when every producer
+        closed and the ring is drained, ``PeerLost`` when producers died."""
+        return self._ring.get(_check_timeout(timeout))
+
+    def get_nowait(self):
+        """``get(timeout=0)``: raises ``Empty`` at once if nothing is there."""
+        return self._ring.get(0)
+
+    def get_view(self, timeout: float | None = None) -> MessageView:
+        """Zero-copy get: ``with q.get_view() as msg:``.  Arrays in ``msg``
+        view ring memory until the block ends; copy what you keep."""
+        return MessageView(self._ring, _check_timeout(timeout))
+
+    def reserve(self, shape, dtype, timeout: float | None = None) -> Reservation:
+        """Zero-copy put: ``with q.reserve((3, 64), np.float32) as arr:`` fill
+        ``arr`` in place; it is sent when the block ends (dropped if the block
+        raises)."""
+        if isinstance(shape, (int, np.integer)):
+            shape = (int(shape),)
+        shape = tuple(int(d) for d in shape)
+        return Reservation(self._ring, shape, np.dtype(dtype), _check_timeout(timeout))
+
+    # --- description --------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The segment name; pass it to ``Queue.attach``."""
+        return self._name
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._ring.capacity_bytes
+
+    @property
+    def multi_producer(self) -> bool:
+        return self._ring.multi_producer
+
+    @property
+    def closed(self) -> bool:
+        return self._ring.closed
+
+    def stats(self) -> dict:
+        """Shared counters: positions, bytes in use, closed/dead producers,
+        records dropped because their producer died mid-write."""
+        return self._ring.stats()
+
+    def __repr__(self):
+        state = "closed" if self.closed else "open"
+        kind = "multi-producer" if self.multi_producer else "single-producer"
+        return f"<shmq.Queue {self._name!r} {kind} {self.capacity_bytes} bytes {state}>"
+
+    # --- lifetime -------------------------------------------------------------
+
+    def close(self) -> None:
+        """End this handle.  A producer's close lets the consumer drain and
+        then see ``Closed``; the consumer's close makes producers' ``put``
+        raise ``Closed``.  The creating process also unlinks the name."""
+        self._ring.close()
+        with _open_lock:
+            _open_handles.discard(self)
+        if self._creator_pid == os.getpid():
+            self._creator_pid = None
+            segment.unlink(self._name)
+
+    def unlink(self) -> None:
+        """Remove the name from /dev/shm now.  Handles already open keep
+        working; ``attach`` by name no longer does.  Only the creator may."""
+        if self._creator_pid not in (None, os.getpid()):
+            raise PermissionError(
+                f"only the process that created {self._name!r} unlinks it (this is pid "
+                f"{os.getpid()}, a child or attacher)")
+        segment.unlink(self._name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        ring = getattr(self, "_ring", None)
+        if ring is None or ring.closed or self._pid != os.getpid():
+            return
+        warnings.warn(f"unclosed shmq.Queue {self._name!r} created at {self._site}",
+                      ResourceWarning, source=self)
+        self.close()
+
+    def __reduce__(self):
+        # Sending a queue to a spawned process attaches to it by name there.
+        return (Queue.attach, (self._name,))
+
+
+def _before_fork():
+    with _open_lock:
+        handles = list(_open_handles)
+    for q in handles:
+        q._ring.reserve_child_slot()
+
+
+def _after_fork_in_parent():
+    for q in list(_open_handles):
+        q._ring.forget_child_slot()
+
+
+def _after_fork_in_child():
+    global _open_lock
+    _open_lock = threading.Lock()  # a thread of the parent may have held it
+    parent = None
+    for q in list(_open_handles):
+        parent = q._pid
+        q._ring.adopt_child_slot(q._pid)
+        q._pid = os.getpid()
+        q._creator_pid = None  # the child never unlinks its parent's names
+    if parent is not None:
+        _close_at_multiprocessing_exit()
+
+
+def _close_at_multiprocessing_exit():
+    # multiprocessing children end with os._exit, which skips atexit; their
+    # exit path runs multiprocessing's finalizers instead.
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is not None:
+        mp_util.Finalize(None, _close_all, exitpriority=0)
+
+
+def _close_all():
+    for q in list(_open_handles):
+        try:
+            q.close()
+        except Exception:
+            pass  # interpreter teardown: nothing useful to do with an error
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
+atexit.register(_close_all)

@@ -1,0 +1,802 @@
+/*
+ * shmq_ring.h — the shared-memory ring: memory layout and algorithm.
+ *
+ * This header is the single authority for the layout of a shmq segment.  It
+ * has no Python dependency; a C program can include it, map a segment the way
+ * shmq_map_layout() describes, and speak the protocol.  _ring.pxd mirrors the
+ * declarations Cython needs and MUST MATCH this file (tests/test_layout.py
+ * checks the offsets from both sides).
+ *
+ * ---------------------------------------------------------------------------
+ * Segment (one POSIX shm object, name "/shmq-<pid>-<token>")
+ * ---------------------------------------------------------------------------
+ *
+ *   offset 0                     shmq_header            (4 cache lines + pad)
+ *   slots_offset                 shmq_slot[max_attach]  (one cache line each)
+ *   avail_offset                 uint32_t[capacity/64]  (MPSC only, else empty)
+ *   data_offset (page aligned)   data[capacity_bytes]   (capacity = 2^k >= page)
+ *
+ * Every process maps the data region TWICE, back to back, right after the
+ * header pages:  [header|slots|avail][data][data again].  A record that runs
+ * past the end of the ring therefore stays contiguous in virtual memory, so a
+ * record never wraps, a numpy view of it is one plain array, and the whole
+ * capacity is usable by a single message.
+ *
+ * Positions (head_pos, tail_pos, a record's pos) are monotonic byte counters
+ * that never wrap in practice (2^64 bytes); the byte index is pos & (cap-1).
+ *
+ * ---------------------------------------------------------------------------
+ * Records
+ * ---------------------------------------------------------------------------
+ * A record starts at a position that is a multiple of SHMQ_RECORD_ALIGN (64),
+ * so array data inside it is 64-byte aligned and two records never share a
+ * cache line.  Layout of a record (shmq_record, then kind-specific metadata,
+ * then payload at 64-aligned offsets):
+ *
+ *   0   u64 record_bytes   total length incl. this header, multiple of 64
+ *   8   u32 kind           SHMQ_KIND_ARRAY / _TREE / _SKIP
+ *   12  u32 nbuffers       number of entries in the buffer table
+ *   16  u64 meta_bytes     bytes of kind-specific metadata after this header
+ *   24  u32 producer_pid   informational (error messages)
+ *   28  u32 reserved
+ *   32  metadata ...
+ *
+ * The consumer validates every field against the ring before it trusts it
+ * (see shmq_peek and the Cython decoder); a hostile or corrupt segment gives
+ * SHMQ_CORRUPT, never an out-of-bounds read.
+ *
+ * ---------------------------------------------------------------------------
+ * Publication
+ * ---------------------------------------------------------------------------
+ * SPSC (Lamport): the producer writes the record, then release-stores
+ *   tail_pos.  The consumer acquire-loads tail_pos; everything below it is
+ *   published.  Each side caches the other's position and reloads it only
+ *   when its cached copy says full/empty.
+ *
+ * MPSC: tail_pos is the CLAIM position.  A producer first writes
+ *   (claim_pos, claim_bytes) into its attachment slot, then CASes tail_pos
+ *   from t to t+n.  It owns [t, t+n), writes the record, and publishes it by
+ *   release-storing lap_tag(t) into avail[(t & mask) / 64].
+ *   Why a separate avail array instead of a commit word inside the record:
+ *   until a claimed record is published, its first bytes hold whatever the
+ *   previous lap left there (often array data), which a consumer could
+ *   mistake for a commit word.  avail[] is written only with lap tags, and a
+ *   tag from an earlier lap can never equal the current one, so an
+ *   unpublished record is recognised exactly.  (LMAX Disruptor's
+ *   availableBuffer is the same idea.)
+ *
+ * A producer that dies between claim and publish leaves an unpublished
+ * record at some position.  When the consumer's head reaches it, it looks up
+ * every slot whose claim_pos equals head: if all of them belong to dead
+ * processes and agree on claim_bytes, the record is abandoned and skipped
+ * (shmq_resolve_pending); otherwise it keeps waiting.  Nothing here is a
+ * lock: no process ever waits for a dead one.
+ *
+ * ---------------------------------------------------------------------------
+ * Attachment slots and end of stream
+ * ---------------------------------------------------------------------------
+ * Every handle (the creator, each attach(), each forked child that inherits
+ * a handle) owns one slot.  slot.owner packs (pid << 32) | flags and changes
+ * only by CAS.  Like the write end of a pipe, every OPEN slot that is not a
+ * pure consumer is a potential producer.  The consumer sees end of stream
+ * when the ring is empty, no potential producer is alive and open, and at
+ * least one has finished: SHMQ_PEERS_CLOSED if all finished by closing,
+ * SHMQ_PEERS_LOST if any died without closing (shmq_writers_status).
+ *
+ * ---------------------------------------------------------------------------
+ * Waiting
+ * ---------------------------------------------------------------------------
+ * A waiter spins briefly, then sleeps on a futex word in the header
+ * (data_seq for the consumer, space_seq for producers) for at most one
+ * slice.  The caller re-checks signals, closed flags and peer liveness
+ * between slices, so no wait is unbounded.  Wake-ups use an eventcount:
+ * the waiter announces itself (consumer_waiting / producers_waiting), issues
+ * a full fence, re-checks the condition and only then sleeps; the other
+ * side publishes, issues a full fence and bumps + wakes only when someone
+ * announced.  The two fences make "publish, then look for waiters" and
+ * "announce, then look for data" impossible to interleave into a lost
+ * wake-up.
+ *
+ * All shared fields are accessed with GCC/Clang __atomic builtins on plain
+ * integers (the memory order is named at each access).
+ */
+#ifndef SHMQ_RING_H
+#define SHMQ_RING_H
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define SHMQ_MAGIC 0x474e4952514d4853ULL /* "SHMQRING" read as little-endian */
+#define SHMQ_VERSION 1u
+#define SHMQ_CACHELINE 64u
+#define SHMQ_RECORD_ALIGN 64u
+#define SHMQ_PAGE 4096u
+#define SHMQ_MIN_CAPACITY SHMQ_PAGE
+#define SHMQ_MAX_CAPACITY (1ULL << 40)
+#define SHMQ_MAX_ATTACH 256u
+#define SHMQ_MAX_NDIM 32u
+#define SHMQ_MAX_DTYPE_CHARS 32u
+/* A reserved slot for a forked child that never adopted it (the child died
+ * before running its fork hook) stops counting after this long. */
+#define SHMQ_PENDING_CHILD_NS 5000000000ULL
+
+/* header.flags */
+#define SHMQ_FLAG_MPSC 1u
+
+/* record kinds */
+#define SHMQ_KIND_ARRAY 1u /* one ndarray: shmq_array_meta                 */
+#define SHMQ_KIND_TREE 2u  /* pickle-5 stream + out-of-band buffer table   */
+#define SHMQ_KIND_SKIP 3u  /* cancelled reservation: consumer drops it      */
+
+/* slot.owner low 32 bits */
+#define SHMQ_SLOT_FREE 0u
+#define SHMQ_SLOT_OPEN 1u
+#define SHMQ_SLOT_CLOSED 2u
+#define SHMQ_SLOT_GONE 3u          /* died without closing, noticed       */
+#define SHMQ_SLOT_STATE_MASK 0xfu
+#define SHMQ_SLOT_PRODUCED 0x10u   /* has published at least one record    */
+#define SHMQ_SLOT_CONSUMER 0x20u   /* is the queue's consumer               */
+#define SHMQ_SLOT_PENDING 0x40u    /* reserved by pid for a child being forked */
+
+/* status codes returned by the functions below */
+#define SHMQ_OK 0
+#define SHMQ_EMPTY 1    /* nothing published at head                       */
+#define SHMQ_FULL 2     /* not enough free space                           */
+#define SHMQ_PENDING 3  /* MPSC: head is claimed but not yet published     */
+#define SHMQ_TIMEOUT 4  /* wait slice over                                 */
+#define SHMQ_CORRUPT 5  /* a field fails validation; *bad_field says which */
+#define SHMQ_NO_SLOT 6  /* all attachment slots are taken by live handles  */
+
+/* peer status (distinct from the codes above so one function can map
+ * every code to an exception) */
+#define SHMQ_PEERS_OPEN 0    /* someone may still act: keep waiting         */
+#define SHMQ_PEERS_CLOSED 10 /* every peer finished by closing              */
+#define SHMQ_PEERS_LOST 11   /* a peer died without closing                 */
+
+/* which field failed validation (for messages naming the field) */
+#define SHMQ_FIELD_NONE 0
+#define SHMQ_FIELD_MAGIC 1
+#define SHMQ_FIELD_VERSION 2
+#define SHMQ_FIELD_FLAGS 3
+#define SHMQ_FIELD_CAPACITY 4
+#define SHMQ_FIELD_OFFSETS 5
+#define SHMQ_FIELD_FILE_SIZE 6
+#define SHMQ_FIELD_POSITIONS 7
+#define SHMQ_FIELD_RECORD_BYTES 8
+#define SHMQ_FIELD_MAX_ATTACH 9
+#define SHMQ_FIELD_ROLE_SLOT 10
+
+#if defined(__x86_64__) || defined(__i386__)
+#define SHMQ_CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define SHMQ_CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define SHMQ_CPU_RELAX() ((void)0)
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Shared structures                                                         */
+/* ------------------------------------------------------------------------ */
+
+typedef struct shmq_slot {
+    uint64_t owner;        /* (pid << 32) | state | flags.  CAS only.              */
+    uint64_t starttime;    /* /proc/<pid>/stat field 22; guards against pid reuse;
+                              0 while unknown (then pid alone decides)              */
+    uint64_t claim_pos;    /* MPSC: position being claimed; written by the owner
+                              before its CAS on tail_pos (relaxed, ordered by CAS) */
+    uint64_t claim_bytes;  /* size of that claim; 0 once published                */
+    uint64_t pending_since_ns; /* CLOCK_MONOTONIC when reserved for a fork child  */
+    uint8_t _pad[SHMQ_CACHELINE - 40];
+} shmq_slot;
+
+typedef struct shmq_header {
+    /* line 0: constants.  Written once by the creator; magic last (release). */
+    uint64_t magic;
+    uint32_t version;
+    uint32_t flags;             /* SHMQ_FLAG_*                                  */
+    uint64_t capacity_bytes;    /* power of two, SHMQ_MIN..MAX_CAPACITY         */
+    uint64_t data_offset;       /* page aligned                                  */
+    uint64_t slots_offset;
+    uint64_t avail_offset;
+    uint32_t max_attach;
+    uint32_t creator_pid;
+    uint64_t creator_starttime;
+
+    /* line 1: written by producers only. */
+    uint64_t tail_pos;          /* SPSC: published end; MPSC: claimed end       */
+    uint8_t _pad1[SHMQ_CACHELINE - 8];
+
+    /* line 2: written by the consumer only. */
+    uint64_t head_pos;          /* everything below is consumed and free         */
+    uint8_t _pad2[SHMQ_CACHELINE - 8];
+
+    /* line 3: wake-ups.  Futex words are 32 bit. */
+    uint32_t data_seq;          /* bumped by producers when consumer_waiting    */
+    uint32_t consumer_waiting;  /* 0/1, written by the consumer                  */
+    uint32_t space_seq;         /* bumped by the consumer when producers_waiting */
+    uint32_t producers_waiting; /* count of producers announcing a wait          */
+    uint8_t _pad3[SHMQ_CACHELINE - 16];
+
+    /* line 4: control, rarely written. */
+    int32_t consumer_slot;      /* slot index of the consumer, -1 none yet       */
+    int32_t producer_slot;      /* SPSC: slot index of the producer, -1 none yet */
+    uint32_t closed_writers;    /* potential producers that closed               */
+    uint32_t gone_writers;      /* potential producers that died unclosed        */
+    uint32_t skipped_records;   /* abandoned records the consumer dropped        */
+    uint8_t _pad4[SHMQ_CACHELINE - 20];
+} shmq_header;
+
+typedef struct shmq_record {
+    uint64_t record_bytes;
+    uint32_t kind;
+    uint32_t nbuffers;
+    uint64_t meta_bytes;
+    uint32_t producer_pid;
+    uint32_t reserved;
+} shmq_record;
+
+/* SHMQ_KIND_ARRAY metadata, followed by shape[ndim] (u64) and the dtype
+ * string (numpy dtype.str, e.g. "<f8"), then padding; data at data_offset. */
+typedef struct shmq_array_meta {
+    uint32_t ndim;
+    uint32_t dtype_chars;
+    uint64_t data_offset;  /* from record start, multiple of 64 */
+    uint64_t data_bytes;
+} shmq_array_meta;
+
+/* SHMQ_KIND_TREE metadata: the pickle stream, then nbuffers of these. */
+typedef struct shmq_tree_meta {
+    uint64_t pickle_offset;
+    uint64_t pickle_bytes;
+} shmq_tree_meta;
+
+typedef struct shmq_buffer_entry {
+    uint64_t offset;       /* from record start, multiple of 64 */
+    uint64_t nbytes;
+} shmq_buffer_entry;
+
+_Static_assert(sizeof(shmq_slot) == SHMQ_CACHELINE, "slot is one cache line");
+_Static_assert(offsetof(shmq_header, tail_pos) == 1 * SHMQ_CACHELINE, "tail line");
+_Static_assert(offsetof(shmq_header, head_pos) == 2 * SHMQ_CACHELINE, "head line");
+_Static_assert(offsetof(shmq_header, data_seq) == 3 * SHMQ_CACHELINE, "wake line");
+_Static_assert(offsetof(shmq_header, consumer_slot) == 4 * SHMQ_CACHELINE, "control line");
+_Static_assert(sizeof(shmq_header) == 5 * SHMQ_CACHELINE, "header size");
+_Static_assert(sizeof(shmq_record) == 32, "record header");
+_Static_assert(sizeof(shmq_array_meta) == 24, "array meta");
+_Static_assert(sizeof(shmq_tree_meta) == 16, "tree meta");
+_Static_assert(sizeof(shmq_buffer_entry) == 16, "buffer entry");
+
+/* ------------------------------------------------------------------------ */
+/* Process-local handle (not shared)                                        */
+/* ------------------------------------------------------------------------ */
+
+typedef struct shmq_ring {
+    shmq_header *hdr;
+    shmq_slot *slots;
+    uint32_t *avail;       /* NULL for SPSC */
+    uint8_t *data;         /* first of the two consecutive data mappings */
+    uint64_t capacity;
+    uint64_t mask;
+    unsigned cap_shift;    /* log2(capacity) */
+    int mpsc;
+    int32_t slot;          /* this handle's slot, -1 none */
+    uint64_t cached_head;  /* producer side: last head_pos seen */
+    uint64_t cached_tail;  /* consumer side: last tail_pos seen */
+} shmq_ring;
+
+static inline uint64_t shmq_align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
+
+static inline uint64_t shmq_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* Offsets of each region for a ring of this shape; the segment is
+ * data_offset + capacity bytes long. */
+static inline void shmq_layout(uint64_t capacity, int mpsc, uint32_t max_attach,
+                               uint64_t *slots_offset, uint64_t *avail_offset,
+                               uint64_t *data_offset) {
+    uint64_t slots = shmq_align_up(sizeof(shmq_header), SHMQ_CACHELINE);
+    uint64_t avail = slots + (uint64_t)max_attach * sizeof(shmq_slot);
+    uint64_t avail_bytes = mpsc ? (capacity / SHMQ_RECORD_ALIGN) * sizeof(uint32_t) : 0;
+    *slots_offset = slots;
+    *avail_offset = avail;
+    *data_offset = shmq_align_up(avail + avail_bytes, SHMQ_PAGE);
+}
+
+static inline int shmq_is_pow2(uint64_t x) { return x && !(x & (x - 1)); }
+
+static inline unsigned shmq_log2(uint64_t x) {
+    unsigned s = 0;
+    while ((1ULL << s) < x) s++;
+    return s;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Process liveness (Linux /proc)                                            */
+/* ------------------------------------------------------------------------ */
+
+/* Start time (clock ticks since boot) of a live, non-zombie process, or 0 if
+ * there is no such process.  A zombie counts as dead: a SIGKILLed child that
+ * its parent has not reaped yet must not keep a queue open. */
+static inline uint64_t shmq_proc_starttime(uint32_t pid) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%u/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    /* comm may hold spaces and ')' : fields resume after the LAST ')' */
+    char *p = strrchr(buf, ')');
+    if (!p || p[1] != ' ') return 0;
+    p += 2;
+    char state = *p;
+    if (state == 'Z' || state == 'X' || state == 'x') return 0;
+    /* p points at field 3; starttime is field 22 */
+    for (int field = 3; field < 22; field++) {
+        p = strchr(p, ' ');
+        if (!p) return 0;
+        p++;
+    }
+    uint64_t st = strtoull(p, NULL, 10);
+    return st ? st : 1; /* a live process never reports 0 */
+}
+
+static inline int shmq_owner_alive(const shmq_slot *s, uint64_t owner) {
+    uint32_t pid = (uint32_t)(owner >> 32);
+    if (owner & SHMQ_SLOT_PENDING) {
+        /* Reserved by a parent for a child that has not adopted it yet. */
+        uint64_t since = __atomic_load_n(&s->pending_since_ns, __ATOMIC_RELAXED);
+        if (shmq_now_ns() - since > SHMQ_PENDING_CHILD_NS) return 0;
+        return shmq_proc_starttime(pid) != 0;
+    }
+    uint64_t want = __atomic_load_n(&s->starttime, __ATOMIC_RELAXED);
+    uint64_t have = shmq_proc_starttime(pid);
+    if (!have) return 0;
+    return want == 0 || want == have;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Creation, validation, binding                                             */
+/* ------------------------------------------------------------------------ */
+
+/* Initialise a zero-filled segment.  Magic is stored last with release
+ * order, so an attacher that sees the magic sees every other constant. */
+static inline void shmq_init(void *base, uint64_t capacity, int mpsc, uint32_t creator_pid,
+                             uint64_t creator_starttime) {
+    shmq_header *h = (shmq_header *)base;
+    uint64_t so, ao, dof;
+    shmq_layout(capacity, mpsc, SHMQ_MAX_ATTACH, &so, &ao, &dof);
+    h->version = SHMQ_VERSION;
+    h->flags = mpsc ? SHMQ_FLAG_MPSC : 0;
+    h->capacity_bytes = capacity;
+    h->data_offset = dof;
+    h->slots_offset = so;
+    h->avail_offset = ao;
+    h->max_attach = SHMQ_MAX_ATTACH;
+    h->creator_pid = creator_pid;
+    h->creator_starttime = creator_starttime;
+    h->consumer_slot = -1;
+    h->producer_slot = -1;
+    __atomic_store_n(&h->magic, SHMQ_MAGIC, __ATOMIC_RELEASE);
+}
+
+/* Check a mapped header against the file it came from.  Returns SHMQ_OK or
+ * SHMQ_CORRUPT with *bad_field set.  Reads only the first
+ * sizeof(shmq_header) bytes, which the caller has mapped after checking the
+ * file is at least that long. */
+static inline int shmq_validate(const void *base, uint64_t file_bytes, int *bad_field) {
+    const shmq_header *h = (const shmq_header *)base;
+    uint64_t so, ao, dof;
+    *bad_field = SHMQ_FIELD_NONE;
+    if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SHMQ_MAGIC) { *bad_field = SHMQ_FIELD_MAGIC; return SHMQ_CORRUPT; }
+    if (h->version != SHMQ_VERSION) { *bad_field = SHMQ_FIELD_VERSION; return SHMQ_CORRUPT; }
+    if (h->flags & ~SHMQ_FLAG_MPSC) { *bad_field = SHMQ_FIELD_FLAGS; return SHMQ_CORRUPT; }
+    if (!shmq_is_pow2(h->capacity_bytes) || h->capacity_bytes < SHMQ_MIN_CAPACITY ||
+        h->capacity_bytes > SHMQ_MAX_CAPACITY) { *bad_field = SHMQ_FIELD_CAPACITY; return SHMQ_CORRUPT; }
+    if (h->max_attach != SHMQ_MAX_ATTACH) { *bad_field = SHMQ_FIELD_MAX_ATTACH; return SHMQ_CORRUPT; }
+    shmq_layout(h->capacity_bytes, (h->flags & SHMQ_FLAG_MPSC) != 0, h->max_attach, &so, &ao, &dof);
+    if (h->slots_offset != so || h->avail_offset != ao || h->data_offset != dof) {
+        *bad_field = SHMQ_FIELD_OFFSETS; return SHMQ_CORRUPT;
+    }
+    if (file_bytes != dof + h->capacity_bytes) { *bad_field = SHMQ_FIELD_FILE_SIZE; return SHMQ_CORRUPT; }
+    uint64_t head = __atomic_load_n(&h->head_pos, __ATOMIC_ACQUIRE);
+    uint64_t tail = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
+    if (tail < head || tail - head > h->capacity_bytes || (head & (SHMQ_RECORD_ALIGN - 1))) {
+        *bad_field = SHMQ_FIELD_POSITIONS; return SHMQ_CORRUPT;
+    }
+    int32_t c = __atomic_load_n(&h->consumer_slot, __ATOMIC_ACQUIRE);
+    int32_t p = __atomic_load_n(&h->producer_slot, __ATOMIC_ACQUIRE);
+    if (c < -1 || c >= (int32_t)h->max_attach || p < -1 || p >= (int32_t)h->max_attach) {
+        *bad_field = SHMQ_FIELD_ROLE_SLOT; return SHMQ_CORRUPT;
+    }
+    return SHMQ_OK;
+}
+
+/* Fill a local handle.  base is the start of the mapping; the data region
+ * must be mapped twice, at base + data_offset and right after it. */
+static inline void shmq_bind(shmq_ring *r, void *base) {
+    shmq_header *h = (shmq_header *)base;
+    r->hdr = h;
+    r->slots = (shmq_slot *)((uint8_t *)base + h->slots_offset);
+    r->mpsc = (h->flags & SHMQ_FLAG_MPSC) != 0;
+    r->avail = r->mpsc ? (uint32_t *)((uint8_t *)base + h->avail_offset) : NULL;
+    r->data = (uint8_t *)base + h->data_offset;
+    r->capacity = h->capacity_bytes;
+    r->mask = h->capacity_bytes - 1;
+    r->cap_shift = shmq_log2(h->capacity_bytes);
+    r->slot = -1;
+    r->cached_head = __atomic_load_n(&h->head_pos, __ATOMIC_ACQUIRE);
+    r->cached_tail = r->cached_head;
+}
+
+static inline uint8_t *shmq_at(const shmq_ring *r, uint64_t pos) { return r->data + (pos & r->mask); }
+
+/* ------------------------------------------------------------------------ */
+/* Attachment slots                                                          */
+/* ------------------------------------------------------------------------ */
+
+/* A slot may be taken over when it is free, closed, or its owner is dead and
+ * holds no claim the consumer has not yet passed. */
+static inline int shmq_slot_reusable(const shmq_ring *r, const shmq_slot *s, uint64_t owner) {
+    uint32_t st = (uint32_t)owner & SHMQ_SLOT_STATE_MASK;
+    if (st == SHMQ_SLOT_FREE || st == SHMQ_SLOT_CLOSED) return 1;
+    if (st == SHMQ_SLOT_OPEN && shmq_owner_alive(s, owner)) return 0;
+    /* OPEN but dead, or GONE: its claim must be resolved (head past it). */
+    uint64_t cb = __atomic_load_n(&s->claim_bytes, __ATOMIC_RELAXED);
+    uint64_t cp = __atomic_load_n(&s->claim_pos, __ATOMIC_RELAXED);
+    uint64_t head = __atomic_load_n(&r->hdr->head_pos, __ATOMIC_ACQUIRE);
+    return cb == 0 || head > cp;
+}
+
+/* Take a slot for (pid, flags).  Returns the slot index or -1 if every slot
+ * is held by a live handle. */
+static inline int32_t shmq_slot_acquire(shmq_ring *r, uint32_t pid, uint64_t starttime,
+                                        uint32_t flags) {
+    uint32_t n = r->hdr->max_attach;
+    for (uint32_t i = 0; i < n; i++) {
+        shmq_slot *s = &r->slots[i];
+        uint64_t old = __atomic_load_n(&s->owner, __ATOMIC_ACQUIRE);
+        if (!shmq_slot_reusable(r, s, old)) continue;
+        /* A dead-but-OPEN owner is first retired as GONE so it is counted. */
+        uint32_t st = (uint32_t)old & SHMQ_SLOT_STATE_MASK;
+        uint64_t mine = ((uint64_t)pid << 32) | flags;
+        if (!__atomic_compare_exchange_n(&s->owner, &old, mine, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+            continue;
+        if (st == SHMQ_SLOT_OPEN && !((uint32_t)old & SHMQ_SLOT_CONSUMER))
+            __atomic_fetch_add(&r->hdr->gone_writers, 1, __ATOMIC_RELAXED);
+        __atomic_store_n(&s->claim_bytes, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&s->pending_since_ns, (flags & SHMQ_SLOT_PENDING) ? shmq_now_ns() : 0,
+                         __ATOMIC_RELAXED);
+        __atomic_store_n(&s->starttime, starttime, __ATOMIC_RELEASE);
+        return (int32_t)i;
+    }
+    return -1;
+}
+
+/* Replace the owner of a slot this handle holds (used for set/clear of
+ * flags and for a child adopting a slot its parent reserved).  Returns 1 if
+ * the slot was still in the expected state. */
+static inline int shmq_slot_update(shmq_ring *r, int32_t i, uint64_t expect, uint64_t desired) {
+    return __atomic_compare_exchange_n(&r->slots[i].owner, &expect, desired, 0, __ATOMIC_ACQ_REL,
+                                       __ATOMIC_RELAXED);
+}
+
+static inline uint64_t shmq_slot_owner(const shmq_ring *r, int32_t i) {
+    return __atomic_load_n(&r->slots[i].owner, __ATOMIC_ACQUIRE);
+}
+
+static inline int shmq_is_writer(uint64_t owner) {
+    /* A pure consumer is not a potential producer; one that also wrote is. */
+    return !(owner & SHMQ_SLOT_CONSUMER) || (owner & SHMQ_SLOT_PRODUCED);
+}
+
+/* Close this handle's slot.  Counts it as a closed writer when it was a
+ * potential producer. */
+static inline void shmq_slot_close(shmq_ring *r, int32_t i) {
+    uint64_t old = shmq_slot_owner(r, i);
+    for (;;) {
+        if (((uint32_t)old & SHMQ_SLOT_STATE_MASK) != SHMQ_SLOT_OPEN) return;
+        uint64_t closed = (old & ~(uint64_t)SHMQ_SLOT_STATE_MASK & ~(uint64_t)SHMQ_SLOT_PENDING) |
+                          SHMQ_SLOT_CLOSED;
+        if (__atomic_compare_exchange_n(&r->slots[i].owner, &old, closed, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+            break;
+    }
+    if (shmq_is_writer(old)) __atomic_fetch_add(&r->hdr->closed_writers, 1, __ATOMIC_RELEASE);
+    /* Wake everyone: they re-check peers on wake-up. */
+    __atomic_fetch_add(&r->hdr->data_seq, 1, __ATOMIC_SEQ_CST);
+    __atomic_fetch_add(&r->hdr->space_seq, 1, __ATOMIC_SEQ_CST);
+    syscall(SYS_futex, &r->hdr->data_seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    syscall(SYS_futex, &r->hdr->space_seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* If this OPEN owner is dead, retire it as GONE (once, by CAS) and count it. */
+static inline int shmq_retire_if_dead(shmq_ring *r, uint32_t i, uint64_t owner) {
+    if (shmq_owner_alive(&r->slots[i], owner)) return 0;
+    uint64_t gone = (owner & ~(uint64_t)SHMQ_SLOT_STATE_MASK) | SHMQ_SLOT_GONE;
+    if (__atomic_compare_exchange_n(&r->slots[i].owner, &owner, gone, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_RELAXED) && shmq_is_writer(owner))
+        __atomic_fetch_add(&r->hdr->gone_writers, 1, __ATOMIC_RELEASE);
+    return 1;
+}
+
+/* Called by the consumer while the ring is empty: may anyone still write? */
+static inline int shmq_writers_status(shmq_ring *r) {
+    shmq_header *h = r->hdr;
+    for (uint32_t i = 0; i < h->max_attach; i++) {
+        uint64_t o = __atomic_load_n(&r->slots[i].owner, __ATOMIC_ACQUIRE);
+        if (((uint32_t)o & SHMQ_SLOT_STATE_MASK) != SHMQ_SLOT_OPEN || !shmq_is_writer(o)) continue;
+        if (!shmq_retire_if_dead(r, i, o)) return SHMQ_PEERS_OPEN;
+    }
+    uint32_t gone = __atomic_load_n(&h->gone_writers, __ATOMIC_ACQUIRE);
+    uint32_t closed = __atomic_load_n(&h->closed_writers, __ATOMIC_ACQUIRE);
+    if (gone) return SHMQ_PEERS_LOST;
+    if (closed) return SHMQ_PEERS_CLOSED;
+    return SHMQ_PEERS_OPEN; /* nobody has attached to write yet: wait for one */
+}
+
+/* Called by a producer while the ring is full: can anyone still read?  With
+ * no consumer registered yet the answer is "keep waiting". */
+static inline int shmq_reader_status(shmq_ring *r) {
+    int32_t c = __atomic_load_n(&r->hdr->consumer_slot, __ATOMIC_ACQUIRE);
+    if (c < 0 || c >= (int32_t)r->hdr->max_attach) return SHMQ_PEERS_OPEN;
+    uint64_t o = __atomic_load_n(&r->slots[c].owner, __ATOMIC_ACQUIRE);
+    uint32_t st = (uint32_t)o & SHMQ_SLOT_STATE_MASK;
+    if (!(o & SHMQ_SLOT_CONSUMER)) return SHMQ_PEERS_OPEN; /* slot changing hands */
+    if (st == SHMQ_SLOT_CLOSED) return SHMQ_PEERS_CLOSED;
+    if (st == SHMQ_SLOT_GONE) return SHMQ_PEERS_LOST;
+    if (st == SHMQ_SLOT_OPEN && shmq_retire_if_dead(r, (uint32_t)c, o)) return SHMQ_PEERS_LOST;
+    return SHMQ_PEERS_OPEN;
+}
+
+/* Make slot `i` the holder of an exclusive role: the consumer
+ * (role_slot = &hdr->consumer_slot, flag SHMQ_SLOT_CONSUMER) or the one
+ * producer of an SPSC ring (&hdr->producer_slot, SHMQ_SLOT_PRODUCED).
+ * Returns -1 on success, or the pid of the handle that holds the role.  A
+ * dead holder is replaced; a holder that closed is replaced only when
+ * replace_closed is set: a consumer that closed told producers the stream
+ * ended, so the consumer role is not handed on. */
+static inline int64_t shmq_take_role(shmq_ring *r, int32_t *role_slot, int32_t i, uint64_t flag,
+                                     int replace_closed) {
+    for (;;) {
+        int32_t c = __atomic_load_n(role_slot, __ATOMIC_ACQUIRE);
+        if (c == i) break;
+        if (c >= 0) {
+            uint64_t o = __atomic_load_n(&r->slots[c].owner, __ATOMIC_ACQUIRE);
+            uint32_t st = (uint32_t)o & SHMQ_SLOT_STATE_MASK;
+            if (o & flag) {
+                if (st == SHMQ_SLOT_OPEN && !shmq_retire_if_dead(r, (uint32_t)c, o)) return (int64_t)(o >> 32);
+                if (st == SHMQ_SLOT_CLOSED && !replace_closed) return (int64_t)(o >> 32);
+            }
+        }
+        if (__atomic_compare_exchange_n(role_slot, &c, i, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) break;
+    }
+    for (;;) {
+        uint64_t o = shmq_slot_owner(r, i);
+        if (shmq_slot_update(r, i, o, o | flag)) break;
+    }
+    r->cached_tail = __atomic_load_n(&r->hdr->tail_pos, __ATOMIC_ACQUIRE);
+    r->cached_head = __atomic_load_n(&r->hdr->head_pos, __ATOMIC_ACQUIRE);
+    return -1;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Producer                                                                  */
+/* ------------------------------------------------------------------------ */
+
+static inline int shmq_has_space(shmq_ring *r, uint64_t tail, uint64_t need) {
+    if (tail + need - r->cached_head <= r->capacity) return 1;
+    r->cached_head = __atomic_load_n(&r->hdr->head_pos, __ATOMIC_ACQUIRE);
+    return tail + need - r->cached_head <= r->capacity;
+}
+
+/* Claim `need` bytes (a multiple of 64, <= capacity).  On SHMQ_OK, *pos is
+ * where the record goes; the caller fills [*pos, *pos+need) via shmq_at()
+ * and then calls shmq_publish. */
+static inline int shmq_claim(shmq_ring *r, uint64_t need, uint64_t *pos) {
+    shmq_header *h = r->hdr;
+    if (!r->mpsc) {
+        /* Single producer: tail_pos is ours.  Acquire, not relaxed, because
+         * the role may have been handed over by a producer that closed. */
+        uint64_t t = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
+        if (!shmq_has_space(r, t, need)) return SHMQ_FULL;
+        *pos = t;
+        return SHMQ_OK;
+    }
+    shmq_slot *s = &r->slots[r->slot];
+    uint64_t t = __atomic_load_n(&h->tail_pos, __ATOMIC_RELAXED);
+    for (;;) {
+        if (!shmq_has_space(r, t, need)) return SHMQ_FULL;
+        /* Announce the claim before making it, so that if this process dies
+         * right after the CAS the consumer can find and skip the record.  The
+         * CAS (seq_cst) orders these stores before the new tail is visible. */
+        __atomic_store_n(&s->claim_pos, t, __ATOMIC_RELAXED);
+        __atomic_store_n(&s->claim_bytes, need, __ATOMIC_RELAXED);
+        if (__atomic_compare_exchange_n(&h->tail_pos, &t, t + need, 1, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
+            break;
+        /* t now holds the current tail; retry */
+    }
+    *pos = t;
+    return SHMQ_OK;
+}
+
+static inline uint32_t shmq_lap_tag(const shmq_ring *r, uint64_t pos) {
+    /* +1 so that the zero-filled initial array never matches lap 0 */
+    return (uint32_t)(pos >> r->cap_shift) + 1u;
+}
+
+static inline void shmq_wake_consumer(shmq_ring *r) {
+    shmq_header *h = r->hdr;
+    /* Pairs with the fence in shmq_wait_readable: see "Waiting" above. */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&h->consumer_waiting, __ATOMIC_RELAXED)) {
+        __atomic_fetch_add(&h->data_seq, 1, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, &h->data_seq, FUTEX_WAKE, 1, NULL, NULL, 0);
+    }
+}
+
+/* Make the record at pos visible.  The record header must be complete. */
+static inline void shmq_publish(shmq_ring *r, uint64_t pos, uint64_t need) {
+    if (!r->mpsc) {
+        __atomic_store_n(&r->hdr->tail_pos, pos + need, __ATOMIC_RELEASE);
+    } else {
+        __atomic_store_n(&r->avail[(pos & r->mask) / SHMQ_RECORD_ALIGN], shmq_lap_tag(r, pos),
+                         __ATOMIC_RELEASE);
+        __atomic_store_n(&r->slots[r->slot].claim_bytes, 0, __ATOMIC_RELAXED);
+    }
+    shmq_wake_consumer(r);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Consumer                                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* Look at the record at head.  SHMQ_OK: *pos and *bytes describe a published
+ * record whose length has been checked against the ring. */
+static inline int shmq_peek(shmq_ring *r, uint64_t *pos, uint64_t *bytes) {
+    shmq_header *h = r->hdr;
+    uint64_t head = __atomic_load_n(&h->head_pos, __ATOMIC_RELAXED); /* ours */
+    if (head == r->cached_tail) {
+        r->cached_tail = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
+        if (head == r->cached_tail) return SHMQ_EMPTY;
+    }
+    if (r->mpsc) {
+        uint32_t tag = __atomic_load_n(&r->avail[(head & r->mask) / SHMQ_RECORD_ALIGN], __ATOMIC_ACQUIRE);
+        if (tag != shmq_lap_tag(r, head)) return SHMQ_PENDING;
+    }
+    const shmq_record *rec = (const shmq_record *)shmq_at(r, head);
+    uint64_t n = __atomic_load_n(&rec->record_bytes, __ATOMIC_RELAXED);
+    if (n < sizeof(shmq_record) || (n & (SHMQ_RECORD_ALIGN - 1)) || n > r->cached_tail - head)
+        return SHMQ_CORRUPT;
+    *pos = head;
+    *bytes = n;
+    return SHMQ_OK;
+}
+
+static inline void shmq_wake_producers(shmq_ring *r) {
+    shmq_header *h = r->hdr;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&h->producers_waiting, __ATOMIC_RELAXED)) {
+        __atomic_fetch_add(&h->space_seq, 1, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, &h->space_seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    }
+}
+
+/* Free the record at pos (must be head) for reuse. */
+static inline void shmq_release(shmq_ring *r, uint64_t pos, uint64_t bytes) {
+    __atomic_store_n(&r->hdr->head_pos, pos + bytes, __ATOMIC_RELEASE);
+    shmq_wake_producers(r);
+}
+
+/* MPSC, head is claimed but unpublished: is its producer dead?  Returns
+ * SHMQ_OK with *skip_bytes and *dead_pid set when every slot claiming head
+ * belongs to a dead process and they agree on the size; SHMQ_PENDING to keep
+ * waiting; SHMQ_CORRUPT if dead claimants disagree (cannot tell where the
+ * next record starts). */
+static inline int shmq_resolve_pending(shmq_ring *r, uint64_t *skip_bytes, uint32_t *dead_pid) {
+    shmq_header *h = r->hdr;
+    uint64_t head = __atomic_load_n(&h->head_pos, __ATOMIC_RELAXED);
+    uint64_t size = 0;
+    uint32_t pid = 0;
+    int found = 0;
+    for (uint32_t i = 0; i < h->max_attach; i++) {
+        shmq_slot *s = &r->slots[i];
+        uint64_t o = __atomic_load_n(&s->owner, __ATOMIC_ACQUIRE);
+        uint32_t st = (uint32_t)o & SHMQ_SLOT_STATE_MASK;
+        if (st == SHMQ_SLOT_FREE) continue;
+        uint64_t cb = __atomic_load_n(&s->claim_bytes, __ATOMIC_RELAXED);
+        uint64_t cp = __atomic_load_n(&s->claim_pos, __ATOMIC_RELAXED);
+        if (cb == 0 || cp != head) continue;
+        if (st == SHMQ_SLOT_OPEN && !shmq_retire_if_dead(r, i, o)) return SHMQ_PENDING;
+        if (found && cb != size) return SHMQ_CORRUPT;
+        size = cb;
+        pid = (uint32_t)(o >> 32);
+        found = 1;
+    }
+    if (!found) return SHMQ_PENDING;
+    if (size > r->capacity || (size & (SHMQ_RECORD_ALIGN - 1)) ||
+        size > __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE) - head)
+        return SHMQ_CORRUPT;
+    *skip_bytes = size;
+    *dead_pid = pid;
+    __atomic_fetch_add(&h->skipped_records, 1, __ATOMIC_RELAXED);
+    return SHMQ_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Waiting                                                                   */
+/* ------------------------------------------------------------------------ */
+
+#define SHMQ_SPIN_ITERS 4000 /* about 10-40 us of pause before sleeping */
+
+static inline void shmq_futex_wait(uint32_t *word, uint32_t expect, uint64_t timeout_ns) {
+    struct timespec ts = {(time_t)(timeout_ns / 1000000000ULL), (long)(timeout_ns % 1000000000ULL)};
+    /* Not FUTEX_PRIVATE: the word is shared between processes. */
+    syscall(SYS_futex, word, FUTEX_WAIT, expect, &ts, NULL, 0);
+}
+
+static inline int shmq_readable(shmq_ring *r) {
+    uint64_t head = __atomic_load_n(&r->hdr->head_pos, __ATOMIC_RELAXED);
+    if (head != r->cached_tail) {
+        if (!r->mpsc) return 1;
+    } else {
+        r->cached_tail = __atomic_load_n(&r->hdr->tail_pos, __ATOMIC_ACQUIRE);
+        if (head == r->cached_tail) return 0;
+        if (!r->mpsc) return 1;
+    }
+    uint32_t tag = __atomic_load_n(&r->avail[(head & r->mask) / SHMQ_RECORD_ALIGN], __ATOMIC_ACQUIRE);
+    return tag == shmq_lap_tag(r, head);
+}
+
+/* Wait up to timeout_ns for a published record at head.  Returns SHMQ_OK
+ * when one may be there, SHMQ_TIMEOUT when the slice ended.  Call without
+ * holding the GIL. */
+static inline int shmq_wait_readable(shmq_ring *r, uint64_t timeout_ns) {
+    shmq_header *h = r->hdr;
+    for (int i = 0; i < SHMQ_SPIN_ITERS; i++) {
+        if (shmq_readable(r)) return SHMQ_OK;
+        SHMQ_CPU_RELAX();
+    }
+    uint32_t seq = __atomic_load_n(&h->data_seq, __ATOMIC_ACQUIRE);
+    __atomic_store_n(&h->consumer_waiting, 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    int ready = shmq_readable(r);
+    if (!ready) shmq_futex_wait(&h->data_seq, seq, timeout_ns);
+    __atomic_store_n(&h->consumer_waiting, 0, __ATOMIC_RELAXED);
+    return (ready || shmq_readable(r)) ? SHMQ_OK : SHMQ_TIMEOUT;
+}
+
+static inline int shmq_writable(shmq_ring *r, uint64_t need) {
+    return shmq_has_space(r, __atomic_load_n(&r->hdr->tail_pos, __ATOMIC_RELAXED), need);
+}
+
+/* Wait up to timeout_ns for `need` free bytes.  Call without the GIL. */
+static inline int shmq_wait_writable(shmq_ring *r, uint64_t need, uint64_t timeout_ns) {
+    shmq_header *h = r->hdr;
+    for (int i = 0; i < SHMQ_SPIN_ITERS; i++) {
+        if (shmq_writable(r, need)) return SHMQ_OK;
+        SHMQ_CPU_RELAX();
+    }
+    uint32_t seq = __atomic_load_n(&h->space_seq, __ATOMIC_ACQUIRE);
+    __atomic_fetch_add(&h->producers_waiting, 1, __ATOMIC_SEQ_CST);
+    int ready = shmq_writable(r, need);
+    if (!ready) shmq_futex_wait(&h->space_seq, seq, timeout_ns);
+    __atomic_fetch_sub(&h->producers_waiting, 1, __ATOMIC_RELAXED);
+    return (ready || shmq_writable(r, need)) ? SHMQ_OK : SHMQ_TIMEOUT;
+}
+
+#endif /* SHMQ_RING_H */
