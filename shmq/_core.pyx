@@ -274,7 +274,8 @@ cdef class Ring:
         return Ring._bind(m, name)
 
     @staticmethod
-    def attach(int fd, uint64_t file_bytes, bytes header_copy, str name):
+    def attach(int fd, uint64_t file_bytes, bytes header_copy, str name,
+               int32_t adopt_slot=-1, uint32_t adopt_from_pid=0):
         """Attach to an existing segment.  header_copy holds its first bytes,
         read with pread, so a hostile header is validated before anything
         is mapped at the sizes it claims."""
@@ -294,22 +295,35 @@ cdef class Ring:
                 (<shmq_header *>m.base).capacity_bytes != capacity or \
                 (<shmq_header *>m.base).data_offset != dof:
             raise IncompatibleRing(_header_problem(name, bad, <shmq_header *>m.base, file_bytes))
-        return Ring._bind(m, name)
+        return Ring._bind(m, name, adopt_slot, adopt_from_pid)
 
     @staticmethod
-    cdef Ring _bind(Mapping m, str name):
+    cdef Ring _bind(Mapping m, str name, int32_t adopt_slot=-1, uint32_t adopt_from_pid=0):
         cdef Ring ring = Ring.__new__(Ring)
         ring.mapping = m
         ring.name = name
         ring.child_slot = -1
         shmq_bind(&ring.r, m.base)
-        ring.r.slot = shmq_slot_acquire(&ring.r, getpid(), _own_starttime(), SHMQ_SLOT_OPEN)
-        if ring.r.slot < 0:
+        ring._take_slot(adopt_slot, adopt_from_pid)
+        return ring
+
+    cdef int _take_slot(self, int32_t adopt_slot, uint32_t adopt_from_pid) except -1:
+        """Adopt the slot another process reserved for us (see
+        reserve_pending_slot), or take a free one."""
+        cdef uint64_t expect = (<uint64_t>adopt_from_pid << 32) | SHMQ_SLOT_OPEN | SHMQ_SLOT_PENDING
+        if 0 <= adopt_slot < <int32_t>SHMQ_MAX_ATTACH:
+            self.r.slots[adopt_slot].starttime = _own_starttime()
+            if shmq_slot_update(&self.r, adopt_slot, expect, (<uint64_t>getpid() << 32) | SHMQ_SLOT_OPEN):
+                self.r.slot = adopt_slot
+                return 0
+        self.r.slot = shmq_slot_acquire(&self.r, getpid(), _own_starttime(), SHMQ_SLOT_OPEN)
+        if self.r.slot < 0:
+            self.closed = True
             raise ShmqError(
-                f"shmq queue {name!r} has all {SHMQ_MAX_ATTACH} attachment slots held by live "
+                f"shmq queue {self.name!r} has all {SHMQ_MAX_ATTACH} attachment slots held by live "
                 f"handles; close handles you no longer need (each attach() and each forked "
                 f"child holding a handle takes one)")
-        return ring
+        return 0
 
     # --- properties -------------------------------------------------------
 
@@ -804,13 +818,18 @@ cdef class Ring:
             shmq_slot_close(&self.r, self.r.slot)
         self.closed = True
 
-    def reserve_child_slot(self):
-        """Before fork: take a slot for the child, owned by this pid and
-        marked PENDING until the child adopts it (see adopt_child_slot)."""
+    def reserve_pending_slot(self):
+        """Reserve a slot for a process that will adopt it: a child about to
+        be forked, or a process this queue is pickled for.  It counts as an
+        open producer from now on, owned by this pid until adopted.  Returns
+        the slot index, -1 if none is free."""
         if self.closed:
-            return
-        self.child_slot = shmq_slot_acquire(&self.r, getpid(), 0,
-                                            SHMQ_SLOT_OPEN | SHMQ_SLOT_PENDING)
+            return -1
+        return shmq_slot_acquire(&self.r, getpid(), 0, SHMQ_SLOT_OPEN | SHMQ_SLOT_PENDING)
+
+    def reserve_child_slot(self):
+        """Before fork: reserve the child's slot (see adopt_child_slot)."""
+        self.child_slot = self.reserve_pending_slot()
 
     def forget_child_slot(self):
         """In the parent after fork: the child owns the reserved slot now."""
@@ -820,21 +839,15 @@ cdef class Ring:
         """In the child after fork: take over the slot the parent reserved,
         so the child counts as a potential producer from the instant it
         exists.  Roles and held records stay with the parent."""
-        cdef uint64_t expect
         if self.closed:
             return
         self.produced = self.consuming = self.view_open = self.reserve_open = False
         cdef int32_t slot = self.child_slot
         self.child_slot = -1
-        expect = (<uint64_t>parent_pid << 32) | SHMQ_SLOT_OPEN | SHMQ_SLOT_PENDING
-        if slot >= 0:
-            self.r.slots[slot].starttime = _own_starttime()
-            if shmq_slot_update(&self.r, slot, expect, (<uint64_t>getpid() << 32) | SHMQ_SLOT_OPEN):
-                self.r.slot = slot
-                return
-        self.r.slot = shmq_slot_acquire(&self.r, getpid(), _own_starttime(), SHMQ_SLOT_OPEN)
-        if self.r.slot < 0:
-            self.closed = True  # every slot taken: this child cannot use the queue
+        try:
+            self._take_slot(slot, parent_pid)
+        except ShmqError:
+            pass  # every slot is taken: the child's handle is closed, its use raises
 
 
 cdef str _header_problem(str name, int bad, const shmq_header *h, uint64_t file_bytes):

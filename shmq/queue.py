@@ -17,6 +17,7 @@ that needs it has attached.
 from __future__ import annotations
 
 import atexit
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -94,11 +95,15 @@ class Queue:
     @classmethod
     def attach(cls, name: str) -> "Queue":
         """Open an existing queue by name, from any process."""
+        return cls._attach(name)
+
+    @classmethod
+    def _attach(cls, name, adopt_slot=-1, adopt_from_pid=0):
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, not {type(name).__name__}")
         fd, size, head = segment.open_existing(name)
         try:
-            ring = _core.Ring.attach(fd, size, head, name)
+            ring = _core.Ring.attach(fd, size, head, name, adopt_slot, adopt_from_pid)
         finally:
             os.close(fd)
         q = cls.__new__(cls)
@@ -207,10 +212,10 @@ class Queue:
     def unlink(self) -> None:
         """Remove the name from /dev/shm now.  Handles already open keep
         working; ``attach`` by name no longer does.  Only the creator may."""
-        if self._creator_pid not in (None, os.getpid()):
+        if self._creator_pid != os.getpid():
             raise PermissionError(
-                f"only the process that created {self._name!r} unlinks it (this is pid "
-                f"{os.getpid()}, a child or attacher)")
+                f"only the handle that created {self._name!r} unlinks it (this handle in pid "
+                f"{os.getpid()} attached to it, or inherited it by fork)")
         segment.unlink(self._name)
 
     def __enter__(self):
@@ -228,8 +233,12 @@ class Queue:
         self.close()
 
     def __reduce__(self):
-        # Sending a queue to a spawned process attaches to it by name there.
-        return (Queue.attach, (self._name,))
+        # Sending a queue to another process (spawn, forkserver) attaches to
+        # it by name there.  A slot is reserved for that process now, so it
+        # counts as a producer before it has even started: otherwise a fast
+        # producer that closes could end the stream before a slow one attaches.
+        slot = self._ring.reserve_pending_slot()
+        return (Queue._attach, (self._name, slot, os.getpid()))
 
 
 def _before_fork():
@@ -247,22 +256,19 @@ def _after_fork_in_parent():
 def _after_fork_in_child():
     global _open_lock
     _open_lock = threading.Lock()  # a thread of the parent may have held it
-    parent = None
-    for q in list(_open_handles):
-        parent = q._pid
-        q._ring.adopt_child_slot(q._pid)
+    handles = list(_open_handles)
+    for q in handles:
+        q._ring.adopt_child_slot(q._pid)  # q._pid is still the parent's here
         q._pid = os.getpid()
         q._creator_pid = None  # the child never unlinks its parent's names
-    if parent is not None:
-        _close_at_multiprocessing_exit()
 
 
-def _close_at_multiprocessing_exit():
+def _close_at_multiprocessing_exit(_marker):
     # multiprocessing children end with os._exit, which skips atexit; their
-    # exit path runs multiprocessing's finalizers instead.
-    mp_util = sys.modules.get("multiprocessing.util")
-    if mp_util is not None:
-        mp_util.Finalize(None, _close_all, exitpriority=0)
+    # exit path runs multiprocessing's finalizers instead.  The registration
+    # must happen in an after-fork callback of multiprocessing's own, which
+    # runs after the child's _bootstrap clears the inherited finalizers.
+    multiprocessing.util.Finalize(None, _close_all, exitpriority=0)
 
 
 def _close_all():
@@ -273,6 +279,12 @@ def _close_all():
             pass  # interpreter teardown: nothing useful to do with an error
 
 
+class _MultiprocessingHook:
+    """Keeps the register_after_fork entry alive (it is held weakly)."""
+
+
+_mp_hook = _MultiprocessingHook()
+multiprocessing.util.register_after_fork(_mp_hook, _close_at_multiprocessing_exit)
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
                     after_in_child=_after_fork_in_child)
 atexit.register(_close_all)

@@ -76,7 +76,9 @@
  * Attachment slots and end of stream
  * ---------------------------------------------------------------------------
  * Every handle (the creator, each attach(), each forked child that inherits
- * a handle) owns one slot.  slot.owner packs (pid << 32) | flags and changes
+ * a handle) owns one slot.  A slot can be reserved by one process for
+ * another (SHMQ_SLOT_PENDING: before a fork, or when a queue is pickled for
+ * a spawned process) and adopted by CAS when that process starts.  slot.owner packs (pid << 32) | flags and changes
  * only by CAS.  Like the write end of a pipe, every OPEN slot that is not a
  * pure consumer is a potential producer.  The consumer sees end of stream
  * when the ring is empty, no potential producer is alive and open, and at
@@ -126,9 +128,12 @@
 #define SHMQ_MAX_ATTACH 256u
 #define SHMQ_MAX_NDIM 32u
 #define SHMQ_MAX_DTYPE_CHARS 32u
-/* A reserved slot for a forked child that never adopted it (the child died
- * before running its fork hook) stops counting after this long. */
-#define SHMQ_PENDING_CHILD_NS 5000000000ULL
+/* A slot reserved for a process that will adopt it (a child being forked,
+ * or a process the queue was pickled for) counts as an open producer from
+ * the moment of reservation, so a late starter cannot miss the stream.  If
+ * nobody adopts it (the child died first, the pickle was never loaded) it
+ * stops counting after this long. */
+#define SHMQ_PENDING_ADOPT_NS 30000000000ULL
 
 /* header.flags */
 #define SHMQ_FLAG_MPSC 1u
@@ -146,7 +151,7 @@
 #define SHMQ_SLOT_STATE_MASK 0xfu
 #define SHMQ_SLOT_PRODUCED 0x10u   /* has published at least one record    */
 #define SHMQ_SLOT_CONSUMER 0x20u   /* is the queue's consumer               */
-#define SHMQ_SLOT_PENDING 0x40u    /* reserved by pid for a child being forked */
+#define SHMQ_SLOT_PENDING 0x40u    /* reserved by pid for another process to adopt */
 
 /* status codes returned by the functions below */
 #define SHMQ_OK 0
@@ -358,9 +363,9 @@ static inline uint64_t shmq_proc_starttime(uint32_t pid) {
 static inline int shmq_owner_alive(const shmq_slot *s, uint64_t owner) {
     uint32_t pid = (uint32_t)(owner >> 32);
     if (owner & SHMQ_SLOT_PENDING) {
-        /* Reserved by a parent for a child that has not adopted it yet. */
+        /* Reserved by pid for a process that has not adopted it yet. */
         uint64_t since = __atomic_load_n(&s->pending_since_ns, __ATOMIC_RELAXED);
-        if (shmq_now_ns() - since > SHMQ_PENDING_CHILD_NS) return 0;
+        if (shmq_now_ns() - since > SHMQ_PENDING_ADOPT_NS) return 0;
         return shmq_proc_starttime(pid) != 0;
     }
     uint64_t want = __atomic_load_n(&s->starttime, __ATOMIC_RELAXED);

@@ -1,0 +1,270 @@
+"""Queues shared between processes: forked, spawned and independently
+started.  Every test checks exact counts and contents (sequence numbers and
+checksums, see payload.py), is bounded in time, and is leak-checked."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import payload
+import shmq
+from conftest import wait_until
+from shmq import _core
+
+pytestmark = pytest.mark.timeout(60)
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+# --- child bodies (top level so spawn can import them) ----------------------
+
+def produce(q, producer, count, size, close=True):
+    for s in range(count):
+        q.put(payload.make(producer, s, size))
+    if close:
+        q.close()
+
+
+def produce_by_name(name, producer, count, size):
+    q = shmq.Queue.attach(name)
+    produce(q, producer, count, size)
+
+
+def produce_then_hang(q, producer, count):
+    produce(q, producer, count, 100, close=False)
+    time.sleep(600)
+
+
+def produce_then_die(q, producer, count, point, at):
+    _core._set_kill_point(point, at)
+    produce(q, producer, count, 4000)
+
+
+def produce_then_exit_unclosed(q, count):
+    produce(q, 0, count, 64, close=False)
+    os._exit(0)
+
+
+def consume_one_then_hang(q):
+    q.get(timeout=10)
+    time.sleep(600)
+
+
+def consume_one_then_close(q):
+    q.get(timeout=10)
+    q.close()
+
+
+def drain(q, producers, expect_end=shmq.Closed, timeout=20):
+    tally = payload.Tally(producers)
+    with pytest.raises(expect_end) as end:
+        while True:
+            tally.add(q.get(timeout=timeout))
+    return tally, end.value
+
+
+# --- basic transport ---------------------------------------------------------
+
+@pytest.mark.parametrize("size", [0, 100, 70_000])
+def test_spsc_fork(procs, size):
+    with shmq.Queue(1 << 18) as q:
+        procs.fork(produce, q, 0, 500, size)
+        tally, _ = drain(q, 1)
+        assert tally.next_seq == [500]
+
+
+def test_spsc_independent_process_attaches_by_name(procs):
+    with shmq.Queue(1 << 16) as q:
+        child = procs.python(
+            f"import sys; sys.path.insert(0, {TESTS_DIR!r})\n"
+            "import shmq, test_multiprocess as t\n"
+            "t.produce_by_name(sys.argv[1], 0, 300, 5000)\n", q.name)
+        tally, _ = drain(q, 1)
+        assert tally.next_seq == [300]
+        assert child.wait(10) == 0, child.stderr.read()
+
+
+def test_consumer_in_independent_process(procs):
+    with shmq.Queue(1 << 16) as q:
+        child = procs.python(
+            f"import sys; sys.path.insert(0, {TESTS_DIR!r})\n"
+            "import shmq, payload\n"
+            "q = shmq.Queue.attach(sys.argv[1]); tally = payload.Tally(1)\n"
+            "try:\n"
+            "    while True: tally.add(q.get(timeout=20))\n"
+            "except shmq.Closed:\n"
+            "    print(tally.next_seq[0])\n", q.name)
+        produce(q, 0, 400, 3000, close=False)
+        q.close()
+        out, err = child.communicate(timeout=20)
+        assert child.returncode == 0, err
+        assert out.strip() == "400"
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_mpsc_four_producers(procs, start):
+    with shmq.Queue(1 << 17, multi_producer=True) as q:
+        for p in range(4):
+            getattr(procs, start)(produce, q, p, 400, 3000 + p)
+        tally, _ = drain(q, 4)
+        assert tally.next_seq == [400] * 4
+
+
+# --- end of stream -----------------------------------------------------------
+
+def test_one_producer_closing_does_not_stop_the_others(procs):
+    with shmq.Queue(1 << 16, multi_producer=True) as q:
+        procs.fork(produce, q, 0, 5, 64)
+        procs.fork(produce, q, 1, 500, 2000)
+        tally, _ = drain(q, 2)
+        assert tally.next_seq == [5, 500]
+
+
+def test_parent_closing_right_after_fork_still_counts_the_child(procs):
+    q = shmq.Queue(1 << 16)
+    consumer = shmq.Queue.attach(q.name)
+    with pytest.raises(shmq.Empty):
+        consumer.get_nowait()
+    procs.fork(produce, q, 0, 50, 64)
+    q.close()  # the parent's producer handle goes; the child's keeps the stream open
+    tally, _ = drain(consumer, 1)
+    assert tally.next_seq == [50]
+    consumer.close()
+
+
+def test_child_exiting_normally_without_close_counts_as_closed(procs):
+    with shmq.Queue(1 << 16) as q:
+        procs.fork(produce, q, 0, 30, 64, False)  # multiprocessing exit closes it
+        tally, _ = drain(q, 1, shmq.Closed)
+        assert tally.next_seq == [30]
+
+
+def test_producer_exiting_with_os_exit_unclosed_is_peer_lost(procs):
+    with shmq.Queue(1 << 16) as q:
+        procs.fork(produce_then_exit_unclosed, q, 20)
+        tally, end = drain(q, 1, shmq.PeerLost)
+        assert tally.next_seq == [20]
+        assert "died without closing" in str(end)
+
+
+def test_all_producers_killed_while_consumer_blocked(procs):
+    with shmq.Queue(1 << 16, multi_producer=True) as q:
+        children = [procs.fork(produce_then_hang, q, p, 10) for p in range(3)]
+        tally = payload.Tally(3)
+        for _ in range(30):
+            tally.add(q.get(timeout=10))
+        killed_at = []
+
+        def kill_later():
+            time.sleep(0.3)
+            killed_at.append(time.monotonic())
+            for c in children:
+                os.kill(c.pid, signal.SIGKILL)
+
+        threading.Thread(target=kill_later).start()
+        with pytest.raises(shmq.PeerLost, match="3 producer"):
+            q.get()  # no timeout: must not hang
+        assert time.monotonic() - killed_at[0] < 2.0
+        assert tally.next_seq == [10, 10, 10]
+
+
+def test_producer_blocked_on_full_ring_sees_dead_consumer(procs):
+    with shmq.Queue(4096) as q:
+        q.put(np.zeros(10, np.uint8))
+        consumer = procs.fork(consume_one_then_hang, q)
+        assert wait_until(lambda: q.stats()["used_bytes"] == 0, 10)
+        chunk = np.zeros(3000, np.uint8)
+        q.put(chunk)
+        threading.Timer(0.3, os.kill, (consumer.pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(shmq.PeerLost, match=r"consumer \(pid \d+\) died"):
+            q.put(chunk)  # no timeout: must not hang
+        assert time.monotonic() - t0 < 2.5
+
+
+def test_producer_sees_consumer_close(procs):
+    with shmq.Queue(4096) as q:
+        q.put(np.zeros(10, np.uint8))
+        procs.fork(consume_one_then_close, q)
+        q.put(np.zeros(3000, np.uint8))
+        with pytest.raises(shmq.Closed, match="consumer .* closed"):
+            q.put(np.zeros(3000, np.uint8), timeout=10)
+
+
+# --- R1: a producer killed mid-write -----------------------------------------
+
+@pytest.mark.parametrize("point", ["after_claim", "mid_copy", "before_publish"])
+def test_spsc_producer_killed_mid_write(procs, point):
+    with shmq.Queue(1 << 16) as q:
+        procs.fork(produce_then_die, q, 0, 100, point, 7)
+        tally = payload.Tally(1)
+        t_end = None
+        with pytest.raises(shmq.PeerLost):
+            while True:
+                tally.add(q.get(timeout=10))
+                t_end = time.monotonic()
+        assert time.monotonic() - t_end < 2.0
+        assert tally.next_seq == [6]  # the 7th put died before it was published
+
+
+@pytest.mark.parametrize("point", ["after_claim", "mid_copy", "before_publish"])
+def test_mpsc_producer_killed_mid_write_does_not_block_others(procs, point):
+    # A small ring: the survivors would stall behind the dead record if the
+    # consumer did not step over it.
+    with shmq.Queue(1 << 14, multi_producer=True) as q:
+        procs.fork(produce_then_die, q, 0, 100, point, 5)
+        for p in (1, 2):
+            procs.fork(produce, q, p, 300, 1500)
+        tally = payload.Tally(3)
+        dropped = []
+        while True:
+            try:
+                tally.add(q.get(timeout=20))
+            except shmq.PeerLost as e:
+                if "no producer is left" in str(e):
+                    break
+                dropped.append(str(e))
+        assert tally.next_seq == [4, 300, 300]
+        assert len(dropped) == 1 and "died while writing" in dropped[0], dropped
+        assert q.stats()["skipped_records"] == 1
+
+
+# --- interrupts --------------------------------------------------------------
+
+INTERRUPTIBLE_CHILD = """
+import sys, numpy as np, shmq
+q = shmq.Queue.attach(sys.argv[1])
+if sys.argv[2] == "put":
+    q.put(np.zeros(3000, np.uint8))
+print("ready", flush=True)
+try:
+    if sys.argv[2] == "put":
+        q.put(np.zeros(3000, np.uint8))  # the ring is full: blocks
+    else:
+        q.get()  # nothing comes: blocks
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+q.close()
+"""
+
+
+@pytest.mark.parametrize("blocked_in", ["get", "put"])
+def test_ctrl_c_interrupts_a_blocking_call(procs, blocked_in):
+    with shmq.Queue(4096) as q:
+        if blocked_in == "put":
+            with pytest.raises(shmq.Empty):
+                q.get_nowait()  # this process is the consumer that never reads
+        child = procs.python(INTERRUPTIBLE_CHILD, q.name, blocked_in)
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(0.3)  # well inside the blocking call
+        t0 = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=5)
+        elapsed = time.monotonic() - t0
+        assert out.strip() == "interrupted", err
+        assert child.returncode == 0, err
+        assert elapsed < 1.0  # 0.5 s budget for the interrupt, the rest is interpreter exit

@@ -1,0 +1,346 @@
+"""Single-process behaviour of shmq.Queue: contents, errors, lifetimes."""
+
+import gc
+import queue as stdlib_queue
+import warnings
+
+import numpy as np
+import pytest
+
+import shmq
+from shmq import _core
+
+DTYPES = ["?", "i1", "u1", "<i2", ">i2", "<u4", "<i8", ">u8", "<f2", "<f4", ">f8", "<c8",
+          "<c16", "<M8[ns]", "<m8[s]", "S7", "<U3", "V5"]
+
+
+@pytest.fixture
+def q():
+    with shmq.Queue(capacity_bytes=1 << 20) as q:
+        yield q
+
+
+def assert_same(a, b):
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.tobytes() == b.tobytes()
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def sample(dtype, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (3, 0, 2), (4, 7), (2, 3, 4, 5)])
+def test_array_roundtrip_every_dtype_and_shape(q, dtype, shape):
+    a = sample(dtype, shape)
+    q.put(a)
+    b = q.get(timeout=0)
+    assert_same(a, b)
+    assert b.flags.c_contiguous and b.flags.writeable and b.flags.owndata
+
+
+def test_ndim_limits(q):
+    a = np.arange(1, dtype="i4").reshape((1,) * _core.MAX_NDIM)
+    q.put(a)
+    assert_same(a, q.get(timeout=0))
+    deeper = np.zeros((1,) * 40, np.int8)  # beyond the fast path: pickled layout, same bytes
+    q.put(deeper)
+    assert_same(deeper, q.get(timeout=0))
+
+
+def test_non_contiguous_and_fortran_arrays_arrive_equal(q):
+    base = np.arange(60, dtype=np.float64).reshape(6, 10)
+    for a in (base[::2, 1::3], base.T, np.asfortranarray(base), base[:, 3]):
+        q.put(a)
+        b = q.get(timeout=0)
+        assert b.shape == a.shape and b.dtype == a.dtype
+        np.testing.assert_array_equal(a, b)
+    q.put(np.asfortranarray(base))
+    assert q.get(timeout=0).flags.f_contiguous  # layout kept, not re-copied
+
+
+def test_tree_with_extras(q):
+    msg = {
+        "image": sample("u1", (3, 8, 8)),
+        "label": 7,
+        "score": 0.25,
+        "path": "a/b.png",
+        "raw": b"\x00\x01",
+        "none": None,
+        "nested": [sample("<f4", (2, 2), 1), (sample("<i8", (0,)), "x")],
+        "structured": np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")]),
+        "scalar": np.float32(1.5),
+    }
+    q.put(msg)
+    assert_same(msg, q.get(timeout=0))
+
+
+def test_tree_arrays_are_out_of_band_and_copied_once(q):
+    big = np.arange(100_000, dtype=np.float64)
+    pickled, buffers = shmq.codec.encode({"a": big})
+    assert len(pickled) < 300, "array bytes must not be in the pickle stream"
+    assert len(buffers) == 1 and buffers[0].raw().nbytes == big.nbytes
+    assert np.shares_memory(np.asarray(buffers[0]), big)  # no copy before the ring
+
+
+def test_get_returns_owned_memory(q):
+    q.put(np.full(10, 1.0))
+    first = q.get(timeout=0)
+    for i in range(50):  # rewrite the ring many times over
+        q.put(np.full(10_000, float(i)))
+        q.get(timeout=0)
+    np.testing.assert_array_equal(first, np.full(10, 1.0))
+
+
+def test_get_view_is_zero_copy_and_releases_on_exit(q):
+    q.put(np.arange(1000, dtype=np.int64))
+    used = q.stats()["used_bytes"]
+    with q.get_view(timeout=0) as v:
+        assert isinstance(v.base, _core.Mapping)  # ring memory, not a copy
+        np.testing.assert_array_equal(v, np.arange(1000))
+        assert q.stats()["used_bytes"] == used  # still held
+    assert q.stats()["used_bytes"] == 0
+    q.put({"a": np.ones(4), "b": "x"})
+    with q.get_view(timeout=0) as tree:
+        assert np.shares_memory(tree["a"], np.asarray(tree["a"].base))
+        np.testing.assert_array_equal(tree["a"], np.ones(4))
+        assert tree["b"] == "x"
+
+
+def test_view_survives_close_without_crash():
+    q = shmq.Queue(1 << 16)
+    q.put(np.arange(16, dtype=np.int32))
+    with q.get_view(timeout=0) as v:
+        pass
+    q.close()
+    del q
+    gc.collect()
+    # The mapping is kept alive by the view: reading is safe.
+    np.testing.assert_array_equal(v, np.arange(16, dtype=np.int32))
+
+
+def test_one_view_at_a_time(q):
+    q.put(np.ones(3))
+    q.put(np.ones(3))
+    with q.get_view(timeout=0):
+        with pytest.raises(shmq.ShmqError, match="get_view"):
+            q.get(timeout=0)
+    assert q.get(timeout=0).shape == (3,)
+
+
+def test_reserve_commit_and_cancel(q):
+    with q.reserve((4, 5), np.float32) as arr:
+        assert isinstance(arr.base, _core.Mapping)
+        arr[...] = np.arange(20, dtype=np.float32).reshape(4, 5)
+    with pytest.raises(RuntimeError, match="boom"):
+        with q.reserve(7, "i8") as arr:
+            arr[:] = 1
+            raise RuntimeError("boom")
+    with q.reserve(3, "u1") as arr:
+        arr[:] = [1, 2, 3]
+    np.testing.assert_array_equal(q.get(timeout=0), np.arange(20, dtype=np.float32).reshape(4, 5))
+    np.testing.assert_array_equal(q.get(timeout=0), [1, 2, 3])  # the cancelled one is skipped
+    with pytest.raises(shmq.Empty):
+        q.get_nowait()
+
+
+def test_reserve_rejects_bad_requests(q):
+    with pytest.raises(TypeError, match="dtype"):
+        q.reserve(3, object).__enter__()
+    with pytest.raises(ValueError, match="negative"):
+        q.reserve((2, -1), "f4").__enter__()
+    with pytest.raises(shmq.MessageTooLarge):
+        q.reserve((1 << 30,), "f8").__enter__()
+    q.put(np.ones(2))
+    assert_same(np.ones(2), q.get(timeout=0))
+
+
+def test_object_dtype_refused_before_claim_and_queue_usable(q):
+    before = q.stats()
+    for bad in (np.array([1, "a"], dtype=object), {"ok": np.ones(2), "bad": np.empty(2, object)}):
+        with pytest.raises(TypeError, match="dtype object"):
+            q.put(bad)
+    assert q.stats() == before  # nothing claimed
+    q.put(np.ones(3))
+    assert_same(np.ones(3), q.get(timeout=0))
+
+
+def test_message_too_large_names_both_sizes_and_queue_usable(q):
+    with pytest.raises(shmq.MessageTooLarge) as info:
+        q.put(np.zeros(200_000))
+    text = str(info.value)
+    assert "1600" in text and str(q.capacity_bytes) in text and "capacity_bytes" in text
+    assert isinstance(info.value, ValueError)
+    q.put(np.zeros(10))
+    assert_same(np.zeros(10), q.get(timeout=0))
+
+
+def test_largest_message_fits_whole_capacity():
+    with shmq.Queue(1 << 16) as q:
+        a = np.arange((q.capacity_bytes - 128) // 8, dtype=np.int64)
+        for _ in range(3):  # every start offset after a wrap too
+            q.put(a)
+            assert_same(a, q.get(timeout=0))
+            q.put(np.ones(3))
+            q.get(timeout=0)
+
+
+def test_full_and_empty_are_typed_and_stdlib_compatible(q):
+    with pytest.raises(shmq.Empty) as e:
+        q.get_nowait()
+    assert isinstance(e.value, stdlib_queue.Empty)
+    chunk = np.zeros(100_000, np.uint8)
+    n = 0
+    with pytest.raises(shmq.Full) as f:
+        while True:
+            q.put_nowait(chunk)
+            n += 1
+    assert isinstance(f.value, stdlib_queue.Full)
+    assert n == q.capacity_bytes // 100_096
+    with pytest.raises(shmq.Full):
+        q.put(chunk, timeout=0.05)
+    for _ in range(n):
+        assert q.get(timeout=0).nbytes == 100_000
+    with pytest.raises(shmq.Empty):
+        q.get(timeout=0.05)
+
+
+@pytest.mark.parametrize("capacity", [4096, 1 << 16])
+def test_wraparound_at_every_boundary(capacity):
+    """Start records at every 64-byte offset near the end of the ring and at
+    every size class around the end, so each record straddles the mirror
+    boundary at a different point."""
+    with shmq.Queue(capacity) as q:
+        seq = 0
+        for pad in range(0, capacity, 64):
+            for size in (0, 1, 63, 64, 65, capacity // 3):
+                if pad:
+                    q.put(np.zeros(max(0, pad - 128), np.uint8))
+                    q.get(timeout=0)
+                a = (np.arange(size, dtype=np.uint32) * 2654435761 + seq).astype(np.uint8)
+                q.put(a)
+                assert_same(a, q.get(timeout=0))
+                seq += 1
+
+
+def test_capacity_rounding_and_validation():
+    with shmq.Queue(5000) as q:
+        assert q.capacity_bytes == 8192
+    with shmq.Queue(1) as q:
+        assert q.capacity_bytes == 4096
+    for bad, exc in ((0, ValueError), (-5, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(exc, match="capacity_bytes"):
+            shmq.Queue(bad)
+
+
+def test_timeout_validation(q):
+    for bad, exc in ((-1, ValueError), ("1", TypeError), (float("nan"), ValueError)):
+        with pytest.raises(exc, match="timeout"):
+            q.get(timeout=bad)
+        with pytest.raises(exc, match="timeout"):
+            q.put(np.ones(1), timeout=bad)
+
+
+def test_closed_handle_raises_and_close_is_idempotent():
+    q = shmq.Queue(1 << 16)
+    q.close()
+    q.close()
+    with pytest.raises(ValueError, match="closed"):
+        q.put(np.ones(1))
+    with pytest.raises(ValueError, match="closed"):
+        q.get(timeout=0)
+    assert q.closed
+
+
+def test_attach_missing_name():
+    with pytest.raises(FileNotFoundError, match="no shmq queue named"):
+        shmq.Queue.attach("/shmq-0-doesnotexist")
+
+
+def test_attach_in_same_process_and_unlink():
+    q = shmq.Queue(1 << 16)
+    p = shmq.Queue.attach(q.name)
+    p.put(np.arange(3))
+    assert_same(np.arange(3), q.get(timeout=0))
+    with pytest.raises(PermissionError):
+        p.unlink()
+    q.unlink()
+    with pytest.raises(FileNotFoundError):
+        shmq.Queue.attach(q.name)
+    p.put(np.arange(4))  # existing handles keep working
+    assert_same(np.arange(4), q.get(timeout=0))
+    p.close()
+    q.close()
+
+
+def test_single_producer_ring_refuses_a_second_producer():
+    q = shmq.Queue(1 << 16)
+    p = shmq.Queue.attach(q.name)
+    q.put(np.ones(1))
+    with pytest.raises(shmq.ShmqError, match="multi_producer=True"):
+        p.put(np.ones(1))
+    q.close()  # the producer role is handed over once its holder closes
+    p.put(np.ones(2))
+    assert p.get(timeout=0).shape == (1,)
+    p.close()
+
+
+def test_only_one_consumer():
+    q = shmq.Queue(1 << 16, multi_producer=True)
+    p = shmq.Queue.attach(q.name)
+    q.put(np.ones(1))
+    q.get(timeout=0)
+    with pytest.raises(shmq.ShmqError, match="already has a consumer"):
+        p.get(timeout=0)
+    p.close()
+    q.close()
+
+
+def test_unclosed_queue_warns_with_creation_site():
+    q = shmq.Queue(1 << 16)
+    name = q.name
+    with pytest.warns(ResourceWarning, match=r"unclosed shmq.Queue .*test_queue.py"):
+        del q
+        gc.collect()
+    with pytest.raises(FileNotFoundError):  # and the creator's GC unlinked it
+        shmq.Queue.attach(name)
+
+
+def test_pickling_a_queue_attaches_by_name():
+    import pickle
+
+    with shmq.Queue(1 << 16) as q:
+        with warnings.catch_warnings():
+            p = pickle.loads(pickle.dumps(q))
+        assert p.name == q.name
+        p.put(np.arange(2))
+        assert_same(np.arange(2), q.get(timeout=0))
+        p.close()
+
+
+def test_repr_and_properties(q):
+    assert q.name.startswith("/shmq-")
+    assert not q.multi_producer
+    assert repr(q).startswith(f"<shmq.Queue {q.name!r} single-producer {q.capacity_bytes}")
+
+
+def test_public_surface():
+    assert sorted(shmq.__all__) == sorted(
+        ["Queue", "ShmqError", "Full", "Empty", "Closed", "PeerLost", "IncompatibleRing",
+         "MessageTooLarge", "ShmFull"])
+    for name in shmq.__all__[1:]:
+        assert issubclass(getattr(shmq, name), shmq.ShmqError)
