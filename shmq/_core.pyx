@@ -75,23 +75,40 @@ _FIELD_NAMES = {
 
 
 def layout_offsets():
-    """Field offsets as this build sees them, for the header/pxd layout test."""
+    """Sizes and field offsets as this build sees them (from shmq_ring.h);
+    tests use them instead of hard-coding any offset."""
     cdef shmq_header h
     cdef shmq_slot s
     cdef shmq_record rec
-    base = <size_t>&h
+    cdef shmq_array_meta am
+    hb, sb, rb, ab = <size_t>&h, <size_t>&s, <size_t>&rec, <size_t>&am
     return {
         "header_bytes": sizeof(shmq_header),
         "slot_bytes": sizeof(shmq_slot),
-        "record_bytes": sizeof(shmq_record),
-        "tail_pos": <size_t>&h.tail_pos - base,
-        "head_pos": <size_t>&h.head_pos - base,
-        "data_seq": <size_t>&h.data_seq - base,
-        "consumer_slot": <size_t>&h.consumer_slot - base,
-        "creator_pid": <size_t>&h.creator_pid - base,
-        "creator_starttime": <size_t>&h.creator_starttime - base,
-        "slot.claim_pos": <size_t>&s.claim_pos - <size_t>&s,
-        "record.kind": <size_t>&rec.kind - <size_t>&rec,
+        "record_header_bytes": sizeof(shmq_record),
+        "array_meta_bytes": sizeof(shmq_array_meta),
+        "magic": <size_t>&h.magic - hb,
+        "version": <size_t>&h.version - hb,
+        "flags": <size_t>&h.flags - hb,
+        "capacity_bytes": <size_t>&h.capacity_bytes - hb,
+        "data_offset": <size_t>&h.data_offset - hb,
+        "creator_pid": <size_t>&h.creator_pid - hb,
+        "creator_starttime": <size_t>&h.creator_starttime - hb,
+        "tail_pos": <size_t>&h.tail_pos - hb,
+        "head_pos": <size_t>&h.head_pos - hb,
+        "data_seq": <size_t>&h.data_seq - hb,
+        "consumer_slot": <size_t>&h.consumer_slot - hb,
+        "slot.claim_pos": <size_t>&s.claim_pos - sb,
+        "record.record_bytes": <size_t>&rec.record_bytes - rb,
+        "record.kind": <size_t>&rec.kind - rb,
+        "record.nbuffers": <size_t>&rec.nbuffers - rb,
+        "record.meta_bytes": <size_t>&rec.meta_bytes - rb,
+        "array.ndim": <size_t>&am.ndim - ab,
+        "array.dtype_chars": <size_t>&am.dtype_chars - ab,
+        "array.data_offset": <size_t>&am.data_offset - ab,
+        "array.data_bytes": <size_t>&am.data_bytes - ab,
+        "magic_value": SHMQ_MAGIC,
+        "version_value": SHMQ_VERSION,
     }
 
 

@@ -671,7 +671,8 @@ static inline void shmq_publish(shmq_ring *r, uint64_t pos, uint64_t need) {
 /* ------------------------------------------------------------------------ */
 
 /* Look at the record at head.  SHMQ_OK: *pos and *bytes describe a published
- * record whose length has been checked against the ring. */
+ * record whose length has been checked against the ring.  SHMQ_CORRUPT: they
+ * hold the head and the invalid length, for the error message. */
 static inline int shmq_peek(shmq_ring *r, uint64_t *pos, uint64_t *bytes) {
     shmq_header *h = r->hdr;
     uint64_t head = __atomic_load_n(&h->head_pos, __ATOMIC_RELAXED); /* ours */
@@ -685,10 +686,10 @@ static inline int shmq_peek(shmq_ring *r, uint64_t *pos, uint64_t *bytes) {
     }
     const shmq_record *rec = (const shmq_record *)shmq_at(r, head);
     uint64_t n = __atomic_load_n(&rec->record_bytes, __ATOMIC_RELAXED);
-    if (n < sizeof(shmq_record) || (n & (SHMQ_RECORD_ALIGN - 1)) || n > r->cached_tail - head)
-        return SHMQ_CORRUPT;
     *pos = head;
     *bytes = n;
+    if (n < sizeof(shmq_record) || (n & (SHMQ_RECORD_ALIGN - 1)) || n > r->cached_tail - head)
+        return SHMQ_CORRUPT;
     return SHMQ_OK;
 }
 
