@@ -374,10 +374,6 @@ cdef class Ring:
             "consumer_slot": h.consumer_slot,
         }
 
-    def max_message_bytes(self):
-        """Largest array payload one put() of a 1-d array can carry."""
-        return self.r.capacity - 128
-
     # --- roles ------------------------------------------------------------
 
     cdef inline int _check_open(self) except -1:
