@@ -75,7 +75,7 @@ cdef extern from "shmq_ring.h" nogil:
         uint32_t data_seq
         uint32_t consumer_waiting
         uint32_t space_seq
-        uint32_t producers_waiting
+        uint64_t space_wanted
         int32_t consumer_slot
         int32_t producer_slot
         uint32_t closed_writers

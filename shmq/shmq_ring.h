@@ -92,10 +92,10 @@
  * (data_seq for the consumer, space_seq for producers) for at most one
  * slice.  The caller re-checks signals, closed flags and peer liveness
  * between slices, so no wait is unbounded.  Wake-ups use an eventcount:
- * the waiter announces itself (consumer_waiting / producers_waiting), issues
- * a full fence, re-checks the condition and only then sleeps; the other
- * side publishes, issues a full fence and bumps + wakes only when someone
- * announced.  The two fences make "publish, then look for waiters" and
+ * the waiter announces itself (consumer_waiting, or space_wanted with the
+ * bytes it needs), issues a full fence, re-checks the condition and only
+ * then sleeps; the other side publishes or frees, issues a full fence and
+ * bumps + wakes only when someone announced.  The two fences make "publish, then look for waiters" and
  * "announce, then look for data" impossible to interleave into a lost
  * wake-up.
  *
@@ -228,9 +228,11 @@ typedef struct shmq_header {
     /* line 3: wake-ups.  Futex words are 32 bit. */
     uint32_t data_seq;          /* bumped by producers when consumer_waiting    */
     uint32_t consumer_waiting;  /* 0/1, written by the consumer                  */
-    uint32_t space_seq;         /* bumped by the consumer when producers_waiting */
-    uint32_t producers_waiting; /* count of producers announcing a wait          */
-    uint8_t _pad3[SHMQ_CACHELINE - 16];
+    uint32_t space_seq;         /* bumped by the consumer when it wakes producers */
+    uint32_t _reserved3;
+    uint64_t space_wanted;      /* free bytes the waiting producers need (max of
+                                   their announcements; 0 = nobody waits)       */
+    uint8_t _pad3[SHMQ_CACHELINE - 24];
 
     /* line 4: control, rarely written. */
     int32_t consumer_slot;      /* slot index of the consumer, -1 none yet       */
@@ -693,10 +695,20 @@ static inline int shmq_peek(shmq_ring *r, uint64_t *pos, uint64_t *bytes) {
     return SHMQ_OK;
 }
 
-static inline void shmq_wake_producers(shmq_ring *r) {
+/* Waiting producers are woken in batches: only once the free space reaches
+ * what they announced, and at least 1/8 of the ring.  Waking them on every
+ * release would wake every waiter per message, and with more processes than
+ * cores they would take the CPU the consumer needs to make room at all.  The
+ * batch cannot stall: draining the ring frees all of it. */
+static inline void shmq_wake_producers(shmq_ring *r, uint64_t head) {
     shmq_header *h = r->hdr;
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&h->producers_waiting, __ATOMIC_RELAXED)) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* pairs with shmq_wait_writable */
+    uint64_t wanted = __atomic_load_n(&h->space_wanted, __ATOMIC_RELAXED);
+    if (!wanted) return;
+    uint64_t floor = r->capacity / 8;
+    uint64_t free_bytes = r->capacity - (__atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE) - head);
+    if (free_bytes < (wanted > floor ? wanted : floor) && free_bytes < r->capacity) return;
+    if (__atomic_exchange_n(&h->space_wanted, 0, __ATOMIC_SEQ_CST)) {
         __atomic_fetch_add(&h->space_seq, 1, __ATOMIC_SEQ_CST);
         syscall(SYS_futex, &h->space_seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
     }
@@ -705,7 +717,7 @@ static inline void shmq_wake_producers(shmq_ring *r) {
 /* Free the record at pos (must be head) for reuse. */
 static inline void shmq_release(shmq_ring *r, uint64_t pos, uint64_t bytes) {
     __atomic_store_n(&r->hdr->head_pos, pos + bytes, __ATOMIC_RELEASE);
-    shmq_wake_producers(r);
+    shmq_wake_producers(r, pos + bytes);
 }
 
 /* MPSC, head is claimed but unpublished: is its producer dead?  Returns
@@ -747,7 +759,23 @@ static inline int shmq_resolve_pending(shmq_ring *r, uint64_t *skip_bytes, uint3
 /* Waiting                                                                   */
 /* ------------------------------------------------------------------------ */
 
-#define SHMQ_SPIN_ITERS 4000 /* about 10-40 us of pause before sleeping */
+/* How long a waiter spins before it sleeps on the futex.  Spinning saves
+ * the ~5-50 us of a sleep/wake round trip when the other side is about to
+ * act, but steals a core from it when processes outnumber cores, so only
+ * the first waiter on a side spins, and only this long. */
+#define SHMQ_SPIN_NS 20000ULL
+
+/* Spin until ready(r, need) or SHMQ_SPIN_NS passed; the clock is read every
+ * 64 pauses because a pause lasts 10-150 cycles depending on the CPU. */
+#define SHMQ_SPIN_UNTIL(ready_expr)                                              \
+    do {                                                                         \
+        uint64_t spin_end_ = shmq_now_ns() + SHMQ_SPIN_NS;                       \
+        for (unsigned spin_i_ = 1;; spin_i_++) {                                 \
+            if (ready_expr) return SHMQ_OK;                                      \
+            SHMQ_CPU_RELAX();                                                    \
+            if ((spin_i_ & 63) == 0 && shmq_now_ns() > spin_end_) break;         \
+        }                                                                        \
+    } while (0)
 
 static inline void shmq_futex_wait(uint32_t *word, uint32_t expect, uint64_t timeout_ns) {
     struct timespec ts = {(time_t)(timeout_ns / 1000000000ULL), (long)(timeout_ns % 1000000000ULL)};
@@ -773,10 +801,7 @@ static inline int shmq_readable(shmq_ring *r) {
  * holding the GIL. */
 static inline int shmq_wait_readable(shmq_ring *r, uint64_t timeout_ns) {
     shmq_header *h = r->hdr;
-    for (int i = 0; i < SHMQ_SPIN_ITERS; i++) {
-        if (shmq_readable(r)) return SHMQ_OK;
-        SHMQ_CPU_RELAX();
-    }
+    SHMQ_SPIN_UNTIL(shmq_readable(r));
     uint32_t seq = __atomic_load_n(&h->data_seq, __ATOMIC_ACQUIRE);
     __atomic_store_n(&h->consumer_waiting, 1, __ATOMIC_RELAXED);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -791,18 +816,24 @@ static inline int shmq_writable(shmq_ring *r, uint64_t need) {
 }
 
 /* Wait up to timeout_ns for `need` free bytes.  Call without the GIL. */
+/* Wait up to timeout_ns for `need` free bytes.  Call without the GIL.
+ * Only the first waiter spins (see SHMQ_SPIN_NS). */
 static inline int shmq_wait_writable(shmq_ring *r, uint64_t need, uint64_t timeout_ns) {
     shmq_header *h = r->hdr;
-    for (int i = 0; i < SHMQ_SPIN_ITERS; i++) {
-        if (shmq_writable(r, need)) return SHMQ_OK;
-        SHMQ_CPU_RELAX();
-    }
+    if (__atomic_load_n(&h->space_wanted, __ATOMIC_RELAXED) == 0)
+        SHMQ_SPIN_UNTIL(shmq_writable(r, need));
+    else if (shmq_writable(r, need))
+        return SHMQ_OK;
     uint32_t seq = __atomic_load_n(&h->space_seq, __ATOMIC_ACQUIRE);
-    __atomic_fetch_add(&h->producers_waiting, 1, __ATOMIC_SEQ_CST);
-    int ready = shmq_writable(r, need);
-    if (!ready) shmq_futex_wait(&h->space_seq, seq, timeout_ns);
-    __atomic_fetch_sub(&h->producers_waiting, 1, __ATOMIC_RELAXED);
-    return (ready || shmq_writable(r, need)) ? SHMQ_OK : SHMQ_TIMEOUT;
+    /* Announce the need (atomic max), then re-check: see "Waiting". */
+    uint64_t cur = __atomic_load_n(&h->space_wanted, __ATOMIC_RELAXED);
+    while (cur < need && !__atomic_compare_exchange_n(&h->space_wanted, &cur, need, 1,
+                                                      __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
+        ;
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (shmq_writable(r, need)) return SHMQ_OK;
+    shmq_futex_wait(&h->space_seq, seq, timeout_ns);
+    return shmq_writable(r, need) ? SHMQ_OK : SHMQ_TIMEOUT;
 }
 
 #endif /* SHMQ_RING_H */
