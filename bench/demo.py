@@ -21,10 +21,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median), after a warm-up")
     args = parser.parse_args(argv)
     nbytes = 1_200_000
-    transports = [ipc.ShmqCopy, ipc.ShmqView, ipc.MpQueue, ipc.FasterFifo, ipc.PickleSharedMemory]
     print(f"W5: 1 producer -> 1 consumer, {args.count} arrays of (1000, 150) float64 per round")
     print(machine())
-    for t in transports:
+    for t in ipc.TRANSPORTS:
         seconds = ipc.timed(t, nbytes, args.count, 1, args.repeats)
         record("W5 1.2 MB", t.name, nbytes, args.count, seconds)
         print(f"  measured {t.name}", flush=True)

@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from shmq import codec
 from shmq.errors import (Closed, Empty, Full, IncompatibleRing, MessageTooLarge, PeerLost,
                          ShmqError)
 
@@ -210,15 +211,16 @@ cdef class Mapping:
         return m
 
 
-# dtype <-> dtype.str caches: the hot path must not rebuild either.
+# dtype <-> dtype.str caches: the hot path must not rebuild either.  A
+# dtype maps to b"" when it cannot take the fast path.
 cdef dict _dtype_codes = {}
 cdef dict _code_dtypes = {}
 
 
-cdef inline bytes _dtype_code(cnp.dtype dt):
+cdef inline bytes _dtype_code(object dt):
     code = _dtype_codes.get(dt)
     if code is None:
-        code = dt.str.encode("ascii")
+        code = dt.str.encode("ascii") if _fast_path_dtype(dt) else b""
         _dtype_codes[dt] = code
     return code
 
@@ -509,12 +511,24 @@ cdef class Ring:
         _maybe_die(KILL_BEFORE_PUBLISH)
         shmq_publish(&self.r, pos, need)
 
+    def put(self, obj, object timeout):
+        """Copy obj into the ring: a C-contiguous array of a plain dtype as
+        one ARRAY record, anything else as a TREE record (codec.encode)."""
+        cdef bytes code
+        if type(obj) is np.ndarray and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>obj) and \
+                cnp.PyArray_NDIM(<cnp.ndarray>obj) <= <int>SHMQ_MAX_NDIM:
+            code = _dtype_code(<object><PyObject *>cnp.PyArray_DESCR(<cnp.ndarray>obj))
+            if code:
+                self._put_array(<cnp.ndarray>obj, code, timeout)
+                return
+        pickled, buffers = codec.encode(obj)
+        self.put_tree(pickled, buffers, timeout)
+
     @cython.boundscheck(False)
     @cython.wraparound(False)
-    def put_array(self, cnp.ndarray arr not None, object timeout):
+    cdef int _put_array(self, cnp.ndarray arr, bytes code, object timeout) except -1:
         """Fast path: one C-contiguous array of a plain dtype."""
         cdef int ndim = cnp.PyArray_NDIM(arr)
-        cdef bytes code = _dtype_code(<cnp.dtype><PyObject *>cnp.PyArray_DESCR(arr))
         cdef uint64_t nbytes = cnp.PyArray_NBYTES(arr)
         cdef uint64_t meta = sizeof(shmq_array_meta) + 8 * ndim + len(code)
         cdef uint64_t data_off = shmq_align_up(sizeof(shmq_record) + meta, SHMQ_RECORD_ALIGN)
@@ -538,6 +552,7 @@ cdef class Ring:
             _maybe_die(KILL_MID_COPY)
         _copy(<uint8_t *>rec + data_off, cnp.PyArray_DATA(arr), nbytes)
         self._publish(pos, need)
+        return 0
 
     def put_tree(self, bytes pickled, list buffers, object timeout):
         """A pickle-5 stream and its out-of-band buffers (PickleBuffer), in
@@ -580,7 +595,8 @@ cdef class Ring:
         if self.reserve_open:
             raise ShmqError(f"shmq queue {self.name!r}: this handle already holds a reservation; "
                             f"commit or cancel it (leave its `with` block) before reserving again")
-        if not _fast_path_dtype(dtype):
+        cdef bytes code = _dtype_code(dtype)
+        if not code:
             raise TypeError(f"reserve() needs a plain numeric, bool or fixed-width bytes/str dtype, "
                             f"not {dtype!r}")
         cdef int ndim = len(shape), i
@@ -593,7 +609,6 @@ cdef class Ring:
             nbytes *= <uint64_t>d
             if nbytes > self.r.capacity:
                 nbytes = self.r.capacity + 1  # too large either way; avoids overflow
-        cdef bytes code = _dtype_code(dtype)
         cdef uint64_t meta = sizeof(shmq_array_meta) + 8 * ndim + len(code)
         cdef uint64_t data_off = shmq_align_up(sizeof(shmq_record) + meta, SHMQ_RECORD_ALIGN)
         cdef uint64_t need = shmq_align_up(data_off + nbytes, SHMQ_RECORD_ALIGN)

@@ -49,8 +49,8 @@ def _capacity_for(capacity_bytes) -> int:
 
 
 def _check_timeout(timeout):
-    if timeout is None:
-        return None
+    if timeout is None or type(timeout) is float and timeout >= 0:
+        return timeout  # the common cases, without the checks below
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
     if timeout != timeout or timeout < 0:
@@ -130,18 +130,11 @@ class Queue:
         ``Full`` on timeout, ``Closed``/``PeerLost`` if the consumer closed or
         died, ``MessageTooLarge`` if it can never fit, ``TypeError`` for
         object arrays.  Non-contiguous arrays are copied contiguous first."""
-        timeout = _check_timeout(timeout)
-        if type(obj) is np.ndarray and obj.flags.c_contiguous and obj.ndim <= _core.MAX_NDIM:
-            dt = obj.dtype
-            if not dt.hasobject and dt.names is None and dt.subdtype is None and dt.itemsize:
-                self._ring.put_array(obj, timeout)
-                return
-        pickled, buffers = codec.encode(obj)
-        self._ring.put_tree(pickled, buffers, timeout)
+        self._ring.put(obj, _check_timeout(timeout))
 
     def put_nowait(self, obj) -> None:
         """``put(obj, timeout=0)``: raises ``Full`` at once if there is no room."""
-        self.put(obj, 0)
+        self._ring.put(obj, 0)
 
     def get(self, timeout: float | None = None):
         """Remove and return the next message, copied out of the ring (safe
