@@ -21,6 +21,7 @@ from posix.unistd cimport getpid
 
 from shmq._ring cimport *
 
+import math
 import os
 import pickle
 import time
@@ -526,31 +527,38 @@ cdef class Ring:
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
-    cdef int _put_array(self, cnp.ndarray arr, bytes code, object timeout) except -1:
-        """Fast path: one C-contiguous array of a plain dtype."""
-        cdef int ndim = cnp.PyArray_NDIM(arr)
-        cdef uint64_t nbytes = cnp.PyArray_NBYTES(arr)
+    cdef uint8_t *_claim_array_record(self, int ndim, cnp.npy_intp *dims, bytes code,
+                                      uint64_t nbytes, object timeout, uint64_t *pos,
+                                      uint64_t *need) except NULL:
+        """Claim an ARRAY record and write everything but the data; returns
+        where the data goes."""
         cdef uint64_t meta = sizeof(shmq_array_meta) + 8 * ndim + len(code)
         cdef uint64_t data_off = shmq_align_up(sizeof(shmq_record) + meta, SHMQ_RECORD_ALIGN)
-        cdef uint64_t need = shmq_align_up(data_off + nbytes, SHMQ_RECORD_ALIGN)
-        cdef uint64_t pos = self._claim(need, timeout)
+        need[0] = shmq_align_up(data_off + nbytes, SHMQ_RECORD_ALIGN)
+        pos[0] = self._claim(need[0], timeout)
         _maybe_die(KILL_AFTER_CLAIM)
-        cdef shmq_record *rec = self._start_record(pos, need, SHMQ_KIND_ARRAY, 1, meta)
+        cdef shmq_record *rec = self._start_record(pos[0], need[0], SHMQ_KIND_ARRAY, 1, meta)
         cdef shmq_array_meta *am = <shmq_array_meta *>(<uint8_t *>rec + sizeof(shmq_record))
         am.ndim = ndim
         am.dtype_chars = len(code)
         am.data_offset = data_off
         am.data_bytes = nbytes
         cdef uint64_t *shape = <uint64_t *>(<uint8_t *>am + sizeof(shmq_array_meta))
-        cdef cnp.npy_intp *dims = cnp.PyArray_DIMS(arr)
         cdef int i
         for i in range(ndim):
             shape[i] = dims[i]
         memcpy(<uint8_t *>(shape + ndim), <const char *>code, len(code))
+        return <uint8_t *>rec + data_off
+
+    cdef int _put_array(self, cnp.ndarray arr, bytes code, object timeout) except -1:
+        """Fast path: one C-contiguous array of a plain dtype."""
+        cdef uint64_t nbytes = cnp.PyArray_NBYTES(arr), pos, need
+        cdef uint8_t *data = self._claim_array_record(cnp.PyArray_NDIM(arr), cnp.PyArray_DIMS(arr),
+                                                      code, nbytes, timeout, &pos, &need)
         if _kill_point == KILL_MID_COPY:
-            _copy(<uint8_t *>rec + data_off, cnp.PyArray_DATA(arr), nbytes // 2)
+            _copy(data, cnp.PyArray_DATA(arr), nbytes // 2)
             _maybe_die(KILL_MID_COPY)
-        _copy(<uint8_t *>rec + data_off, cnp.PyArray_DATA(arr), nbytes)
+        _copy(data, cnp.PyArray_DATA(arr), nbytes)
         self._publish(pos, need)
         return 0
 
@@ -602,33 +610,22 @@ cdef class Ring:
         cdef int ndim = len(shape), i
         if ndim > <int>SHMQ_MAX_NDIM:
             raise ValueError(f"reserve() supports at most {SHMQ_MAX_NDIM} dimensions, got {ndim}")
-        cdef uint64_t nbytes = dtype.itemsize
-        for d in shape:
-            if d < 0:
-                raise ValueError(f"negative dimension in shape {shape!r}")
-            nbytes *= <uint64_t>d
-            if nbytes > self.r.capacity:
-                nbytes = self.r.capacity + 1  # too large either way; avoids overflow
-        cdef uint64_t meta = sizeof(shmq_array_meta) + 8 * ndim + len(code)
-        cdef uint64_t data_off = shmq_align_up(sizeof(shmq_record) + meta, SHMQ_RECORD_ALIGN)
-        cdef uint64_t need = shmq_align_up(data_off + nbytes, SHMQ_RECORD_ALIGN)
-        cdef uint64_t pos = self._claim(need, timeout)
-        cdef shmq_record *rec = self._start_record(pos, need, SHMQ_KIND_ARRAY, 1, meta)
-        cdef shmq_array_meta *am = <shmq_array_meta *>(<uint8_t *>rec + sizeof(shmq_record))
-        am.ndim = ndim
-        am.dtype_chars = len(code)
-        am.data_offset = data_off
-        am.data_bytes = nbytes
-        cdef uint64_t *sh = <uint64_t *>(<uint8_t *>am + sizeof(shmq_array_meta))
+        if any(d < 0 for d in shape):
+            raise ValueError(f"negative dimension in shape {shape!r}")
+        size = dtype.itemsize * math.prod(shape)  # a Python int: cannot overflow
+        if size > self.r.capacity:
+            raise MessageTooLarge(
+                f"shmq queue {self.name!r}: reserve({shape}, {dtype}) needs {size} bytes but the "
+                f"ring holds {self.r.capacity}; create the queue with capacity_bytes >= {size + 4096}")
         cdef cnp.npy_intp dims[32]
         for i in range(ndim):
-            sh[i] = shape[i]
             dims[i] = shape[i]
-        memcpy(<uint8_t *>(sh + ndim), <const char *>code, len(code))
+        cdef uint64_t pos, need
+        cdef uint8_t *data = self._claim_array_record(ndim, dims, code, size, timeout, &pos, &need)
         self.reserve_open = True
         self.reserve_pos = pos
         self.reserve_bytes = need
-        return self._view_array(<uint8_t *>rec + data_off, ndim, dims, dtype)
+        return self._view_array(data, ndim, dims, dtype)
 
     def commit_reserved(self):
         if not self.reserve_open:
