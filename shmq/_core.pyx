@@ -283,6 +283,13 @@ cdef class Ring:
     cdef uint64_t reserve_pos, reserve_bytes
     cdef int32_t child_slot   # reserved in the parent for a child being forked
 
+    def __dealloc__(self):
+        # A handle dropped without close() must not keep counting as a live
+        # producer; the mapping is still referenced here, so the slot is safe
+        # to touch.
+        if not self.closed and self.mapping is not None and self.r.slot >= 0:
+            shmq_slot_close(&self.r, self.r.slot)
+
     # --- construction -----------------------------------------------------
 
     @staticmethod

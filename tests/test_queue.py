@@ -344,3 +344,23 @@ def test_public_surface():
          "MessageTooLarge", "ShmFull"])
     for name in shmq.__all__[1:]:
         assert issubclass(getattr(shmq, name), shmq.ShmqError)
+
+
+def test_dropped_ring_handle_closes_its_slot():
+    """A handle garbage-collected without close() stops counting as a
+    producer; otherwise the consumer would wait for it until this process
+    exits."""
+    import os
+
+    from shmq import segment
+
+    with shmq.Queue(1 << 16) as q:
+        fd, size, head = segment.open_existing(q.name)
+        ring = _core.Ring.attach(fd, size, head, q.name)
+        os.close(fd)
+        ring.put(np.ones(1), None)
+        del ring
+        gc.collect()
+        assert q.get(timeout=0).tolist() == [1.0]
+        with pytest.raises(shmq.Closed):
+            q.get(timeout=1)
