@@ -457,8 +457,12 @@ static inline uint8_t *shmq_at(const shmq_ring *r, uint64_t pos) { return r->dat
 /* ------------------------------------------------------------------------ */
 
 /* A slot may be taken over when it is free, closed, or its owner is dead and
- * holds no claim the consumer has not yet passed. */
-static inline int shmq_slot_reusable(const shmq_ring *r, const shmq_slot *s, uint64_t owner) {
+ * holds no claim the consumer has not yet passed.  The registered
+ * consumer's slot is never taken over: it is how producers learn that the
+ * consumer closed or died (only shmq_take_role replaces a dead consumer). */
+static inline int shmq_slot_reusable(const shmq_ring *r, uint32_t i, const shmq_slot *s,
+                                     uint64_t owner) {
+    if ((int32_t)i == __atomic_load_n(&r->hdr->consumer_slot, __ATOMIC_ACQUIRE)) return 0;
     uint32_t st = (uint32_t)owner & SHMQ_SLOT_STATE_MASK;
     if (st == SHMQ_SLOT_FREE || st == SHMQ_SLOT_CLOSED) return 1;
     if (st == SHMQ_SLOT_OPEN && shmq_owner_alive(s, owner)) return 0;
@@ -477,7 +481,7 @@ static inline int32_t shmq_slot_acquire(shmq_ring *r, uint32_t pid, uint64_t sta
     for (uint32_t i = 0; i < n; i++) {
         shmq_slot *s = &r->slots[i];
         uint64_t old = __atomic_load_n(&s->owner, __ATOMIC_ACQUIRE);
-        if (!shmq_slot_reusable(r, s, old)) continue;
+        if (!shmq_slot_reusable(r, i, s, old)) continue;
         /* A dead-but-OPEN owner is first retired as GONE so it is counted. */
         uint32_t st = (uint32_t)old & SHMQ_SLOT_STATE_MASK;
         uint64_t mine = ((uint64_t)pid << 32) | flags;

@@ -364,3 +364,19 @@ def test_dropped_ring_handle_closes_its_slot():
         assert q.get(timeout=0).tolist() == [1.0]
         with pytest.raises(shmq.Closed):
             q.get(timeout=1)
+
+
+def test_closed_consumer_slot_is_not_reused_by_a_later_attach():
+    """The consumer's slot is its tombstone: a handle attached after the
+    consumer closed must not take it over and hide that close from
+    producers."""
+    with shmq.Queue(4096) as q:
+        consumer = shmq.Queue.attach(q.name)
+        q.put(np.zeros(10, np.uint8))
+        consumer.get(timeout=0)
+        consumer.close()
+        late = shmq.Queue.attach(q.name)
+        q.put(np.zeros(3000, np.uint8))
+        with pytest.raises(shmq.Closed, match="consumer .* closed"):
+            q.put(np.zeros(3000, np.uint8), timeout=5)
+        late.close()
