@@ -6,15 +6,21 @@
     with q.get_view() as obj: ...               # zero-copy read
     with q.reserve(shape, dtype) as arr: ...    # zero-copy write
 
+    a = shmq.shared_array(16, "i8")             # anonymous shared memory for forked children
+    shmq.atomic_add(a, 0, 1)                    # atomic fetch-and-add on it
+
 Linux only (POSIX shared memory in /dev/shm, futexes, /proc).
 """
 
 from shmq.errors import (Closed, Empty, Full, IncompatibleRing, MessageTooLarge, PeerLost,
                          ShmFull, ShmqError)
+from shmq._core import atomic_add, shared_array
 from shmq.queue import Queue
 
 __all__ = [
     "Queue",
+    "shared_array",
+    "atomic_add",
     "ShmqError",
     "Full",
     "Empty",

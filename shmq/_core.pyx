@@ -38,6 +38,11 @@ cdef extern from "sys/mman.h" nogil:
     int MAP_POPULATE
     int MAP_NORESERVE
 
+cdef extern from *:
+    # GCC/Clang builtin, the same primitive shmq_ring.h uses.
+    int64_t __atomic_fetch_add(int64_t *ptr, int64_t val, int memorder) nogil
+    int __ATOMIC_SEQ_CST
+
 cdef extern from "signal.h" nogil:
     int SIGKILL
 
@@ -210,6 +215,42 @@ cdef class Mapping:
             raise OSError(errno, f"cannot map the shmq data region a second time: "
                                  f"{os.strerror(errno)}")
         return m
+
+
+def shared_array(shape, dtype=np.uint8):
+    """A zero-filled array in anonymous shared memory.
+
+    Processes forked after this call share it; it has no name, so no crash
+    can leak it, and it is freed when the last process drops it.  Pages are
+    reserved on first touch (MAP_NORESERVE), so a large array costs nothing
+    until used; not limited by the size of /dev/shm."""
+    dt = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    cdef uint64_t nbytes = dt.itemsize * math.prod(shape)
+    cdef Mapping m = Mapping.__new__(Mapping)
+    cdef size_t length = max(<uint64_t>1, nbytes)
+    cdef void *p = mmap(NULL, length, PROT_READ | PROT_WRITE,
+                        MAP_SHARED | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+    if p == MAP_FAILED:
+        raise OSError(errno, f"cannot map {nbytes} bytes of shared memory: {os.strerror(errno)}")
+    m.base = <uint8_t *>p
+    m.length = length
+    cdef cnp.npy_intp n = nbytes
+    flat = cnp.PyArray_SimpleNewFromData(1, &n, cnp.NPY_UINT8, p)
+    Py_INCREF(m)  # PyArray_SetBaseObject steals a reference
+    cnp.PyArray_SetBaseObject(flat, m)
+    return flat.view(dt).reshape(shape)
+
+
+def atomic_add(cnp.ndarray arr not None, Py_ssize_t index, int64_t delta):
+    """Atomically add delta to arr[index] (an int64 array, e.g. from
+    shared_array) and return the value before the addition."""
+    if arr.dtype != np.int64 or not arr.flags.c_contiguous or arr.ndim != 1:
+        raise TypeError("atomic_add needs a 1-d C-contiguous int64 array")
+    if not 0 <= index < arr.shape[0]:
+        raise IndexError(f"index {index} out of range for an array of {arr.shape[0]}")
+    cdef int64_t *word = <int64_t *>cnp.PyArray_DATA(arr) + index
+    return __atomic_fetch_add(word, delta, __ATOMIC_SEQ_CST)
 
 
 # dtype <-> dtype.str caches: the hot path must not rebuild either.  A

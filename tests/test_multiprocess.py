@@ -268,3 +268,24 @@ def test_ctrl_c_interrupts_a_blocking_call(procs, blocked_in):
         assert out.strip() == "interrupted", err
         assert child.returncode == 0, err
         assert elapsed < 1.0  # 0.5 s budget for the interrupt, the rest is interpreter exit
+
+
+# --- fork-shared memory ------------------------------------------------------
+
+def add_many(counter, n):
+    for _ in range(n):
+        shmq.atomic_add(counter, 0, 1)
+
+
+def test_shared_array_and_atomic_add_across_forks(procs):
+    counter = shmq.shared_array(8, "i8")
+    data = shmq.shared_array((4, 3), np.float32)
+    assert counter.tolist() == [0] * 8 and data.shape == (4, 3) and not data.any()
+    for _ in range(4):
+        procs.fork(add_many, counter, 20_000)
+    assert procs.join_all() == []
+    assert counter[0] == 80_000  # no lost update
+    with pytest.raises(TypeError):
+        shmq.atomic_add(data.reshape(-1), 0, 1)
+    with pytest.raises(IndexError):
+        shmq.atomic_add(counter, 8, 1)
