@@ -1,0 +1,285 @@
+"""ShmLoader: the main-process side.  See NOTE [ ShmLoader processes and
+shutdown ] in _protocol.py for the processes and how they stop."""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import threading
+import time
+import warnings
+import weakref
+
+import numpy as np
+
+import shmq
+from loader import _protocol as P
+from loader._collate import materialize
+from loader._collator import collator_main
+from loader._slabs import MAX_LEASES, lease_slab
+from loader._worker import worker_main
+
+__all__ = ["ShmLoader", "WorkerError", "LoaderTimeout"]
+
+_fork = mp.get_context("fork")
+_live_loaders: "weakref.WeakSet[ShmLoader]" = weakref.WeakSet()
+
+
+class WorkerError(RuntimeError):
+    """A worker or the collator failed.  The message carries the original
+    traceback (or the signal or exit code), the worker id, its pid and the
+    sample index."""
+
+
+class LoaderTimeout(WorkerError, TimeoutError):
+    """No batch arrived within the loader's ``timeout``."""
+
+
+def _default_memory_cap() -> int:
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1 << 30, pages // 4)
+
+
+class ShmLoader:
+    """Batches from arbitrary Python preprocessing, at memory speed.
+
+    Forked workers run ``dataset[i]`` (or iterate an iterable dataset); a
+    collator process writes each sample into its row of a batch slab in
+    shared memory; iterating yields numpy arrays (or torch tensors with
+    ``output="torch"``) that view those slabs: no copy, no unpickling in
+    the training loop.  A slab is reused only when every array of its batch
+    is gone, so batches you keep stay intact.
+    """
+
+    def __init__(self, dataset, batch_size=1, shuffle=False, sampler=None, num_workers=2,
+                 collate_fn=None, drop_last=False, in_order=True, prefetch=None,
+                 persistent_workers=True, worker_init_fn=None, seed=None, timeout=None,
+                 output="numpy", memory_cap_bytes=None):
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+            raise ValueError(f"num_workers must be an int >= 1 (ShmLoader always uses worker "
+                             f"processes), got {num_workers!r}")
+        if output not in ("numpy", "torch"):
+            raise ValueError(f"output must be 'numpy' or 'torch', got {output!r}")
+        if sampler is not None and shuffle:
+            raise ValueError("sampler and shuffle=True are exclusive: shuffle inside the sampler")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 1):
+            raise ValueError(f"prefetch must be a positive number of batches or None, got {prefetch!r}")
+        self.iterable = not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"))
+        if self.iterable and (sampler is not None or shuffle):
+            raise ValueError("an iterable dataset orders its own samples: sampler and shuffle "
+                             "apply to map-style datasets (with __getitem__ and __len__) only")
+        self.dataset, self.batch_size, self.shuffle, self.sampler = dataset, batch_size, shuffle, sampler
+        self.num_workers, self.collate_fn, self.drop_last, self.in_order = (
+            num_workers, collate_fn, drop_last, in_order)
+        self.prefetch = prefetch if prefetch is not None else 3
+        self.persistent_workers, self.worker_init_fn, self.timeout = (
+            persistent_workers, worker_init_fn, timeout)
+        self.output = output
+        self.seed = seed if seed is not None else secrets.randbits(63)
+        self.memory_cap_bytes = memory_cap_bytes or _default_memory_cap()
+        self._epoch = 0
+        self._owner_pid = os.getpid()
+        self._procs: list = []
+        self._closed = False
+        _live_loaders.add(self)
+
+    # --- sizes and order -------------------------------------------------------
+
+    def _positions(self, epoch) -> np.ndarray:
+        if self.sampler is not None:
+            order = np.fromiter((int(i) for i in self.sampler), dtype=np.int64)
+        elif self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+        else:
+            order = np.arange(len(self.dataset), dtype=np.int64)
+        if self.drop_last:
+            order = order[:len(order) // self.batch_size * self.batch_size]
+        return order.astype(np.int64, copy=False)
+
+    def __len__(self):
+        if self.iterable:
+            raise TypeError("an iterable dataset has no length; ShmLoader cannot know its "
+                            "number of batches")
+        n = len(self.sampler) if self.sampler is not None else len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    # --- processes -------------------------------------------------------------
+
+    def _start(self):
+        if threading.active_count() > 1:
+            warnings.warn(
+                f"ShmLoader forks {self.num_workers} workers from a process running "
+                f"{threading.active_count()} threads; a lock held by another thread at the fork "
+                f"stays locked in the workers and can hang them. Create the loader (and "
+                f"iterate it once) before starting threads", RuntimeWarning, stacklevel=3)
+        self.ctl = shmq.shared_array(P.CTL_WORDS, np.int64)
+        self.released = shmq.shared_array(MAX_LEASES, np.int64)
+        self.arena = shmq.shared_array(self.memory_cap_bytes, np.uint8)
+        # Rings: every child inherits them by fork, so their names go at once.
+        self.to_collator = shmq.Queue(64 << 20, multi_producer=True)
+        self.to_main = shmq.Queue(4 << 20)
+        self.tasks = [shmq.Queue(1 << 20) for _ in range(self.num_workers)]
+        for q in (self.to_collator, self.to_main, *self.tasks):
+            q.unlink()
+        parent = os.getpid()
+        self._procs = [_fork.Process(
+            target=worker_main, name=f"ShmLoader worker {i}", daemon=True,
+            args=(i, self.num_workers, self.dataset, self.tasks[i], self.to_collator, self.ctl,
+                  self.worker_init_fn, parent)) for i in range(self.num_workers)]
+        self._procs.append(_fork.Process(
+            target=collator_main, name="ShmLoader collator", daemon=True,
+            args=(self.to_collator, self.to_main, self.arena, self.released, self.batch_size,
+                  self.drop_last, self.in_order, self.collate_fn, self.num_workers, parent)))
+        for p in self._procs:
+            p.start()
+
+    def _check_children(self):
+        for i, p in enumerate(self._procs):
+            code = p.exitcode
+            if code is None:
+                continue
+            who = "the collator" if i == self.num_workers else f"worker {i}"
+            if code < 0:
+                how = f"was killed by signal {signal.Signals(-code).name}"
+            else:
+                how = f"exited unexpectedly with exit code {code}"
+            hint = (" (SIGKILL is often the out-of-memory killer: check `dmesg`, use smaller "
+                    "batches or fewer workers)" if code == -signal.SIGKILL else "")
+            raise WorkerError(f"ShmLoader: {who} (pid {p.pid}) {how}{hint}")
+
+    def _shutdown(self):
+        """See NOTE [ ShmLoader processes and shutdown ] in _protocol.py."""
+        if not self._procs:
+            return
+        self.ctl[P.EPOCH] = P.STOPPED
+        for q in (*self.tasks, self.to_collator):
+            try:
+                q.put((P.STOP,), timeout=0.5)
+            except (shmq.ShmqError, ValueError):
+                pass  # that process is gone or stuck: join/kill below handles it
+        deadline = time.monotonic() + P.JOIN_TIMEOUT_S
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        for q in (self.to_collator, self.to_main, *self.tasks):
+            q.close()
+        self._procs = []
+
+    def close(self):
+        """Stop the workers and the collator.  Batches you hold stay valid."""
+        if self._closed:
+            return
+        self._closed = True
+        self._shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_procs", None) and os.getpid() == self._owner_pid:
+            self.close()
+
+    # --- iteration -------------------------------------------------------------
+
+    def __iter__(self):
+        if self._closed:
+            raise ValueError("this ShmLoader is closed; create a new one")
+        if not self._procs:
+            self._start()
+        self._epoch += 1
+        return self._run_epoch(self._epoch)
+
+    def _receive(self):
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            try:
+                return self.to_main.get(timeout=P.WAIT_SLICE_S)
+            except shmq.Empty:
+                self._check_children()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise LoaderTimeout(
+                        f"ShmLoader: no batch within timeout={self.timeout}s; a worker may be "
+                        f"stuck in dataset[...] (workers: "
+                        f"{[p.pid for p in self._procs[:self.num_workers]]})") from None
+
+    def _run_epoch(self, epoch):
+        order = None if self.iterable else self._positions(epoch)
+        n = None if order is None else len(order)
+        nbatches = None if n is None else -(-n // self.batch_size)
+        self.ctl[P.CURSOR] = 0
+        self.ctl[P.LIMIT] = self.prefetch * self.batch_size
+        self.ctl[P.EPOCH] = epoch
+        self.to_collator.put((P.EPOCH_START, epoch, n))
+        chunks = [None] if order is None else [order[i:i + P.ORDER_CHUNK]
+                                               for i in range(0, max(n, 1), P.ORDER_CHUNK)]
+        for q in self.tasks:
+            for i, chunk in enumerate(chunks):
+                q.put((P.EPOCH_START, epoch, chunk, self.seed, i == len(chunks) - 1))
+        pending = {}
+        yielded = 0
+        total = nbatches
+        finished = False
+        try:
+            while total is None or yielded < total:
+                msg = self._receive()
+                kind = msg[0]
+                if kind == P.MEMORY_WAIT:
+                    warnings.warn(
+                        f"ShmLoader: all {msg[2]} bytes of batch memory are held by {msg[3]} "
+                        f"batches your code still references ({msg[1]} bytes); waiting for some to "
+                        f"be dropped. Keep fewer batches (copy what you keep) or pass a larger "
+                        f"memory_cap_bytes", ResourceWarning, stacklevel=2)
+                    continue
+                if msg[1] != epoch:
+                    if kind == P.BATCH:
+                        self.released[msg[3]] = msg[4]  # a batch of an abandoned epoch
+                    continue
+                if kind == P.ERROR:
+                    _, _, pos, index, wid, pid, text = msg
+                    who = "the collator" if wid < 0 else f"worker {wid}"
+                    at = f" on sample index {index} (position {pos})" if index >= 0 else ""
+                    raise WorkerError(f"ShmLoader: {who} (pid {pid}) raised{at}:\n{text}")
+                if kind == P.END:
+                    total = msg[2]
+                    continue
+                pending[msg[2]] = msg
+                key = yielded if self.in_order and not self.iterable else msg[2]
+                while key in pending:
+                    batch = self._batch(pending.pop(key))
+                    yielded += 1
+                    self.ctl[P.LIMIT] = (yielded + self.prefetch) * self.batch_size
+                    yield batch
+                    key = yielded if self.in_order and not self.iterable else None
+            finished = True
+        finally:
+            if not finished:
+                self.ctl[P.EPOCH] = -epoch  # workers stop pulling this epoch's samples
+                for msg in pending.values():
+                    self.released[msg[3]] = msg[4]
+            if not self.persistent_workers:
+                self._shutdown()
+
+    def _batch(self, msg):
+        _, _, _, lease, generation, offset, nbytes, spec = msg
+        slab = lease_slab(self.arena, self.released, lease, generation, offset, nbytes)
+        return materialize(spec, slab, self.output == "torch")
+
+
+def _close_all():
+    for loader in list(_live_loaders):
+        loader.close()
+
+
+atexit.register(_close_all)

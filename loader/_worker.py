@@ -1,0 +1,154 @@
+"""Worker processes: run dataset[i] (or iterate an iterable dataset) and
+send each sample to the collator.  See NOTE [ ShmLoader processes and
+shutdown ] in _protocol.py."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+
+import shmq
+from loader import _protocol as P
+
+_worker_info = None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    id: int
+    num_workers: int
+    seed: int
+    dataset: object
+
+
+def get_worker_info() -> WorkerInfo | None:
+    """Inside a worker: its id, the number of workers, its seed for the
+    current epoch and its copy of the dataset.  None in the main process."""
+    return _worker_info
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies, and
+    ignore Ctrl-C (main handles it); see the NOTE in _protocol.py."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def worker_seed(base_seed: int, epoch: int, worker_id: int) -> int:
+    """Distinct per worker and per epoch, the same across runs for the same
+    base seed."""
+    return int(np.random.SeedSequence([base_seed, epoch, worker_id]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+
+
+def _next_task(tasks: shmq.Queue, parent_pid: int):
+    while True:
+        try:
+            return tasks.get(timeout=P.WAIT_SLICE_S)
+        except shmq.Empty:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+
+def _epoch_task(tasks, parent_pid):
+    """The next epoch as (epoch, order or None, base seed), or None to stop.
+    An order arrives in chunks so that no message outgrows the ring."""
+    chunks = []
+    while True:
+        msg = _next_task(tasks, parent_pid)
+        if msg[0] == P.STOP:
+            return None
+        _, epoch, chunk, base_seed, last = msg
+        if chunk is not None:
+            chunks.append(chunk)
+        if last:
+            order = np.concatenate(chunks) if chunks else None
+            return epoch, order, base_seed
+
+
+def worker_main(worker_id, num_workers, dataset, tasks, to_collator, ctl, worker_init_fn,
+                parent_pid):
+    global _worker_info
+    die_with_parent(parent_pid)
+    iterable = not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__")
+    init_pending = worker_init_fn is not None
+    while (task := _epoch_task(tasks, parent_pid)) is not None:
+        epoch, order, base_seed = task
+        seed = worker_seed(base_seed, epoch, worker_id)
+        _worker_info = WorkerInfo(worker_id, num_workers, seed, dataset)
+        seed_everything(seed)
+        try:
+            if init_pending:
+                init_pending = False
+                worker_init_fn(worker_id)
+            if iterable:
+                _run_iterable(epoch, worker_id, dataset, to_collator, ctl, parent_pid)
+            else:
+                _run_map(epoch, worker_id, dataset, order, to_collator, ctl, parent_pid)
+        except _Failed:
+            pass  # reported to the collator; main raises it
+        to_collator.put((P.DONE, epoch, worker_id))
+    tasks.close()
+    to_collator.close()
+    os._exit(0)
+
+
+class _Failed(Exception):
+    """A sample (or worker_init_fn) raised; the error is already sent."""
+
+
+def _report(to_collator, epoch, pos, index, worker_id):
+    to_collator.put((P.ERROR, epoch, pos, index, worker_id, os.getpid(), traceback.format_exc()))
+    raise _Failed
+
+
+def _claim_position(ctl, epoch, parent_pid):
+    """The next position, after waiting until main allows it (prefetch)."""
+    pos = shmq.atomic_add(ctl, P.CURSOR, 1)
+    while pos >= ctl[P.LIMIT] and ctl[P.EPOCH] == epoch:
+        time.sleep(0.0005)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+    return pos
+
+
+def _run_map(epoch, worker_id, dataset, order, to_collator, ctl, parent_pid):
+    n = len(order)
+    while ctl[P.EPOCH] == epoch:
+        pos = _claim_position(ctl, epoch, parent_pid)
+        if pos >= n or ctl[P.EPOCH] != epoch:
+            return
+        index = int(order[pos])
+        try:
+            sample = dataset[index]
+        except Exception:
+            _report(to_collator, epoch, pos, index, worker_id)
+        to_collator.put((P.SAMPLE, epoch, pos, sample))
+
+
+def _run_iterable(epoch, worker_id, dataset, to_collator, ctl, parent_pid):
+    try:
+        for sample in dataset:
+            if _claim_position(ctl, epoch, parent_pid) < 0 or ctl[P.EPOCH] != epoch:
+                return
+            to_collator.put((P.SAMPLE, epoch, -1, sample))
+    except Exception:
+        _report(to_collator, epoch, -1, -1, worker_id)

@@ -1,0 +1,332 @@
+"""ShmLoader: exact contents, ordering, lifetimes and failures (R2-R7, R14).
+Every test is time-limited; the autouse guard checks /dev/shm, and
+`no_children` checks that no loader process outlives its loader."""
+
+import gc
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from conftest import wait_until
+from loader import LoaderTimeout, ShmLoader, WorkerError, get_worker_info
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def no_children():
+    yield
+    gc.collect()
+    assert wait_until(lambda: not mp.active_children(), 5), f"left running: {mp.active_children()}"
+
+
+class Numbers:
+    """Sample i is a dict whose every leaf encodes i."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"x": np.full((2, 3), i, np.float32), "i": i, "name": f"s{i}",
+                "pair": (np.int16(i % 100), np.arange(4) + i)}
+
+
+def indices(batch):
+    i = batch["i"]
+    np.testing.assert_array_equal(batch["x"], np.broadcast_to(i[:, None, None], (len(i), 2, 3)))
+    assert batch["name"] == [f"s{k}" for k in i.tolist()]
+    np.testing.assert_array_equal(batch["pair"][1], np.arange(4)[None, :] + i[:, None])
+    return i.tolist()
+
+
+@pytest.mark.parametrize("n,batch_size,drop_last", [(100, 7, False), (100, 7, True), (64, 16, False)])
+def test_in_order_exact_batches_over_epochs(n, batch_size, drop_last):
+    with ShmLoader(Numbers(n), batch_size=batch_size, num_workers=2, drop_last=drop_last) as loader:
+        expected = n // batch_size * batch_size if drop_last else n
+        assert len(loader) == -(-expected // batch_size)
+        for _ in range(3):
+            batches = [indices(b) for b in loader]
+            assert [k for b in batches for k in b] == list(range(expected))
+            assert all(len(b) == batch_size for b in batches[:-1])
+
+
+def test_default_collate_types():
+    with ShmLoader(Numbers(10), batch_size=4, num_workers=2) as loader:
+        b = next(iter(loader))
+        assert b["x"].dtype == np.float32 and b["x"].shape == (4, 2, 3)
+        assert b["i"].dtype == np.int64 and b["i"].tolist() == [0, 1, 2, 3]
+        assert b["pair"][0].dtype == np.int16 and isinstance(b["pair"], tuple)
+        assert b["name"] == ["s0", "s1", "s2", "s3"]
+
+
+def test_shuffle_is_exactly_once_deterministic_and_differs_between_epochs():
+    def epochs(seed):
+        with ShmLoader(Numbers(50), batch_size=8, shuffle=True, seed=seed, num_workers=2) as loader:
+            return [[k for b in loader for k in indices(b)] for _ in range(2)]
+
+    first, again = epochs(7), epochs(7)
+    assert first == again
+    assert sorted(first[0]) == sorted(first[1]) == list(range(50))
+    assert first[0] != first[1] and first[0] != list(range(50))
+    assert epochs(8)[0] != first[0]
+
+
+def test_first_ready_is_exactly_once():
+    class Slow(Numbers):
+        def __getitem__(self, i):
+            if i == 3:
+                time.sleep(0.3)  # in order, this would hold batch 0 back
+            return super().__getitem__(i)
+
+    with ShmLoader(Slow(40), batch_size=4, num_workers=2, in_order=False) as loader:
+        got = [indices(b) for b in loader]
+    flat = [k for b in got for k in b]
+    assert sorted(flat) == list(range(40))
+    assert 3 not in got[0]
+
+
+def test_sampler_and_len():
+    with ShmLoader(Numbers(30), batch_size=4, sampler=[5, 3, 29, 0, 7], num_workers=2) as loader:
+        assert len(loader) == 2
+        assert [indices(b) for b in loader] == [[5, 3, 29, 0], [7]]
+
+
+def test_custom_collate_fn_output_is_zero_copy():
+    def collate(samples):
+        return {"sum": np.stack([s["x"] for s in samples]).sum(axis=0), "n": len(samples),
+                "ids": np.array([s["i"] for s in samples])}
+
+    with ShmLoader(Numbers(9), batch_size=4, collate_fn=collate, num_workers=2) as loader:
+        out = list(loader)
+    assert [b["n"] for b in out] == [4, 4, 1]
+    assert [b["ids"].tolist() for b in out] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    np.testing.assert_array_equal(out[1]["sum"], np.full((2, 3), 4 + 5 + 6 + 7, np.float32))
+
+
+class Shards:
+    """Iterable dataset; each worker yields its share (as in PyTorch)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        for i in range(info.id, self.n, info.num_workers):
+            yield np.array([i, info.id])
+
+
+def test_iterable_dataset_sharded_by_worker_info():
+    with ShmLoader(Shards(23), batch_size=5, num_workers=3) as loader:
+        for _ in range(2):
+            batches = list(loader)
+            rows = np.concatenate(batches)
+            assert sorted(rows[:, 0].tolist()) == list(range(23))
+            assert set(rows[:, 1].tolist()) == {0, 1, 2}
+            assert [len(b) for b in batches].count(5) == 4
+        with pytest.raises(TypeError, match="no length"):
+            len(loader)
+
+
+def test_dataset_growth_between_epochs_is_seen():
+    ds = Numbers(10)
+    with ShmLoader(ds, batch_size=4, num_workers=2) as loader:
+        assert [k for b in loader for k in indices(b)] == list(range(10))
+        ds.n = 15
+        assert [k for b in loader for k in indices(b)] == list(range(15))
+
+
+class Seeds:
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        return np.array([info.id, info.seed % 1000, np.random.randint(1 << 30)])
+
+
+def test_worker_seeding_differs_per_worker_and_repeats_across_runs():
+    def run():
+        with ShmLoader(Seeds(), batch_size=8, num_workers=2, seed=3) as loader:
+            rows = next(iter(loader))
+            return {int(r[0]): int(r[1]) for r in rows}
+
+    a, b = run(), run()
+    assert a == b and len(set(a.values())) == len(a)
+    assert get_worker_info() is None
+
+
+def test_kept_batches_stay_intact_after_more_batches_close_and_del():
+    """R14: data the user holds is never overwritten."""
+    loader = ShmLoader(Numbers(200), batch_size=10, num_workers=2, memory_cap_bytes=1 << 20)
+    kept = []
+    for epoch in range(2):
+        for k, b in enumerate(loader):
+            if k % 3 == 0:
+                kept.append((b, indices(b)))
+    loader.close()
+    del loader
+    gc.collect()
+    for b, ids in kept:
+        assert indices(b) == ids
+
+
+def test_torch_output_shares_slab_memory():
+    torch = pytest.importorskip("torch")
+    with ShmLoader(Numbers(6), batch_size=3, num_workers=2, output="torch") as loader:
+        b = next(iter(loader))
+    assert isinstance(b["x"], torch.Tensor) and b["x"].shape == (3, 2, 3)
+    assert b["i"].tolist() == [0, 1, 2]
+    assert not b["x"].numpy().flags.owndata
+
+
+# --- failures --------------------------------------------------------------------
+
+class Failing(Numbers):
+    def __init__(self, n, bad, how):
+        super().__init__(n)
+        self.bad, self.how = bad, how
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            if self.how == "raise":
+                raise KeyError(f"no sample {i}")
+            if self.how == "exit":
+                os._exit(3)
+            if self.how == "segfault":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            if self.how == "hang":
+                time.sleep(600)
+        return super().__getitem__(i)
+
+
+def test_worker_exception_is_reraised_with_traceback_and_index():
+    with ShmLoader(Failing(50, 17, "raise"), batch_size=4, num_workers=2) as loader:
+        with pytest.raises(WorkerError) as info:
+            list(loader)
+    text = str(info.value)
+    assert "KeyError: 'no sample 17'" in text and "sample index 17" in text
+    assert "Traceback" in text and "__getitem__" in text and "worker" in text
+
+
+@pytest.mark.parametrize("how,expect", [("exit", "exit code 3"), ("segfault", "signal SIGSEGV")])
+def test_worker_death_is_reported_within_two_seconds(how, expect):
+    with ShmLoader(Failing(50, 9, how), batch_size=4, num_workers=2) as loader:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=expect) as info:
+            list(loader)
+        assert time.monotonic() - t0 < 2.0
+        assert "pid" in str(info.value)
+
+
+def test_collator_killed_is_reported():
+    with ShmLoader(Numbers(10_000), batch_size=4, num_workers=2) as loader:
+        it = iter(loader)
+        next(it)
+        os.kill(loader._procs[-1].pid, signal.SIGKILL)
+        with pytest.raises(WorkerError, match="collator .* signal SIGKILL"):
+            for _ in it:
+                pass
+
+
+def test_timeout_on_a_hung_worker():
+    with ShmLoader(Failing(50, 0, "hang"), batch_size=4, num_workers=1, timeout=0.5) as loader:
+        t0 = time.monotonic()
+        with pytest.raises(LoaderTimeout, match="timeout=0.5"):
+            list(loader)
+        assert time.monotonic() - t0 < 2.0
+
+
+def test_break_then_next_epoch_is_clean():
+    with ShmLoader(Numbers(1000), batch_size=10, num_workers=2) as loader:
+        for k, b in enumerate(loader):
+            if k == 2:
+                break
+        assert [k for b in loader for k in indices(b)] == list(range(1000))
+
+
+def test_del_and_garbage_collection_stop_the_children():
+    loader = ShmLoader(Numbers(1000), batch_size=10, num_workers=2)
+    next(iter(loader))
+    pids = [p.pid for p in loader._procs]
+    del loader
+    gc.collect()
+    assert wait_until(lambda: not mp.active_children(), 5)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_bad_arguments():
+    for kwargs, match in [({"batch_size": 0}, "batch_size"), ({"num_workers": 0}, "num_workers"),
+                          ({"output": "jax"}, "output"), ({"timeout": -1}, "timeout"),
+                          ({"shuffle": True, "sampler": [1]}, "exclusive")]:
+        with pytest.raises(ValueError, match=match):
+            ShmLoader(Numbers(4), **kwargs)
+
+
+CHILD = textwrap.dedent("""
+    import os, sys, time, numpy as np
+    from loader import ShmLoader
+    class Forever:
+        def __len__(self): return 10**6
+        def __getitem__(self, i): return np.zeros(1000)
+    loader = ShmLoader(Forever(), batch_size=4, num_workers=2)
+    it = iter(loader)
+    next(it)
+    print(" ".join(str(p.pid) for p in loader._procs), flush=True)
+    try:
+        time.sleep(600) if sys.argv[1] == "sleep" else [None for _ in it]
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+""")
+
+
+def _gone(pids):
+    def check():
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().split(")")[-1].split()[0] != "Z":
+                        return False
+            except (ProcessLookupError, FileNotFoundError):
+                pass
+        return True
+    return check
+
+
+def test_main_killed_children_exit_within_two_seconds():
+    """R4: SIGKILL to main; workers and collator die with it."""
+    p = subprocess.Popen([sys.executable, "-c", CHILD, "sleep"], stdout=subprocess.PIPE, text=True)
+    pids = [int(x) for x in p.stdout.readline().split()]
+    assert len(pids) == 3
+    p.kill()
+    p.wait()
+    p.stdout.close()
+    assert wait_until(_gone(pids), 2.0)
+
+
+def test_ctrl_c_while_iterating():
+    """R7: SIGINT to the process group; main gets KeyboardInterrupt, the
+    children print nothing and are gone."""
+    p = subprocess.Popen([sys.executable, "-c", CHILD, "iterate"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pids = [int(x) for x in p.stdout.readline().split()]
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=10)
+    assert "interrupted" in out, err
+    assert time.monotonic() - t0 < 5.0
+    assert "Traceback" not in err, err
+    assert wait_until(_gone(pids), 5.0)
