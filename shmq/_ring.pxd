@@ -116,6 +116,8 @@ cdef extern from "shmq_ring.h" nogil:
         int32_t slot
         uint64_t cached_head
         uint64_t cached_tail
+        uint32_t read_spin_misses
+        uint32_t write_spin_misses
 
     uint64_t shmq_align_up(uint64_t x, uint64_t a)
     void shmq_layout(uint64_t capacity, int mpsc, uint32_t max_attach,

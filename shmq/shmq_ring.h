@@ -299,6 +299,8 @@ typedef struct shmq_ring {
     int32_t slot;          /* this handle's slot, -1 none */
     uint64_t cached_head;  /* producer side: last head_pos seen */
     uint64_t cached_tail;  /* consumer side: last tail_pos seen */
+    uint32_t read_spin_misses;  /* consecutive waits a spin did not satisfy */
+    uint32_t write_spin_misses;
 } shmq_ring;
 
 static inline uint64_t shmq_align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
@@ -448,6 +450,7 @@ static inline void shmq_bind(shmq_ring *r, void *base) {
     r->slot = -1;
     r->cached_head = __atomic_load_n(&h->head_pos, __ATOMIC_ACQUIRE);
     r->cached_tail = r->cached_head;
+    r->read_spin_misses = r->write_spin_misses = 0;
 }
 
 static inline uint8_t *shmq_at(const shmq_ring *r, uint64_t pos) { return r->data + (pos & r->mask); }
@@ -766,20 +769,33 @@ static inline int shmq_resolve_pending(shmq_ring *r, uint64_t *skip_bytes, uint3
 /* How long a waiter spins before it sleeps on the futex.  Spinning saves
  * the ~5-50 us of a sleep/wake round trip when the other side is about to
  * act, but steals a core from it when processes outnumber cores, so only
- * the first waiter on a side spins, and only this long. */
+ * the first waiter on a side spins, and only this long.  Spinning is also
+ * adaptive per handle: after SHMQ_SPIN_MAX_MISSES waits in a row that the
+ * spin did not satisfy (a consumer whose messages come milliseconds apart),
+ * the handle sleeps at once, and spins again as soon as a wait turns out to
+ * be shorter than the spin window.  On virtual machines a pause loop can
+ * cost several times its nominal length. */
 #define SHMQ_SPIN_NS 20000ULL
+#define SHMQ_SPIN_MAX_MISSES 4u
 
 /* Spin until ready(r, need) or SHMQ_SPIN_NS passed; the clock is read every
  * 64 pauses because a pause lasts 10-150 cycles depending on the CPU. */
-#define SHMQ_SPIN_UNTIL(ready_expr)                                              \
+#define SHMQ_SPIN_UNTIL(ready_expr, misses)                                      \
     do {                                                                         \
         uint64_t spin_end_ = shmq_now_ns() + SHMQ_SPIN_NS;                       \
         for (unsigned spin_i_ = 1;; spin_i_++) {                                 \
-            if (ready_expr) return SHMQ_OK;                                      \
+            if (ready_expr) { (misses) = 0; return SHMQ_OK; }                    \
             SHMQ_CPU_RELAX();                                                    \
             if ((spin_i_ & 63) == 0 && shmq_now_ns() > spin_end_) break;         \
         }                                                                        \
+        (misses)++;                                                              \
     } while (0)
+
+/* After a sleep: a wait shorter than the spin window means spinning would
+ * have paid off, so the next wait spins again. */
+static inline void shmq_note_sleep(uint32_t *misses, uint64_t slept_since) {
+    if (shmq_now_ns() - slept_since < SHMQ_SPIN_NS) *misses = 0;
+}
 
 static inline void shmq_futex_wait(uint32_t *word, uint32_t expect, uint64_t timeout_ns) {
     struct timespec ts = {(time_t)(timeout_ns / 1000000000ULL), (long)(timeout_ns % 1000000000ULL)};
@@ -805,12 +821,17 @@ static inline int shmq_readable(shmq_ring *r) {
  * holding the GIL. */
 static inline int shmq_wait_readable(shmq_ring *r, uint64_t timeout_ns) {
     shmq_header *h = r->hdr;
-    SHMQ_SPIN_UNTIL(shmq_readable(r));
+    if (r->read_spin_misses < SHMQ_SPIN_MAX_MISSES)
+        SHMQ_SPIN_UNTIL(shmq_readable(r), r->read_spin_misses);
     uint32_t seq = __atomic_load_n(&h->data_seq, __ATOMIC_ACQUIRE);
     __atomic_store_n(&h->consumer_waiting, 1, __ATOMIC_RELAXED);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     int ready = shmq_readable(r);
-    if (!ready) shmq_futex_wait(&h->data_seq, seq, timeout_ns);
+    if (!ready) {
+        uint64_t t0 = shmq_now_ns();
+        shmq_futex_wait(&h->data_seq, seq, timeout_ns);
+        shmq_note_sleep(&r->read_spin_misses, t0);
+    }
     __atomic_store_n(&h->consumer_waiting, 0, __ATOMIC_RELAXED);
     return (ready || shmq_readable(r)) ? SHMQ_OK : SHMQ_TIMEOUT;
 }
@@ -824,8 +845,9 @@ static inline int shmq_writable(shmq_ring *r, uint64_t need) {
  * Only the first waiter spins (see SHMQ_SPIN_NS). */
 static inline int shmq_wait_writable(shmq_ring *r, uint64_t need, uint64_t timeout_ns) {
     shmq_header *h = r->hdr;
-    if (__atomic_load_n(&h->space_wanted, __ATOMIC_RELAXED) == 0)
-        SHMQ_SPIN_UNTIL(shmq_writable(r, need));
+    if (__atomic_load_n(&h->space_wanted, __ATOMIC_RELAXED) == 0 &&
+        r->write_spin_misses < SHMQ_SPIN_MAX_MISSES)
+        SHMQ_SPIN_UNTIL(shmq_writable(r, need), r->write_spin_misses);
     else if (shmq_writable(r, need))
         return SHMQ_OK;
     uint32_t seq = __atomic_load_n(&h->space_seq, __ATOMIC_ACQUIRE);
@@ -836,7 +858,9 @@ static inline int shmq_wait_writable(shmq_ring *r, uint64_t need, uint64_t timeo
         ;
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     if (shmq_writable(r, need)) return SHMQ_OK;
+    uint64_t t0 = shmq_now_ns();
     shmq_futex_wait(&h->space_seq, seq, timeout_ns);
+    shmq_note_sleep(&r->write_spin_misses, t0);
     return shmq_writable(r, need) ? SHMQ_OK : SHMQ_TIMEOUT;
 }
 
