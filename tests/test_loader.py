@@ -146,22 +146,25 @@ def test_dataset_growth_between_epochs_is_seen():
 
 
 class Seeds:
-    def __len__(self):
-        return 8
+    """Every worker yields one sample: its id, its seed and a numpy draw."""
 
-    def __getitem__(self, i):
+    def __iter__(self):
         info = get_worker_info()
-        return np.array([info.id, info.seed % 1000, np.random.randint(1 << 30)])
+        yield np.array([info.id, info.seed % 1000, np.random.randint(1 << 30)])
 
 
 def test_worker_seeding_differs_per_worker_and_repeats_across_runs():
-    def run():
-        with ShmLoader(Seeds(), batch_size=8, num_workers=2, seed=3) as loader:
-            rows = next(iter(loader))
-            return {int(r[0]): int(r[1]) for r in rows}
+    def run(seed):
+        with ShmLoader(Seeds(), batch_size=2, num_workers=2, seed=seed) as loader:
+            epochs = [{int(r[0]): (int(r[1]), int(r[2])) for r in next(iter(loader))}
+                      for _ in range(2)]
+        return epochs
 
-    a, b = run(), run()
-    assert a == b and len(set(a.values())) == len(a)
+    a, b = run(3), run(3)
+    assert a == b and sorted(a[0]) == [0, 1]
+    assert a[0][0] != a[0][1]  # workers differ
+    assert a[0] != a[1]        # epochs differ
+    assert run(4) != a         # seeds matter
     assert get_worker_info() is None
 
 
