@@ -40,9 +40,11 @@ class SlabAllocator:
         """(lease, generation, offset) or None when the arena is full even
         after reclaiming what main released."""
         nbytes = align(max(nbytes, 1))
+        # Reclaim first, always: reusing the lowest released slab keeps the
+        # batch memory on pages already faulted in.  (Reclaiming only when
+        # the arena is full walks through fresh pages for epochs.)
+        self.reclaim()
         found = self._first_fit(nbytes)
-        if found is None and self.reclaim():
-            found = self._first_fit(nbytes)
         if found is None or not self.free_leases:
             return None
         lease = self.free_leases.pop()
