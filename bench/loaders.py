@@ -9,7 +9,7 @@ batches/s delivered to the loop, time to the first batch of the timed
 epoch, and two main-thread CPU figures from time.thread_time(): per batch
 over the whole epoch (includes blocking waits, which this kind of VM
 charges at ~0.1 ms each) and per *ready* batch (the loader's own work once
-a batch is there: the main loop sleeps before asking, so it never waits).
+a batch is there, taken back to back from a filled pipeline).
 W3: the same samples plus a 3.125 ms sleep each, a 50 ms "train step" per
 batch, 2/4/8 workers; mean time per batch against the ideal
 max(step, 128 x 3.125 ms / workers).
@@ -80,16 +80,30 @@ def epoch_w1(loader):
     return time.perf_counter() - t0, time.thread_time() - c0, first, total, count
 
 
-def ready_batch_cpu(loader, batches=6):
-    """Main-thread CPU to take a batch that is already waiting."""
+def busy(seconds):
+    """A stand-in for a train step that keeps the core busy (a sleeping
+    core comes back with cold caches and clock, which is not what a
+    training loop sees)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def ready_batch_cpu(loader, rounds=3, per_round=3):
+    """Main-thread CPU to take a batch that is already waiting, measured
+    warm: the pipeline fills during a busy pause, then `per_round` batches
+    are taken back to back (both loaders keep at least 3 in flight).  Warm,
+    because on this kind of VM any ~20 us of Python work costs 100-300 us
+    right after 0.2 s of other activity (see the README), whatever runs."""
     cpu = []
     it = iter(loader)
-    for _ in range(batches):
-        time.sleep(0.6)  # let the pipeline fill: next() must not block
-        c0 = time.thread_time()
-        b = next(it)
-        cpu.append(time.thread_time() - c0)
-        del b
+    for _ in range(rounds):
+        busy(0.5)
+        for _ in range(per_round):
+            c0 = time.thread_time()
+            b = next(it)
+            cpu.append(time.thread_time() - c0)
+            del b
     for _ in it:
         pass
     return float(np.median(cpu))

@@ -13,6 +13,7 @@ every other leaf by a Value.  Main turns it into views (materialize).
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import NamedTuple
 
@@ -108,7 +109,7 @@ class Layout:
             self.shapes.append(shape)
             self.offsets.append(offset)
             if dtype is not None:
-                offset = align(offset + rows * dtype.itemsize * int(np.prod(shape)))
+                offset = align(offset + rows * dtype.itemsize * math.prod(shape))
         self.nbytes = offset
 
     def views(self, slab: np.ndarray) -> list:
@@ -118,7 +119,7 @@ class Layout:
             if kind == OTHER:
                 out.append([None] * self.rows)
             else:
-                n = self.rows * dtype.itemsize * int(np.prod(shape))
+                n = self.rows * dtype.itemsize * math.prod(shape)
                 out.append(slab[off:off + n].view(dtype).reshape((self.rows,) + shape))
         return out
 
@@ -182,7 +183,7 @@ def materialize(spec, slab: np.ndarray, as_torch: bool):
     and its lease released, the moment the user drops the batch."""
     if isinstance(spec, ArrayLeaf):
         dtype = np.dtype(spec.dtype)
-        n = dtype.itemsize * int(np.prod(spec.shape))
+        n = dtype.itemsize * math.prod(spec.shape)
         arr = slab[spec.offset:spec.offset + n].view(dtype=dtype, type=np.ndarray).reshape(spec.shape)
         if as_torch:
             import torch
