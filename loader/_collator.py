@@ -28,10 +28,11 @@ class _Batch:
 
 class Collator:
     def __init__(self, to_collator, to_main, arena, released, batch_size, drop_last, in_order,
-                 collate_fn, num_workers, parent_pid):
+                 collate_fn, num_workers, prefetch, parent_pid):
         self.inbox, self.to_main = to_collator, to_main
         self.arena = arena
-        self.slabs = SlabAllocator(arena, released)
+        # Slabs in flight: prefetched, open, held by main's loop, one spare.
+        self.slabs = SlabAllocator(arena, released, prefetch + 3)
         self.batch_size, self.drop_last, self.in_order = batch_size, drop_last, in_order
         self.collate_fn, self.num_workers, self.parent_pid = collate_fn, num_workers, parent_pid
         self.epoch, self.n, self.open = None, None, {}
@@ -151,20 +152,24 @@ class Collator:
     def run(self):
         copy = self.collate_fn is not None  # collate_fn keeps samples past the ring
         while True:
+            # While the arena is not warm yet, poll briefly and fault in a
+            # chunk whenever nothing arrives: idle time, not batch time.
+            wait = 0.002 if self.slabs.warming else P.WAIT_SLICE_S
             try:
                 if copy:
-                    msg = self.inbox.get(timeout=P.WAIT_SLICE_S)
+                    msg = self.inbox.get(timeout=wait)
                     if msg[0] == P.STOP:
                         return
                     self.handle(msg)
                 else:
-                    with self.inbox.get_view(timeout=P.WAIT_SLICE_S) as msg:
+                    with self.inbox.get_view(timeout=wait) as msg:
                         if msg[0] == P.STOP:
                             return
                         self.handle(msg)
             except shmq.Empty:
                 if os.getppid() != self.parent_pid:
                     return
+                self.slabs.warm_up()
             except shmq.PeerLost:
                 pass  # a worker died mid-write; main sees its exit code and reports it
 
@@ -177,10 +182,10 @@ def _describe(exc, where):
 
 
 def collator_main(to_collator, to_main, arena, released, batch_size, drop_last, in_order,
-                  collate_fn, num_workers, parent_pid):
+                  collate_fn, num_workers, prefetch, parent_pid):
     die_with_parent(parent_pid)
     Collator(to_collator, to_main, arena, released, batch_size, drop_last, in_order, collate_fn,
-             num_workers, parent_pid).run()
+             num_workers, prefetch, parent_pid).run()
     to_collator.close()
     to_main.close()
     os._exit(0)

@@ -136,7 +136,8 @@ class ShmLoader:
         self._procs.append(_fork.Process(
             target=collator_main, name="ShmLoader collator", daemon=True,
             args=(self.to_collator, self.to_main, self.arena, self.released, self.batch_size,
-                  self.drop_last, self.in_order, self.collate_fn, self.num_workers, parent)))
+                  self.drop_last, self.in_order, self.collate_fn, self.num_workers, self.prefetch,
+                  parent)))
         for p in self._procs:
             p.start()
 

@@ -10,6 +10,8 @@ import weakref
 
 import numpy as np
 
+import shmq
+
 ALIGN = 64
 MAX_LEASES = 1 << 16
 
@@ -24,9 +26,15 @@ class SlabAllocator:
     Low offsets are preferred, so the pages in use stay few and warm: a
     slab freed by main is reused by the next batch of similar size."""
 
-    def __init__(self, arena: np.ndarray, released: np.ndarray):
+    WARM_CHUNK = 32 << 20
+    WARM_MIN = 256 << 20
+
+    def __init__(self, arena: np.ndarray, released: np.ndarray, slabs_in_flight: int):
         self.arena = arena
         self.released = released
+        self.slabs_in_flight = slabs_in_flight
+        self.warm = 0        # arena[:warm] is faulted in
+        self.largest = 0     # largest slab so far
         self.free = [(0, arena.nbytes)]        # sorted (offset, size)
         self.live: dict[int, tuple[int, int, int]] = {}  # lease -> (offset, nbytes, generation)
         self.generation = np.zeros(MAX_LEASES, np.int64)
@@ -47,6 +55,8 @@ class SlabAllocator:
         found = self._first_fit(nbytes)
         if found is None or not self.free_leases:
             return None
+        self.largest = max(self.largest, nbytes)
+        self.warm = max(self.warm, found + nbytes)  # its first copy faults it in
         lease = self.free_leases.pop()
         self.generation[lease] += 1
         gen = int(self.generation[lease])
@@ -62,6 +72,22 @@ class SlabAllocator:
                     self.free[i] = (off + nbytes, size - nbytes)
                 return off
         return None
+
+    @property
+    def warming(self) -> bool:
+        return self.warm < self._warm_target()
+
+    def _warm_target(self) -> int:
+        return min(self.arena.nbytes, max(self.WARM_MIN, self.slabs_in_flight * self.largest))
+
+    def warm_up(self) -> None:
+        """Fault in the next chunk of the arena (called when the collator is
+        idle): fresh shared memory fills at ~1 GB/s, touched memory at
+        memory speed, so the first epoch should not pay for the faults."""
+        end = min(self._warm_target(), self.warm + self.WARM_CHUNK)
+        if end > self.warm:
+            shmq.prefault(self.arena[self.warm:end])
+            self.warm = end
 
     def reclaim(self) -> bool:
         """Free every slab whose lease main has released; True if any."""

@@ -14,13 +14,14 @@ Linux only (POSIX shared memory in /dev/shm, futexes, /proc).
 
 from shmq.errors import (Closed, Empty, Full, IncompatibleRing, MessageTooLarge, PeerLost,
                          ShmFull, ShmqError)
-from shmq._core import atomic_add, shared_array
+from shmq._core import atomic_add, prefault, shared_array
 from shmq.queue import Queue
 
 __all__ = [
     "Queue",
     "shared_array",
     "atomic_add",
+    "prefault",
     "ShmqError",
     "Full",
     "Empty",

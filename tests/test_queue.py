@@ -341,7 +341,7 @@ def test_repr_and_properties(q):
 def test_public_surface():
     errors = ["ShmqError", "Full", "Empty", "Closed", "PeerLost", "IncompatibleRing",
               "MessageTooLarge", "ShmFull"]
-    assert sorted(shmq.__all__) == sorted(["Queue", "shared_array", "atomic_add"] + errors)
+    assert sorted(shmq.__all__) == sorted(["Queue", "shared_array", "atomic_add", "prefault"] + errors)
     for name in errors:
         assert issubclass(getattr(shmq, name), shmq.ShmqError)
 
@@ -380,3 +380,13 @@ def test_closed_consumer_slot_is_not_reused_by_a_later_attach():
         with pytest.raises(shmq.Closed, match="consumer .* closed"):
             q.put(np.zeros(3000, np.uint8), timeout=5)
         late.close()
+
+
+def test_prefault_keeps_contents_and_checks_its_argument():
+    a = shmq.shared_array(3 * 4096 + 5, np.uint8)
+    a[::7] = 9
+    before = a.copy()
+    shmq.prefault(a[1:])
+    np.testing.assert_array_equal(a, before)
+    with pytest.raises(ValueError, match="writable C-contiguous"):
+        shmq.prefault(a[::2])
