@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import secrets
 import signal
+import tempfile
 import threading
 import time
 import warnings
@@ -128,11 +129,14 @@ class ShmLoader:
         self.tasks = [shmq.Queue(1 << 20) for _ in range(self.num_workers)]
         for q in (self.to_collator, self.to_main, *self.tasks):
             q.unlink()
+        # Where each worker writes its stacks when asked (R3); unnamed files.
+        self._stack_files = [tempfile.TemporaryFile() for _ in range(self.num_workers)]
         parent = os.getpid()
         self._procs = [_fork.Process(
             target=worker_main, name=f"ShmLoader worker {i}", daemon=True,
             args=(i, self.num_workers, self.dataset, self.tasks[i], self.to_collator, self.ctl,
-                  self.worker_init_fn, parent)) for i in range(self.num_workers)]
+                  self.worker_init_fn, self._stack_files[i], parent))
+            for i in range(self.num_workers)]
         self._procs.append(_fork.Process(
             target=collator_main, name="ShmLoader collator", daemon=True,
             args=(self.to_collator, self.to_main, self.arena, self.released, self.batch_size,
@@ -173,6 +177,8 @@ class ShmLoader:
                 p.join()
         for q in (self.to_collator, self.to_main, *self.tasks):
             q.close()
+        for f in self._stack_files:
+            f.close()
         self._procs = []
 
     def close(self):
@@ -212,8 +218,25 @@ class ShmLoader:
                 if deadline is not None and time.monotonic() > deadline:
                     raise LoaderTimeout(
                         f"ShmLoader: no batch within timeout={self.timeout}s; a worker may be "
-                        f"stuck in dataset[...] (workers: "
-                        f"{[p.pid for p in self._procs[:self.num_workers]]})") from None
+                        f"stuck in dataset[...]. Their stacks:\n{self._worker_stacks()}") from None
+
+    def _worker_stacks(self) -> str:
+        """Each worker's Python stacks, written by faulthandler on SIGUSR1
+        (it works even while the worker is stuck inside a C call)."""
+        for f, p in zip(self._stack_files, self._procs):
+            f.seek(0)
+            f.truncate()
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.3)
+        parts = []
+        for i, (f, p) in enumerate(zip(self._stack_files, self._procs)):
+            f.seek(0)
+            text = f.read().decode(errors="replace").strip() or "(no answer)"
+            parts.append(f"--- worker {i} (pid {p.pid}) ---\n{text}")
+        return "\n".join(parts)
 
     def _run_epoch(self, epoch):
         order = None if self.iterable else self._positions(epoch)

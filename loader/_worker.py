@@ -5,6 +5,7 @@ shutdown ] in _protocol.py."""
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import random
 import signal
@@ -85,9 +86,10 @@ def _epoch_task(tasks, parent_pid):
 
 
 def worker_main(worker_id, num_workers, dataset, tasks, to_collator, ctl, worker_init_fn,
-                parent_pid):
+                stack_file, parent_pid):
     global _worker_info
     die_with_parent(parent_pid)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     iterable = not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__")
     init_pending = worker_init_fn is not None
     while (task := _epoch_task(tasks, parent_pid)) is not None:
