@@ -3,6 +3,9 @@ of BENCHMARKS.md), in one run on one machine.
 
     python bench/loaders.py [--batches 12] [--w3-batches 8]
 
+W2 and W4 (tiny samples; dict samples with a string) report batches per
+second on a warm epoch.
+
 W1: (1000, 150) float64 samples, batch 128, 2 workers, persistent workers;
 each loader runs --warmup epochs, then a timed one.  Figures: GB/s and
 batches/s delivered to the loop, time to the first batch of the timed
@@ -49,23 +52,64 @@ class W1:
         return a
 
 
+class W2:
+    """(10, 150) float64 samples: per-sample overhead."""
+
+    def __init__(self, batches, as_torch=False):
+        self.n, self.as_torch = batches * BATCH, as_torch
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        a = np.full((10, 150), i, np.float64)
+        if self.as_torch:
+            import torch
+
+            return torch.from_numpy(a)
+        return a
+
+
+class W4:
+    """A dict of an image, a label and a path: mixed trees, strings."""
+
+    def __init__(self, batches, as_torch=False):
+        self.n, self.as_torch = batches * 64, as_torch
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        x = np.full((3, 64, 64), i % 256, np.uint8)
+        if self.as_torch:
+            import torch
+
+            x = torch.from_numpy(x)
+        return {"x": x, "y": np.int64(i % 10), "path": f"img/{i}.png"}
+
+
 def numpy_collate(samples):
+    if isinstance(samples[0], dict):
+        return {k: (np.stack([s[k] for s in samples]) if k != "path" else [s[k] for s in samples])
+                for k in samples[0]}
     return np.stack(samples)
 
 
-def make(kind, dataset_kwargs, workers):
+def make(kind, dataset_kwargs, workers, dataset=W1, batch_size=BATCH):
     if kind == "ShmLoader":
-        return ShmLoader(W1(**dataset_kwargs), batch_size=BATCH, num_workers=workers,
+        return ShmLoader(dataset(**dataset_kwargs), batch_size=batch_size, num_workers=workers,
                          memory_cap_bytes=4 << 30)
     import torch.utils.data as tud
 
     as_torch = kind == "PyTorch tensor path"
-    return tud.DataLoader(W1(as_torch=as_torch, **dataset_kwargs), batch_size=BATCH,
+    return tud.DataLoader(dataset(as_torch=as_torch, **dataset_kwargs), batch_size=batch_size,
                           num_workers=workers, persistent_workers=True, prefetch_factor=2,
                           collate_fn=None if as_torch else numpy_collate)
 
 
 def nbytes(batch):
+    if isinstance(batch, dict):
+        return sum(nbytes(v) for v in batch.values() if not isinstance(v, list))
     return batch.nbytes if isinstance(batch, np.ndarray) else batch.numel() * batch.element_size()
 
 
@@ -139,6 +183,23 @@ def run_w1(batches, warmup):
               f"{ready:>9.3f} ms {ours / gbs:>12.2f}x")
 
 
+def run_small(name, dataset, batch_size, batches):
+    """W2 / W4: batches per second on a warm (second) epoch."""
+    rows = {}
+    for kind in ("ShmLoader", "PyTorch tensor path", "PyTorch numpy collate"):
+        loader = make(kind, {"batches": batches}, 2, dataset, batch_size)
+        try:
+            epoch_w1(loader)
+            wall, cpu, first, total, count = epoch_w1(loader)
+        finally:
+            close(loader)
+        rows[kind] = (count / wall, cpu / count * 1e3)
+    print(f"\n{name}: {batches} batches of {batch_size}, 2 workers, second epoch")
+    print(f"{'loader':<24} {'batch/s':>9} {'main CPU/batch':>15} {'ShmLoader is':>13}")
+    for kind, (bps, cpu) in rows.items():
+        print(f"{kind:<24} {bps:>9.1f} {cpu:>12.2f} ms {rows['ShmLoader'][0] / bps:>12.2f}x")
+
+
 def run_w3(batches):
     print(f"\nW3: W1 samples + 3.125 ms sleep each, 50 ms train step, {batches} batches, "
           f"second epoch")
@@ -173,6 +234,8 @@ def main(argv=None):
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
     print(f"{cpu}, {os.cpu_count()} cores, Python {sys.version.split()[0]}")
     run_w1(args.batches, args.warmup)
+    run_small("W2 tiny (10, 150) float64", W2, BATCH, 60)
+    run_small("W4 dict {x: (3, 64, 64) uint8, y, path}", W4, 64, 60)
     run_w3(args.w3_batches)
 
 
