@@ -257,6 +257,10 @@ class ShmLoader:
         finished = False
         try:
             while total is None or yielded < total:
+                if self._epoch != epoch:
+                    raise RuntimeError(
+                        "this ShmLoader iterator was superseded: iter(loader) was called again, "
+                        "which starts a new epoch; use one iterator at a time")
                 msg = self._receive()
                 kind = msg[0]
                 if kind == P.MEMORY_WAIT:
@@ -264,7 +268,7 @@ class ShmLoader:
                         f"ShmLoader: all {msg[2]} bytes of batch memory are held by {msg[3]} "
                         f"batches your code still references ({msg[1]} bytes); waiting for some to "
                         f"be dropped. Keep fewer batches (copy what you keep) or pass a larger "
-                        f"memory_cap_bytes", ResourceWarning, stacklevel=2)
+                        f"memory_cap_bytes", RuntimeWarning, stacklevel=2)
                     continue
                 if msg[1] != epoch:
                     if kind == P.BATCH:
@@ -288,7 +292,7 @@ class ShmLoader:
                     key = yielded if self.in_order and not self.iterable else None
             finished = True
         finally:
-            if not finished:
+            if not finished and self._epoch == epoch and self._procs:
                 self.ctl[P.EPOCH] = -epoch  # workers stop pulling this epoch's samples
                 for msg in pending.values():
                     self.released[msg[3]] = msg[4]

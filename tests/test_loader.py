@@ -403,3 +403,14 @@ def test_fork_after_threads_warns_with_the_remedy():
     finally:
         stop.set()
         t.join()
+
+
+def test_an_older_iterator_cannot_steal_a_newer_epochs_batches():
+    with ShmLoader(Numbers(40), batch_size=4, num_workers=2) as loader:
+        old = iter(loader)
+        next(old)
+        new = iter(loader)
+        first = indices(next(new))  # the new epoch is running...
+        with pytest.raises(RuntimeError, match="superseded"):
+            next(old)               # ...and the old iterator must not cancel it
+        assert first + [k for b in new for k in indices(b)] == list(range(40))
