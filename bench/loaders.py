@@ -35,8 +35,11 @@ BATCH = 128
 
 
 class W1:
-    def __init__(self, batches, sleep_s=0.0, as_torch=False):
-        self.n, self.sleep_s, self.as_torch = batches * BATCH, sleep_s, as_torch
+    """np.full(shape, i, float64) samples, optionally after a sleep (W3);
+    (1000, 150) by default, (10, 150) for W2."""
+
+    def __init__(self, batches, sleep_s=0.0, as_torch=False, shape=(1000, 150)):
+        self.n, self.sleep_s, self.as_torch, self.shape = batches * BATCH, sleep_s, as_torch, shape
 
     def __len__(self):
         return self.n
@@ -44,7 +47,7 @@ class W1:
     def __getitem__(self, i):
         if self.sleep_s:
             time.sleep(self.sleep_s)
-        a = np.full((1000, 150), i, np.float64)
+        a = np.full(self.shape, i, np.float64)
         if self.as_torch:
             import torch
 
@@ -52,22 +55,9 @@ class W1:
         return a
 
 
-class W2:
-    """(10, 150) float64 samples: per-sample overhead."""
-
-    def __init__(self, batches, as_torch=False):
-        self.n, self.as_torch = batches * BATCH, as_torch
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        a = np.full((10, 150), i, np.float64)
-        if self.as_torch:
-            import torch
-
-            return torch.from_numpy(a)
-        return a
+def W2(batches, as_torch=False):
+    """Tiny (10, 150) samples: per-sample overhead."""
+    return W1(batches, as_torch=as_torch, shape=(10, 150))
 
 
 class W4:
