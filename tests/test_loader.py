@@ -342,7 +342,8 @@ def test_ctrl_c_while_iterating():
 
 def _resources():
     return (len(os.listdir("/proc/self/fd")), len(__import__("threading").enumerate()),
-            len(mp.active_children()), len([e for e in os.listdir("/dev/shm") if e.startswith("shmq-")]))
+            len(mp.active_children()),
+            len([e for e in os.listdir("/dev/shm") if e.startswith(f"shmq-{os.getpid()}-")]))
 
 
 @pytest.mark.parametrize("loops", [
