@@ -11,7 +11,7 @@ import shmq
 from loader import _protocol as P
 from loader._collate import CollateError, Layout, spec_of_output
 from loader._slabs import SlabAllocator
-from loader._worker import die_with_parent
+from loader._worker import die_with_parent, exit_if_orphaned
 
 
 class _Batch:
@@ -69,8 +69,7 @@ class Collator:
                 self.to_main.put((P.MEMORY_WAIT, self.slabs.held_bytes, self.arena.nbytes,
                                   len(self.slabs.live)))
                 told = True
-            if os.getppid() != self.parent_pid:
-                os._exit(1)
+            exit_if_orphaned(self.parent_pid)
             time.sleep(0.001)
 
     # --- samples ---------------------------------------------------------------
@@ -167,8 +166,7 @@ class Collator:
                             return
                         self.handle(msg)
             except shmq.Empty:
-                if os.getppid() != self.parent_pid:
-                    return
+                exit_if_orphaned(self.parent_pid)
                 self.slabs.warm_up()
             except shmq.PeerLost:
                 pass  # a worker died mid-write; main sees its exit code and reports it

@@ -41,9 +41,14 @@ def die_with_parent(parent_pid: int) -> None:
     ignore Ctrl-C (main handles it); see the NOTE in _protocol.py."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+    exit_if_orphaned(parent_pid)  # the parent may have died before prctl took effect
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def exit_if_orphaned(parent_pid: int) -> None:
+    """The fallback to PR_SET_PDEATHSIG, checked between bounded waits."""
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def worker_seed(base_seed: int, epoch: int, worker_id: int) -> int:
@@ -65,8 +70,7 @@ def _next_task(tasks: shmq.Queue, parent_pid: int):
         try:
             return tasks.get(timeout=P.WAIT_SLICE_S)
         except shmq.Empty:
-            if os.getppid() != parent_pid:
-                os._exit(1)
+            exit_if_orphaned(parent_pid)
 
 
 def _epoch_task(tasks, parent_pid):
@@ -127,8 +131,7 @@ def _claim_position(ctl, epoch, parent_pid):
     pos = shmq.atomic_add(ctl, P.CURSOR, 1)
     while pos >= ctl[P.LIMIT] and ctl[P.EPOCH] == epoch:
         time.sleep(0.0005)
-        if os.getppid() != parent_pid:
-            os._exit(1)
+        exit_if_orphaned(parent_pid)
     return pos
 
 
