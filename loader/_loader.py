@@ -257,10 +257,7 @@ class ShmLoader:
         finished = False
         try:
             while total is None or yielded < total:
-                if self._epoch != epoch:
-                    raise RuntimeError(
-                        "this ShmLoader iterator was superseded: iter(loader) was called again, "
-                        "which starts a new epoch; use one iterator at a time")
+                self._check_current(epoch)
                 msg = self._receive()
                 kind = msg[0]
                 if kind == P.MEMORY_WAIT:
@@ -289,15 +286,22 @@ class ShmLoader:
                     yielded += 1
                     self.ctl[P.LIMIT] = (yielded + self.prefetch) * self.batch_size
                     yield batch
+                    self._check_current(epoch)
                     key = yielded if self.in_order and not self.iterable else None
             finished = True
         finally:
-            if not finished and self._epoch == epoch and self._procs:
-                self.ctl[P.EPOCH] = -epoch  # workers stop pulling this epoch's samples
-                for msg in pending.values():
+            if not finished:
+                for msg in pending.values():  # batches received but never handed out
                     self.released[msg[3]] = msg[4]
+                if self._epoch == epoch and self._procs:
+                    self.ctl[P.EPOCH] = -epoch  # workers stop pulling this epoch's samples
             if not self.persistent_workers:
                 self._shutdown()
+
+    def _check_current(self, epoch):
+        if self._epoch != epoch:
+            raise RuntimeError("this ShmLoader iterator was superseded: iter(loader) was called "
+                               "again, which starts a new epoch; use one iterator at a time")
 
     def _batch(self, msg):
         _, _, _, lease, generation, offset, nbytes, spec = msg

@@ -415,3 +415,24 @@ def test_an_older_iterator_cannot_steal_a_newer_epochs_batches():
         with pytest.raises(RuntimeError, match="superseded"):
             next(old)               # ...and the old iterator must not cancel it
         assert first + [k for b in new for k in indices(b)] == list(range(40))
+
+
+def test_abandoned_iterators_release_the_batches_they_buffered():
+    """Out-of-order batches an iterator held back, and batches of an epoch
+    it abandoned, go back to the pool: a tight memory cap keeps working."""
+    class SlowFirst(Numbers):
+        def __getitem__(self, i):
+            if i == 0:
+                time.sleep(0.2)  # batches 1.. arrive first and wait in `pending`
+            return super().__getitem__(i)
+
+    with ShmLoader(SlowFirst(400), batch_size=4, num_workers=2, memory_cap_bytes=4096,
+                   timeout=10) as loader:
+        for _ in range(5):
+            old = iter(loader)
+            next(old)
+            new = iter(loader)
+            with pytest.raises(RuntimeError, match="superseded"):
+                next(old)
+            del old, new
+        assert [k for b in loader for k in indices(b)] == list(range(400))
