@@ -117,9 +117,13 @@ class Collator:
         self.sent += 1
 
     def end_epoch(self):
-        """Every worker is done: send what is left of a partial batch."""
+        """Every worker is done: send what is left of a partial batch.  Only
+        where rows fill in arrival order (first-ready, iterable datasets) is
+        a partial batch a prefix of rows; in order, a batch is partial only
+        when a sample failed, and main has been told so already."""
+        arrival_order = not self.in_order or self.n is None
         for b in sorted(self.open.values(), key=lambda b: b.index):
-            if b.filled and not self.drop_last:
+            if b.filled and arrival_order and not self.drop_last:
                 self.finish(b)
             elif b.lease is not None:
                 self.slabs.release(b.lease)
