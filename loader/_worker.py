@@ -104,7 +104,10 @@ def worker_main(worker_id, num_workers, dataset, tasks, to_collator, ctl, worker
         try:
             if init_pending:
                 init_pending = False
-                worker_init_fn(worker_id)
+                try:
+                    worker_init_fn(worker_id)
+                except Exception:
+                    _report(to_collator, epoch, -1, -1, worker_id)
             if iterable:
                 _run_iterable(epoch, worker_id, dataset, to_collator, ctl, parent_pid)
             else:

@@ -436,3 +436,14 @@ def test_abandoned_iterators_release_the_batches_they_buffered():
                 next(old)
             del old, new
         assert [k for b in loader for k in indices(b)] == list(range(400))
+
+
+def failing_init(worker_id):
+    raise OSError(f"cannot open the shard of worker {worker_id}")
+
+
+def test_worker_init_fn_error_is_reraised_with_its_traceback():
+    with ShmLoader(Numbers(8), batch_size=4, num_workers=2, worker_init_fn=failing_init) as loader:
+        with pytest.raises(WorkerError, match=r"OSError: cannot open the shard of worker \d") as info:
+            list(loader)
+    assert "failing_init" in str(info.value)
