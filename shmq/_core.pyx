@@ -70,11 +70,9 @@ cdef uint64_t WAIT_SLICE_NS = 100_000_000
 # Copies at least this large run without the GIL.
 cdef uint64_t NOGIL_COPY_BYTES = 1 << 16
 
-RECORD_ALIGN = SHMQ_RECORD_ALIGN
 MAX_NDIM = SHMQ_MAX_NDIM
 MIN_CAPACITY = SHMQ_MIN_CAPACITY
 MAX_CAPACITY = SHMQ_MAX_CAPACITY
-MAX_ATTACH = SHMQ_MAX_ATTACH
 HEADER_BYTES = sizeof(shmq_header)
 
 _FIELD_NAMES = {
@@ -433,14 +431,6 @@ cdef class Ring:
     @property
     def multi_producer(self):
         return bool(self.r.mpsc)
-
-    @property
-    def creator_pid(self):
-        return self.r.hdr.creator_pid
-
-    @property
-    def slot(self):
-        return self.r.slot
 
     def stats(self):
         """A snapshot of the shared counters (for diagnostics and tests)."""
