@@ -225,6 +225,17 @@ cdef class Mapping:
         return m
 
 
+cdef object _array_over(Mapping owner, void *data, int ndim, cnp.npy_intp *dims, cnp.dtype dtype):
+    """A C-contiguous array over mapped memory whose base is the Mapping, so
+    the memory stays mapped while the array (or any view of it) lives."""
+    Py_INCREF(dtype)  # PyArray_NewFromDescr steals a reference
+    arr = PyArray_NewFromDescr(<PyTypeObject *>np.ndarray, <cnp.PyArray_Descr *>dtype, ndim,
+                               dims, NULL, data, cnp.NPY_ARRAY_CARRAY, None)
+    Py_INCREF(owner)  # PyArray_SetBaseObject steals a reference
+    cnp.PyArray_SetBaseObject(arr, owner)
+    return arr
+
+
 def shared_array(shape, dtype=np.uint8):
     """A zero-filled array in anonymous shared memory.
 
@@ -244,10 +255,7 @@ def shared_array(shape, dtype=np.uint8):
     m.base = <uint8_t *>p
     m.length = length
     cdef cnp.npy_intp n = nbytes
-    flat = cnp.PyArray_SimpleNewFromData(1, &n, cnp.NPY_UINT8, p)
-    Py_INCREF(m)  # PyArray_SetBaseObject steals a reference
-    cnp.PyArray_SetBaseObject(flat, m)
-    return flat.view(dt).reshape(shape)
+    return _array_over(m, p, 1, &n, np.dtype(np.uint8)).view(dt).reshape(shape)
 
 
 def atomic_add(cnp.ndarray arr not None, Py_ssize_t index, int64_t delta):
@@ -775,12 +783,7 @@ cdef class Ring:
             waited = rc == SHMQ_TIMEOUT
 
     cdef object _view_array(self, uint8_t *data, int ndim, cnp.npy_intp *dims, cnp.dtype dtype):
-        Py_INCREF(dtype)  # PyArray_NewFromDescr steals a reference
-        arr = PyArray_NewFromDescr(<PyTypeObject *>np.ndarray, <cnp.PyArray_Descr *>dtype, ndim,
-                                   dims, NULL, data, cnp.NPY_ARRAY_CARRAY, None)
-        Py_INCREF(self.mapping)  # PyArray_SetBaseObject steals a reference
-        cnp.PyArray_SetBaseObject(arr, self.mapping)
-        return arr
+        return _array_over(self.mapping, data, ndim, dims, dtype)
 
     @cython.boundscheck(False)
     @cython.wraparound(False)

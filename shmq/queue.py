@@ -26,7 +26,7 @@ import weakref
 
 import numpy as np
 
-from shmq import _core, codec, segment
+from shmq import _core, segment
 from shmq.views import MessageView, Reservation
 
 __all__ = ["Queue"]

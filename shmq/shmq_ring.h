@@ -778,8 +778,10 @@ static inline int shmq_resolve_pending(shmq_ring *r, uint64_t *skip_bytes, uint3
 #define SHMQ_SPIN_NS 20000ULL
 #define SHMQ_SPIN_MAX_MISSES 4u
 
-/* Spin until ready(r, need) or SHMQ_SPIN_NS passed; the clock is read every
- * 64 pauses because a pause lasts 10-150 cycles depending on the CPU. */
+/* Spin until ready_expr holds -- then RETURN SHMQ_OK from the enclosing
+ * function -- or SHMQ_SPIN_NS passed (count a miss, fall through to the
+ * futex).  The clock is read every 64 pauses because a pause lasts 10-150
+ * cycles depending on the CPU. */
 #define SHMQ_SPIN_UNTIL(ready_expr, misses)                                      \
     do {                                                                         \
         uint64_t spin_end_ = shmq_now_ns() + SHMQ_SPIN_NS;                       \
