@@ -252,6 +252,7 @@ class ShmLoader:
             for i, chunk in enumerate(chunks):
                 q.put((P.EPOCH_START, epoch, chunk, self.seed, i == len(chunks) - 1))
         pending = {}
+        by_index = self.in_order and not self.iterable  # else: in arrival order
         yielded = 0
         total = nbatches
         finished = False
@@ -280,14 +281,14 @@ class ShmLoader:
                     total = msg[2]
                     continue
                 pending[msg[2]] = msg
-                key = yielded if self.in_order and not self.iterable else msg[2]
+                key = yielded if by_index else msg[2]
                 while key in pending:
                     batch = self._batch(pending.pop(key))
                     yielded += 1
                     self.ctl[P.LIMIT] = (yielded + self.prefetch) * self.batch_size
                     yield batch
                     self._check_current(epoch)
-                    key = yielded if self.in_order and not self.iterable else None
+                    key = yielded if by_index else None
             finished = True
         finally:
             if not finished:

@@ -94,7 +94,6 @@ def worker_main(worker_id, num_workers, dataset, tasks, to_collator, ctl, worker
     global _worker_info
     die_with_parent(parent_pid)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    iterable = not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__")
     init_pending = worker_init_fn is not None
     while (task := _epoch_task(tasks, parent_pid)) is not None:
         epoch, order, base_seed = task
@@ -108,7 +107,7 @@ def worker_main(worker_id, num_workers, dataset, tasks, to_collator, ctl, worker
                     worker_init_fn(worker_id)
                 except Exception:
                     _report(to_collator, epoch, -1, -1, worker_id)
-            if iterable:
+            if order is None:  # main sends no order for an iterable dataset
                 _run_iterable(epoch, worker_id, dataset, to_collator, ctl, parent_pid)
             else:
                 _run_map(epoch, worker_id, dataset, order, to_collator, ctl, parent_pid)
