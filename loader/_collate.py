@@ -152,29 +152,34 @@ class Layout:
         return unflatten(self.structure, leaves)
 
 
-def spec_of_output(output, slab_for):
-    """Spec of a collate_fn's output: every array leaf is copied into a
-    slab obtained from slab_for(nbytes); returns (spec, nbytes)."""
-    leaves: list = []
-    structure = flatten(output, leaves)
-    arrays = [as_array(leaf) for leaf in leaves]
-    offsets, offset = [], 0
-    for arr in arrays:
-        offsets.append(offset)
-        if arr is not None:
-            if arr.dtype.hasobject:
-                raise CollateError(f"collate_fn returned an array of dtype {arr.dtype}; only "
-                                   f"numeric, bool and fixed-width string arrays go to shared memory")
-            offset = align(offset + arr.nbytes)
-    slab = slab_for(offset)
-    spec_leaves = []
-    for leaf, arr, off in zip(leaves, arrays, offsets):
-        if arr is None:
-            spec_leaves.append(Value(leaf))
-        else:
-            slab[off:off + arr.nbytes].view(arr.dtype).reshape(arr.shape)[...] = arr
-            spec_leaves.append(ArrayLeaf(off, arr.dtype.str, arr.shape))
-    return unflatten(structure, spec_leaves), offset
+class OutputPlan:
+    """Where the arrays of a collate_fn's output go in a slab: first its
+    size (nbytes), then write(slab) copies them in and returns the spec."""
+
+    def __init__(self, output):
+        self.leaves: list = []
+        self.structure = flatten(output, self.leaves)
+        self.arrays = [as_array(leaf) for leaf in self.leaves]
+        self.offsets, offset = [], 0
+        for arr in self.arrays:
+            self.offsets.append(offset)
+            if arr is not None:
+                if arr.dtype.hasobject:
+                    raise CollateError(f"collate_fn returned an array of dtype {arr.dtype}; only "
+                                       f"numeric, bool and fixed-width string arrays go to shared "
+                                       f"memory")
+                offset = align(offset + arr.nbytes)
+        self.nbytes = offset
+
+    def write(self, slab: np.ndarray):
+        spec_leaves = []
+        for leaf, arr, off in zip(self.leaves, self.arrays, self.offsets):
+            if arr is None:
+                spec_leaves.append(Value(leaf))
+            else:
+                slab[off:off + arr.nbytes].view(arr.dtype).reshape(arr.shape)[...] = arr
+                spec_leaves.append(ArrayLeaf(off, arr.dtype.str, arr.shape))
+        return unflatten(self.structure, spec_leaves)
 
 
 def materialize(spec, slab: np.ndarray, as_torch: bool):

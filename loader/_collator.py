@@ -9,7 +9,7 @@ import traceback
 
 import shmq
 from loader import _protocol as P
-from loader._collate import CollateError, Layout, spec_of_output
+from loader._collate import CollateError, Layout, OutputPlan
 from loader._slabs import SlabAllocator
 from loader._worker import die_with_parent, exit_if_orphaned
 
@@ -96,22 +96,15 @@ class Collator:
         if b.filled == b.rows:
             self.finish(b)
 
-    def finish(self, b, rows=None):
-        rows = b.filled if rows is None else rows
+    def finish(self, b):
         del self.open[b.index]
         if self.collate_fn is not None:
-            output = self.collate_fn(b.samples[:rows])
-            holder = {}
-
-            def slab_for(nbytes):
-                holder["got"] = self.slab(nbytes)
-                _, _, off = holder["got"]
-                return self.arena[off:off + max(nbytes, 1)]
-
-            spec, nbytes = spec_of_output(output, slab_for)
-            lease, gen, offset = holder["got"]
+            plan = OutputPlan(self.collate_fn(b.samples[:b.filled]))
+            nbytes = plan.nbytes
+            lease, gen, offset = self.slab(nbytes)
+            spec = plan.write(self.arena[offset:offset + nbytes])
         else:
-            spec = b.layout.spec(b.views, rows)
+            spec = b.layout.spec(b.views, b.filled)
             lease, gen, offset, nbytes = b.lease, b.generation, b.offset, b.layout.nbytes
         self.to_main.put((P.BATCH, self.epoch, b.index, lease, gen, offset, nbytes, spec))
         self.sent += 1
