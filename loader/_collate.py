@@ -13,7 +13,9 @@ every other leaf by a Value.  Main turns it into views (materialize).
 
 from __future__ import annotations
 
+import hashlib
 import math
+import pickle
 import sys
 from typing import NamedTuple
 
@@ -84,43 +86,89 @@ def leaf_kind(leaf) -> int:
     return OTHER
 
 
-class Layout:
-    """Where each leaf of a batch of `rows` samples lives in its slab."""
+def signature(sample):
+    """What fixes a sample's place in a batch: its structure and, per leaf,
+    (kind, dtype, shape); None for dtype and shape of a non-numeric leaf.
+    Samples with equal signatures share a batch layout (hashable, exact)."""
+    return signature_and_leaves(sample)[0]
 
-    def __init__(self, sample, rows: int):
-        leaves: list = []
-        self.structure = flatten(sample, leaves)
-        self.rows = rows
-        self.kinds, self.dtypes, self.shapes, self.offsets = [], [], [], []
+
+def signature_and_leaves(sample):
+    leaves: list = []
+    structure = flatten(sample, leaves)
+    meta = []
+    for leaf in leaves:
+        kind = leaf_kind(leaf)
+        if kind == ARRAY:
+            arr = as_array(leaf)
+            if arr.dtype.hasobject:
+                raise CollateError(f"cannot collate arrays of dtype {arr.dtype} into shared memory")
+            meta.append((kind, arr.dtype.str, arr.shape))
+        elif kind == NUMBER:
+            meta.append((kind, np.asarray(leaf).dtype.str, ()))
+        else:
+            meta.append((kind, None, None))
+    return (structure, tuple(meta)), leaves
+
+
+class Layout:
+    """Where each leaf of a batch of `rows` samples with a given signature
+    lives in its slab: leaf i is a (rows,) + shape block at offsets[i]."""
+
+    def __init__(self, sig, rows: int):
+        self.signature, self.rows = sig, rows
+        self.structure, meta = sig
+        self.kinds = [kind for kind, _, _ in meta]
+        self.dtypes = [None if d is None else np.dtype(d) for _, d, _ in meta]
+        self.shapes = [shape for _, _, shape in meta]
+        self.offsets = []
+        self.row_nbytes = []
         offset = 0
-        for leaf in leaves:
-            kind = leaf_kind(leaf)
-            if kind == ARRAY:
-                arr = as_array(leaf)
-                if arr.dtype.hasobject:
-                    raise CollateError(f"cannot collate arrays of dtype {arr.dtype} into shared memory")
-                dtype, shape = arr.dtype, arr.shape
-            elif kind == NUMBER:
-                dtype, shape = np.asarray(leaf).dtype, ()
-            else:
-                dtype, shape = None, None
-            self.kinds.append(kind)
-            self.dtypes.append(dtype)
-            self.shapes.append(shape)
+        for dtype, shape in zip(self.dtypes, self.shapes):
             self.offsets.append(offset)
-            if dtype is not None:
-                offset = align(offset + rows * dtype.itemsize * math.prod(shape))
+            row = 0 if dtype is None else dtype.itemsize * math.prod(shape)
+            self.row_nbytes.append(row)
+            offset = align(offset + rows * row)
         self.nbytes = offset
+        # leaves that are Python objects (strings...): kept in lists, not in the slab
+        self.value_leaves = [i for i, kind in enumerate(self.kinds) if kind == OTHER]
+
+    @classmethod
+    def of(cls, sample, rows: int) -> Layout:
+        return cls(signature(sample), rows)
+
+    def digest(self) -> tuple[int, int]:
+        """128 bits that name (signature, rows) in every process: pickling
+        is exact where hash() is not (hash(-1) == hash(-2))."""
+        d = hashlib.blake2b(pickle.dumps((self.signature, self.rows)), digest_size=16).digest()
+        return tuple(int(w) for w in np.frombuffer(d, np.int64))
+
+    def write_row(self, slab: np.ndarray, row: int, leaves: list) -> list:
+        """Write the leaves of a sample whose signature is this layout's
+        into its row of slab; returns its non-numeric leaves (not written)."""
+        values = []
+        for leaf, kind, dtype, shape, off, n in zip(leaves, self.kinds, self.dtypes, self.shapes,
+                                                     self.offsets, self.row_nbytes):
+            if kind == OTHER:
+                values.append(leaf)
+                continue
+            start = off + row * n
+            dst = slab[start:start + n].view(dtype)
+            if kind == ARRAY:
+                dst.reshape(shape)[...] = as_array(leaf)
+            else:
+                dst[0] = leaf
+        return values
 
     def views(self, slab: np.ndarray) -> list:
         """Per leaf: an array of (rows,) + shape over the slab, or a list."""
         out = []
-        for kind, dtype, shape, off in zip(self.kinds, self.dtypes, self.shapes, self.offsets):
+        for kind, dtype, shape, off, row in zip(self.kinds, self.dtypes, self.shapes, self.offsets,
+                                                self.row_nbytes):
             if kind == OTHER:
                 out.append([None] * self.rows)
             else:
-                n = self.rows * dtype.itemsize * math.prod(shape)
-                out.append(slab[off:off + n].view(dtype).reshape((self.rows,) + shape))
+                out.append(slab[off:off + self.rows * row].view(dtype).reshape((self.rows,) + shape))
         return out
 
     def write(self, views: list, row: int, sample, where: str) -> None:

@@ -21,6 +21,7 @@ from loader import _protocol as P
 from loader._collate import materialize
 from loader._collator import collator_main
 from loader._slabs import MAX_LEASES, lease_slab
+from loader._table import BatchTable
 from loader._worker import worker_main
 
 __all__ = ["ShmLoader", "WorkerError", "LoaderTimeout"]
@@ -89,6 +90,7 @@ class ShmLoader:
         self._owner_pid = os.getpid()
         self._procs: list = []
         self._closed = False
+        self._stats = None
         _live_loaders.add(self)
 
     # --- sizes and order -------------------------------------------------------
@@ -103,6 +105,14 @@ class ShmLoader:
         if self.drop_last:
             order = order[:len(order) // self.batch_size * self.batch_size]
         return order.astype(np.int64, copy=False)
+
+    def stats(self) -> dict | None:
+        """How the last epoch whose end was seen was delivered: batches,
+        samples, and how many samples workers wrote straight into their
+        batch's memory against those that went through the collator's ring
+        (varying shapes, a collate_fn, or the first batch of the first
+        epoch).  None before the end of the first epoch."""
+        return None if self._stats is None else dict(self._stats)
 
     def __len__(self):
         if self.iterable:
@@ -123,6 +133,9 @@ class ShmLoader:
         self.ctl = shmq.shared_array(P.CTL_WORDS, np.int64)
         self.released = shmq.shared_array(MAX_LEASES, np.int64)
         self.arena = shmq.shared_array(self.memory_cap_bytes, np.uint8)
+        # Batches laid out ahead for direct writes: the prefetch window, plus
+        # slack so that the next batches are ready as the window moves.
+        self.table = BatchTable(self.prefetch + 2)
         # Rings: every child inherits them by fork, so their names go at once.
         self.to_collator = shmq.Queue(64 << 20, multi_producer=True)
         self.to_main = shmq.Queue(4 << 20)
@@ -135,11 +148,13 @@ class ShmLoader:
         self._procs = [_fork.Process(
             target=worker_main, name=f"ShmLoader worker {i}", daemon=True,
             args=(i, self.num_workers, self.dataset, self.tasks[i], self.to_collator, self.ctl,
+                  self.table, self.arena, self.batch_size, self.in_order, self.collate_fn is None,
                   self.worker_init_fn, self._stack_files[i], parent))
             for i in range(self.num_workers)]
         self._procs.append(_fork.Process(
             target=collator_main, name="ShmLoader collator", daemon=True,
-            args=(self.to_collator, self.to_main, self.arena, self.released, self.batch_size,
+            args=(self.to_collator, self.to_main, self.arena, self.released, self.table,
+                  self.batch_size,
                   self.drop_last, self.in_order, self.collate_fn, self.num_workers, self.prefetch,
                   parent)))
         for p in self._procs:
@@ -242,7 +257,7 @@ class ShmLoader:
         order = None if self.iterable else self._positions(epoch)
         n = None if order is None else len(order)
         nbatches = None if n is None else -(-n // self.batch_size)
-        self.ctl[P.CURSOR] = 0
+        self.ctl[P.CURSOR] = self.ctl[P.ARRIVED] = 0
         self.ctl[P.LIMIT] = self.prefetch * self.batch_size
         self.ctl[P.EPOCH] = epoch
         self.to_collator.put((P.EPOCH_START, epoch, n))
@@ -255,9 +270,10 @@ class ShmLoader:
         by_index = self.in_order and not self.iterable  # else: in arrival order
         yielded = 0
         total = nbatches
-        finished = False
+        ended = finished = False
         try:
-            while total is None or yielded < total:
+            # Until END: it follows every batch, and carries the epoch's stats.
+            while not (ended and yielded == total):
                 self._check_current(epoch)
                 msg = self._receive()
                 kind = msg[0]
@@ -278,7 +294,10 @@ class ShmLoader:
                     at = f" on sample index {index} (position {pos})" if index >= 0 else ""
                     raise WorkerError(f"ShmLoader: {who} (pid {pid}) raised{at}:\n{text}")
                 if kind == P.END:
-                    total = msg[2]
+                    total, ended = msg[2], True
+                    self._stats = {"epoch": epoch, "batches": msg[2], "samples": msg[3],
+                                   "samples_written_directly": msg[3] - msg[4],
+                                   "samples_through_ring": msg[4]}
                     continue
                 pending[msg[2]] = msg
                 key = yielded if by_index else msg[2]

@@ -4,16 +4,18 @@ NOTE [ ShmLoader processes and shutdown ]
 =========================================
 
             ctl[CURSOR] (atomic, shmq.atomic_add): the next position of the epoch
-  worker 0 ─┐                           
-  worker 1 ─┼─ to_collator (MPSC) ──► collator ── to_main (SPSC) ──► main: views
-  worker N ─┘   SAMPLE/ERROR/DONE        │  writes each sample into    BATCH descriptors
-       ▲        (main: EPOCH, STOP)      │  its slot of a slab in the  (lease, offsets)
-       │                                 ▼  shared arena
-       └──── to_worker[i] (SPSC, main → worker i): EPOCH (order, seed) / STOP
+  worker 0 ─┐   SAMPLE/VALUES/FILLED/
+  worker 1 ─┼─ ERROR/DONE ─ to_collator (MPSC) ──► collator ── to_main (SPSC) ──► main: views
+  worker N ─┘   (main: EPOCH, STOP)                  │          BATCH descriptors
+    ▲  │                                             │          (lease, offsets)
+    │  └── rows written directly into published ◄────┘ lays out slabs in the shared arena
+    │      slabs (NOTE [ Direct row writes ],           and publishes them in the batch table
+    │      _table.py)
+    └──── to_worker[i] (SPSC, main → worker i): EPOCH (order, seed) / STOP
 
 All shared memory is created by main before it forks: the rings are unlinked
 at once (forked children inherit the mappings), and the arena, ctl and
-released arrays are anonymous (shmq.shared_array).  No name exists that a
+released arrays and the batch table are anonymous (shmq.shared_array).  No name exists that a
 crash could leak.
 
 Slab leases: the collator allocates a slab per batch from the arena under
@@ -41,19 +43,23 @@ CURSOR = 0      # next position of the current epoch (workers: atomic_add)
 EPOCH = 1       # current epoch; workers drop out when it changes
 LIMIT = 2       # positions below this may be loaded: main keeps it `prefetch` batches
                 # ahead of what it has yielded, so prefetch does not grow with workers
+ARRIVED = 3     # first-ready: samples ready so far; the k-th goes to row k % B of batch k // B
 CTL_WORDS = 8
 STOPPED = -1
 
 # message kinds (first element of every message tuple)
-SAMPLE = 0      # worker → collator: (SAMPLE, epoch, pos, sample)
+SAMPLE = 0      # worker → collator: (SAMPLE, epoch, pos, batch, row, sample)
 ERROR = 1       # worker → collator → main: (ERROR, epoch, pos, index, worker_id, pid, traceback)
 DONE = 2        # worker → collator: (DONE, epoch, worker_id)
 EPOCH_START = 3 # main → collator: (EPOCH_START, epoch, n_positions)
                 # main → worker: (EPOCH_START, epoch, order chunk or None, seed, last chunk?)
 STOP = 4        # main → collator / worker: (STOP,)
 BATCH = 5       # collator → main: (BATCH, epoch, batch_index, lease, generation, offset, nbytes, spec)
-END = 6         # collator → main: (END, epoch, batches_sent)
+END = 6         # collator → main: (END, epoch, batches, samples, samples that came by ring)
 MEMORY_WAIT = 7 # collator → main: (MEMORY_WAIT, held_bytes, cap_bytes, held_batches)
+VALUES = 8      # worker → collator: (VALUES, epoch, batch, row, non-numeric leaves) of a row
+                # the worker wrote itself (NOTE [ Direct row writes ] in _table.py)
+FILLED = 9      # worker → collator: (FILLED, epoch, batch): it counted the batch's last row
 
 ORDER_CHUNK = 1 << 16  # positions per EPOCH_START message to a worker
 WAIT_SLICE_S = 0.1   # longest blocking wait before re-checking peers and signals

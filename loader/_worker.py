@@ -18,6 +18,7 @@ import numpy as np
 
 import shmq
 from loader import _protocol as P
+from loader._table import RowWriter
 
 _worker_info = None
 
@@ -89,10 +90,36 @@ def _epoch_task(tasks, parent_pid):
             return epoch, order, base_seed
 
 
-def worker_main(worker_id, num_workers, dataset, tasks, to_collator, ctl, worker_init_fn,
-                stack_file, parent_pid):
+class _Sender:
+    """How a worker hands a sample over: straight into its row when its
+    batch is published with the sample's layout, else through the ring
+    (NOTE [ Direct row writes ] in _table.py)."""
+
+    def __init__(self, to_collator, ctl, batch_size, first_ready, writer: RowWriter | None):
+        self.ring, self.ctl, self.batch_size = to_collator, ctl, batch_size
+        self.first_ready, self.writer = first_ready, writer
+
+    def send(self, epoch, pos, sample, arrival=None):
+        """arrival: the sample's place in arrival order, if already claimed."""
+        if arrival is None and self.first_ready:
+            arrival = shmq.atomic_add(self.ctl, P.ARRIVED, 1)
+        batch, row = divmod(pos if arrival is None else arrival, self.batch_size)
+        written = None if self.writer is None else self.writer.try_write(epoch, batch, row, sample)
+        if written is None:
+            self.ring.put((P.SAMPLE, epoch, pos, batch, row, sample))
+            return
+        rows, values = written
+        if values:
+            self.ring.put((P.VALUES, epoch, batch, row, values))
+        if self.writer.table.count(batch) == rows:
+            self.ring.put((P.FILLED, epoch, batch))
+
+
+def worker_main(worker_id, num_workers, dataset, tasks, to_collator, ctl, table, arena,
+                batch_size, in_order, direct, worker_init_fn, stack_file, parent_pid):
     global _worker_info
     die_with_parent(parent_pid)
+    writer = RowWriter(table, arena) if direct else None
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     init_pending = worker_init_fn is not None
     while (task := _epoch_task(tasks, parent_pid)) is not None:
@@ -107,10 +134,12 @@ def worker_main(worker_id, num_workers, dataset, tasks, to_collator, ctl, worker
                     worker_init_fn(worker_id)
                 except Exception:
                     _report(to_collator, epoch, -1, -1, worker_id)
+            sender = _Sender(to_collator, ctl, batch_size, not in_order and order is not None,
+                             writer)
             if order is None:  # main sends no order for an iterable dataset
-                _run_iterable(epoch, worker_id, dataset, to_collator, ctl, parent_pid)
+                _run_iterable(epoch, worker_id, dataset, sender, ctl, parent_pid)
             else:
-                _run_map(epoch, worker_id, dataset, order, to_collator, ctl, parent_pid)
+                _run_map(epoch, worker_id, dataset, order, sender, ctl, parent_pid)
         except _Failed:
             pass  # reported to the collator; main raises it
         to_collator.put((P.DONE, epoch, worker_id))
@@ -137,7 +166,7 @@ def _claim_position(ctl, epoch, parent_pid):
     return pos
 
 
-def _run_map(epoch, worker_id, dataset, order, to_collator, ctl, parent_pid):
+def _run_map(epoch, worker_id, dataset, order, sender, ctl, parent_pid):
     n = len(order)
     while ctl[P.EPOCH] == epoch:
         pos = _claim_position(ctl, epoch, parent_pid)
@@ -147,15 +176,17 @@ def _run_map(epoch, worker_id, dataset, order, to_collator, ctl, parent_pid):
         try:
             sample = dataset[index]
         except Exception:
-            _report(to_collator, epoch, pos, index, worker_id)
-        to_collator.put((P.SAMPLE, epoch, pos, sample))
+            _report(sender.ring, epoch, pos, index, worker_id)
+        sender.send(epoch, pos, sample)
 
 
-def _run_iterable(epoch, worker_id, dataset, to_collator, ctl, parent_pid):
+def _run_iterable(epoch, worker_id, dataset, sender, ctl, parent_pid):
+    """Positions are claimed once a sample is ready: they are its arrival order."""
     try:
         for sample in dataset:
-            if _claim_position(ctl, epoch, parent_pid) < 0 or ctl[P.EPOCH] != epoch:
+            arrival = _claim_position(ctl, epoch, parent_pid)
+            if ctl[P.EPOCH] != epoch:
                 return
-            to_collator.put((P.SAMPLE, epoch, -1, sample))
+            sender.send(epoch, -1, sample, arrival)
     except Exception:
-        _report(to_collator, epoch, -1, -1, worker_id)
+        _report(sender.ring, epoch, -1, -1, worker_id)

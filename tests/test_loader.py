@@ -95,6 +95,69 @@ def test_first_ready_is_exactly_once():
     assert 3 not in got[0]
 
 
+def test_fixed_layout_samples_are_written_directly_after_the_first_epoch():
+    # NOTE [ Direct row writes ]: once the collator knows the layout, every
+    # batch in the prefetch window is published, so no sample takes the ring.
+    for in_order in (True, False):
+        with ShmLoader(Numbers(100), batch_size=7, num_workers=2, in_order=in_order) as loader:
+            assert loader.stats() is None
+            for epoch in range(3):
+                assert sorted(k for b in loader for k in indices(b)) == list(range(100))
+                stats = loader.stats()
+                assert stats["batches"] == 15 and stats["samples"] == 100
+                assert stats["samples_written_directly"] + stats["samples_through_ring"] == 100
+                if epoch:
+                    assert stats["samples_through_ring"] == 0, stats
+
+
+class Buckets:
+    """Sample i is (i // 4 % 3 + 1, 2) int32 full of i: the shape changes
+    every batch of 4, as with a bucketing sampler."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return np.full((i // 4 % 3 + 1, 2), i, np.int32)
+
+
+def test_shapes_that_change_between_batches_are_collated():
+    with ShmLoader(Buckets(), batch_size=4, num_workers=2) as loader:
+        for _ in range(2):
+            batches = list(loader)
+            assert len(batches) == 10
+            for k, b in enumerate(batches):
+                ids = np.arange(4 * k, 4 * k + 4, dtype=np.int32)
+                np.testing.assert_array_equal(b, np.broadcast_to(ids[:, None, None], (4, k % 3 + 1, 2)))
+            assert loader.stats()["samples_through_ring"] > 0  # the layout guess was wrong
+
+
+def test_shapes_that_differ_within_a_batch_are_refused_with_the_remedy():
+    class Ragged(Numbers):
+        def __getitem__(self, i):
+            return np.zeros(i % 2 + 1)
+
+    with ShmLoader(Ragged(8), batch_size=4, num_workers=2) as loader:
+        with pytest.raises(WorkerError, match="pass collate_fn"):
+            list(loader)
+
+
+def test_epochs_abandoned_mid_write_never_corrupt_later_batches():
+    # Workers may be writing rows of an abandoned epoch's batches; those
+    # slabs are held back until every worker has left that epoch.
+    class Slowish(Numbers):
+        def __getitem__(self, i):
+            time.sleep(0.002)
+            return super().__getitem__(i)
+
+    with ShmLoader(Slowish(120), batch_size=6, num_workers=2) as loader:
+        for _ in range(8):
+            for _ in zip(range(2), loader):
+                pass
+        kept = list(loader)
+        assert [k for b in kept for k in indices(b)] == list(range(120))
+
+
 def test_sampler_and_len():
     with ShmLoader(Numbers(30), batch_size=4, sampler=[5, 3, 29, 0, 7], num_workers=2) as loader:
         assert len(loader) == 2
