@@ -32,8 +32,8 @@ class _Batch:
     earlier batches is *provisional* until a sample of this batch matches
     it; samples that do not are set `aside` until the batch is complete."""
 
-    __slots__ = ("index", "rows", "filled", "seen", "counted", "lease", "generation", "offset",
-                 "layout", "views", "samples", "published", "provisional", "aside")
+    __slots__ = ("aside", "counted", "filled", "generation", "index", "layout", "lease", "offset",
+                 "provisional", "published", "rows", "samples", "seen", "views")
 
     def __init__(self, index, rows):
         self.index, self.rows, self.filled = index, rows, 0
@@ -45,69 +45,38 @@ class _Batch:
         self.samples = [None] * rows  # collate_fn mode: the samples, by row
 
 
-class Collator:
-    def __init__(self, to_collator, to_main, arena, released, table, batch_size, drop_last,
-                 in_order, collate_fn, num_workers, prefetch, parent_pid):
-        self.inbox, self.to_main = to_collator, to_main
-        self.arena, self.table = arena, table
-        # Slabs in flight: published ahead, held by main's loop, one spare.
-        self.slabs = SlabAllocator(arena, released, table.entries + prefetch + 1)
-        self.batch_size, self.drop_last, self.in_order = batch_size, drop_last, in_order
-        self.collate_fn, self.num_workers, self.parent_pid = collate_fn, num_workers, parent_pid
-        self.epoch, self.n, self.open = None, None, {}
-        self.done_workers = num_workers  # no epoch in flight
-        self.owner = [None] * table.entries  # batch index published in each table entry
-        self.guess = None                    # signature of the latest batch's layout
-        self.layouts = {}                    # (signature, rows) -> (Layout, digest)
-        # abandoned epochs: epoch -> [workers yet to say DONE, leases held back]
-        self.quarantine: dict[int, list] = {}
+class _Pass:
+    """One run over the data (see Passes in _protocol.py).  It lives until
+    every worker has said DONE for it, even after main abandoned it: until
+    then a worker may still write into its slabs."""
 
-    # --- epoch bookkeeping ---------------------------------------------------
-
-    def start_epoch(self, epoch, n_positions):
-        self.abandon_open_batches()
-        self.epoch, self.n = epoch, n_positions
-        self.nbatches = None if n_positions is None else -(-n_positions // self.batch_size)
+    def __init__(self, run, n, batch_size):
+        self.run, self.n = run, n
+        self.nbatches = None if n is None else -(-n // batch_size)
         self.open: dict[int, _Batch] = {}
         self.lo, self.finished = 0, set()  # batches below lo, and those in `finished`, are sent
         self.sent = self.done_workers = self.samples = self.via_ring = 0
         self.ended = False
-        self.publish_ahead()
 
-    def abandon_open_batches(self):
-        """Main moved on mid-epoch.  Workers may still be writing rows of
-        published batches: their slabs wait for every worker's DONE (see
-        NOTE [ Direct row writes ] in _table.py)."""
-        held = []
-        for b in self.open.values():
-            if b.published:
-                self.unpublish(b)
-            if b.lease is not None:
-                held.append(b.lease)
-        self.open = {}
-        waiting = self.num_workers - self.done_workers
-        if held and waiting > 0:
-            self.quarantine[self.epoch] = [waiting, held]
-        else:
-            for lease in held:
-                self.slabs.release(lease)
 
-    def worker_done(self, epoch):
-        if epoch == self.epoch:
-            self.done_workers += 1
-            if self.done_workers == self.num_workers:
-                self.end_epoch()
-        elif epoch in self.quarantine:
-            held = self.quarantine[epoch]
-            held[0] -= 1
-            if held[0] == 0:
-                for lease in self.quarantine.pop(epoch)[1]:
-                    self.slabs.release(lease)
+class Collator:
+    def __init__(self, to_collator, to_main, ctl, arena, released, table, batch_size, drop_last,
+                 in_order, collate_fn, num_workers, prefetch, parent_pid):
+        self.inbox, self.to_main, self.ctl = to_collator, to_main, ctl
+        self.arena, self.table = arena, table
+        # Slabs in flight: published ahead for two runs, held by main's loop, one spare.
+        self.slabs = SlabAllocator(arena, released, 2 * table.per_run + prefetch + 1)
+        self.batch_size, self.drop_last, self.in_order = batch_size, drop_last, in_order
+        self.collate_fn, self.num_workers, self.parent_pid = collate_fn, num_workers, parent_pid
+        self.passes: dict[int, _Pass] = {}
+        self.owner: dict[int, tuple[int, int]] = {}  # table entry -> (run, batch) published there
+        self.guess = None                    # signature of the latest batch's layout
+        self.layouts = {}                    # (signature, rows) -> (Layout, digest)
 
-    def rows_of(self, index):
-        if self.n is None:  # iterable dataset: every batch full until the end
+    def rows_of(self, p, index):
+        if p.n is None:  # iterable dataset: every batch full until the end
             return self.batch_size
-        return min(self.batch_size, self.n - index * self.batch_size)
+        return min(self.batch_size, p.n - index * self.batch_size)
 
     # --- slabs and the batch table -----------------------------------------------
 
@@ -140,61 +109,59 @@ class Collator:
         b.lease, b.generation, b.offset = slab_got or self.slab(b.layout.nbytes)
         b.views = b.layout.views(self.arena[b.offset:b.offset + b.layout.nbytes])
 
-    def try_publish(self, b):
-        """Give b a table entry if its own is free and b is in the window."""
-        entry = b.index % self.table.entries
-        if (self.collate_fn is None and not b.published and self.owner[entry] is None
-                and b.index < self.lo + self.table.entries):
-            self.table.publish(self.epoch, b.index, b.offset, b.layout,
+    def try_publish(self, p, b):
+        """Give b its table entry if that is free and b is in the window."""
+        entry = self.table.entry(p.run, b.index)
+        if (self.collate_fn is None and not b.published and entry not in self.owner
+                and b.index < p.lo + self.table.per_run):
+            self.table.publish(p.run, b.index, b.offset, b.layout,
                                self.layout(b.layout.signature, b.rows)[1], b.filled)
-            self.owner[entry] = b.index
+            self.owner[entry] = (p.run, b.index)
             b.published = True
 
-    def unpublish(self, b):
-        self.table.retire(b.index)
-        self.owner[b.index % self.table.entries] = None
+    def unpublish(self, p, b):
+        self.table.retire(p.run, b.index)
+        del self.owner[self.table.entry(p.run, b.index)]
         b.published = False
 
-    def publish_ahead(self):
+    def publish_ahead(self, p):
         """Lay out the next batches with the latest layout, so workers can
         write their rows directly (NOTE [ Direct row writes ])."""
-        if self.collate_fn is not None or self.guess is None or self.ended:
+        if self.collate_fn is not None or self.guess is None or p.ended:
             return
-        for index in range(self.lo, self.lo + self.table.entries):
-            if self.nbatches is not None and index >= self.nbatches:
+        for index in range(p.lo, p.lo + self.table.per_run):
+            if p.nbatches is not None and index >= p.nbatches:
                 return
-            if index in self.open:
-                self.try_publish(self.open[index])
+            if index in p.open:
+                self.try_publish(p, p.open[index])
                 continue
-            if index in self.finished:
+            if index in p.finished or self.table.entry(p.run, index) in self.owner:
                 continue
-            if self.owner[index % self.table.entries] is not None:
-                continue
-            b = _Batch(index, self.rows_of(index))
+            b = _Batch(index, self.rows_of(p, index))
             got = self.slabs.allocate(self.layout(self.guess, b.rows)[0].nbytes)
             if got is None:
                 return  # memory is short: the ring path waits for it instead
             self.lay_out(b, self.guess, got)
             b.provisional = True
-            self.open[index] = b
-            self.try_publish(b)
+            p.open[index] = b
+            self.try_publish(p, b)
 
-    def filled(self, b):
-        return self.table.filled(b.index) if b.published else b.filled
+    def filled(self, p, b):
+        return self.table.filled(p.run, b.index) if b.published else b.filled
 
     # --- samples -------------------------------------------------------------
 
-    def place(self, pos, index, row, sample):
+    def place(self, p, pos, index, row, sample):
         """A sample that came through the ring, for row `row` of batch `index`."""
-        self.via_ring += 1
-        b = self.open.get(index)
+        p.via_ring += 1
+        b = p.open.get(index)
         if b is None:
-            b = self.open[index] = _Batch(index, self.rows_of(index))
+            b = p.open[index] = _Batch(index, self.rows_of(p, index))
             if self.collate_fn is None:
                 sig = signature(sample)
                 self.lay_out(b, sig)
                 self.guess = sig
-                self.try_publish(b)
+                self.try_publish(p, b)
         if self.collate_fn is not None:
             b.samples[row] = sample
         elif b.provisional and signature(sample) != b.layout.signature:
@@ -204,33 +171,33 @@ class Collator:
             b.provisional = False
         b.seen += 1
         if b.published:
-            b.counted = self.table.count(index) == b.rows
+            b.counted = self.table.count(p.run, index) == b.rows
         else:
             b.filled += 1
             b.counted = b.filled == b.rows
-        self.finish_if_complete(b)
+        self.finish_if_complete(p, b)
 
-    def values(self, index, row, values):
-        b = self.open[index]
+    def values(self, p, index, row, values):
+        b = p.open[index]
         for leaf, value in zip(b.layout.value_leaves, values):
             b.views[leaf][row] = value
         b.seen += 1
-        self.finish_if_complete(b)
+        self.finish_if_complete(p, b)
 
-    def all_counted(self, index):
+    def all_counted(self, p, index):
         """A worker counted the last row of a batch (its FILLED message)."""
-        b = self.open[index]
+        b = p.open[index]
         b.counted = True
-        self.finish_if_complete(b)
+        self.finish_if_complete(p, b)
 
-    def finish_if_complete(self, b):
+    def finish_if_complete(self, p, b):
         """Complete: every row counted, and, where rows carry non-numeric
         leaves, every VALUES message seen.  A worker sends VALUES before it
         counts its row, but a ring sample can complete the count while a
         VALUES message is still behind it in the ring."""
         if b.counted and (self.collate_fn is not None or not b.layout.value_leaves
                           or b.seen == b.rows):
-            self.finish(b, b.rows)
+            self.finish(p, b, b.rows)
 
     def settle_aside(self, b, rows):
         """Rows that did not fit the provisional layout: if no row did, the
@@ -238,17 +205,16 @@ class Collator:
         written as the default collate always does (or refused)."""
         if len(b.aside) == rows:
             old = b.lease
-            first = min(b.aside)
-            self.lay_out(b, signature(b.aside[first]))
+            self.lay_out(b, signature(b.aside[min(b.aside)]))
             self.slabs.release(old)
         for row, sample in sorted(b.aside.items()):
             b.layout.write(b.views, row, sample, f"sample in row {row} of batch {b.index}")
         b.aside = {}
 
-    def finish(self, b, rows):
-        del self.open[b.index]
+    def finish(self, p, b, rows):
+        del p.open[b.index]
         if b.published:
-            self.unpublish(b)
+            self.unpublish(p, b)
         if self.collate_fn is not None:
             plan = OutputPlan(self.collate_fn(b.samples[:rows]))
             nbytes = plan.nbytes
@@ -264,62 +230,65 @@ class Collator:
             self.guess = b.layout.signature
             spec = b.layout.spec(b.views, rows)
             lease, gen, offset, nbytes = b.lease, b.generation, b.offset, b.layout.nbytes
-        self.to_main.put((P.BATCH, self.epoch, b.index, lease, gen, offset, nbytes, spec))
-        self.sent += 1
-        self.samples += rows
-        self.finished.add(b.index)
-        while self.lo in self.finished:
-            self.finished.remove(self.lo)
-            self.lo += 1
-        self.publish_ahead()
+        self.to_main.put((P.BATCH, p.run, b.index, lease, gen, offset, nbytes, spec))
+        p.sent += 1
+        p.samples += rows
+        p.finished.add(b.index)
+        while p.lo in p.finished:
+            p.finished.remove(p.lo)
+            p.lo += 1
+        self.publish_ahead(p)
 
-    def end_epoch(self):
+    def end_pass(self, p):
         """Every worker is done: send what is left of a partial batch.  Only
         where rows fill in arrival order (first-ready, iterable datasets) is
         a partial batch a prefix of rows; in order, a batch is partial only
-        when a sample failed, and main has been told so already."""
-        self.ended = True
-        arrival_order = not self.in_order or self.n is None
-        for b in sorted(self.open.values(), key=lambda b: b.index):
-            rows = self.filled(b)
+        when a sample failed (main has been told) or main abandoned the run."""
+        p.ended = True
+        arrival_order = not self.in_order or p.n is None
+        for b in sorted(p.open.values(), key=lambda b: b.index):
+            rows = self.filled(p, b)
             if rows and arrival_order and not self.drop_last:
-                self.finish(b, rows)
+                self.finish(p, b, rows)
                 continue
             if b.published:
-                self.unpublish(b)
+                self.unpublish(p, b)
             if b.lease is not None:
                 self.slabs.release(b.lease)
-        self.open = {}
-        self.to_main.put((P.END, self.epoch, self.sent, self.samples, self.via_ring))
+        p.open = {}
+        del self.passes[p.run]
+        self.to_main.put((P.END, p.run, p.sent, p.samples, p.via_ring))
 
     # --- loop ------------------------------------------------------------------
 
     def handle(self, msg):
         kind = msg[0]
         if kind == P.EPOCH_START:
-            self.start_epoch(msg[1], msg[2])
-        elif kind == P.DONE:
-            self.worker_done(msg[1])
-        elif msg[1] != self.epoch:
-            return  # a straggler from an epoch main abandoned
-        elif kind == P.SAMPLE:
-            _, _, pos, index, row, sample = msg
-            try:
-                self.place(pos, index, row, sample)
-            except Exception as e:
-                where = f"collating the sample at position {pos}"
-                self.to_main.put((P.ERROR, self.epoch, pos, -1, -1, os.getpid(),
-                                  _describe(e, where)))
-        elif kind == P.VALUES:
-            self.values(*msg[2:])
-        elif kind == P.FILLED:
-            try:
-                self.all_counted(msg[2])
-            except Exception as e:
-                self.to_main.put((P.ERROR, self.epoch, -1, -1, -1, os.getpid(),
-                                  _describe(e, f"collating batch {msg[2]}")))
+            p = self.passes[msg[1]] = _Pass(msg[1], msg[2], self.batch_size)
+            self.publish_ahead(p)
+            self.ctl[P.slot(p.run, P.READY)] = p.run  # workers may start
+            return
+        p = self.passes[msg[1]]  # a run's messages all come before its workers' DONE
+        if kind == P.DONE:
+            p.done_workers += 1
+            if p.done_workers == self.num_workers:
+                self.end_pass(p)
         elif kind == P.ERROR:
             self.to_main.put(msg)
+        else:
+            try:
+                if kind == P.SAMPLE:
+                    _, _, pos, index, row, sample = msg
+                    self.place(p, pos, index, row, sample)
+                elif kind == P.VALUES:
+                    self.values(p, *msg[2:])
+                elif kind == P.FILLED:
+                    self.all_counted(p, msg[2])
+            except Exception as e:
+                pos = msg[2] if kind == P.SAMPLE else -1
+                where = (f"collating the sample at position {pos}" if kind == P.SAMPLE
+                         else f"collating batch {msg[2]}")
+                self.to_main.put((P.ERROR, p.run, pos, -1, -1, os.getpid(), _describe(e, where)))
 
     def run(self):
         copy = self.collate_fn is not None  # collate_fn keeps samples past the ring
@@ -359,10 +328,10 @@ def _describe(exc, where):
     return text
 
 
-def collator_main(to_collator, to_main, arena, released, table, batch_size, drop_last, in_order,
-                  collate_fn, num_workers, prefetch, parent_pid):
+def collator_main(to_collator, to_main, ctl, arena, released, table, batch_size, drop_last,
+                  in_order, collate_fn, num_workers, prefetch, parent_pid):
     die_with_parent(parent_pid)
-    Collator(to_collator, to_main, arena, released, table, batch_size, drop_last, in_order,
+    Collator(to_collator, to_main, ctl, arena, released, table, batch_size, drop_last, in_order,
              collate_fn, num_workers, prefetch, parent_pid).run()
     to_collator.close()
     to_main.close()

@@ -13,6 +13,7 @@ import threading
 import time
 import warnings
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,6 +29,12 @@ __all__ = ["ShmLoader", "WorkerError", "LoaderTimeout"]
 
 _fork = mp.get_context("fork")
 _live_loaders: "weakref.WeakSet[ShmLoader]" = weakref.WeakSet()
+
+
+class _Run(NamedTuple):
+    id: int
+    epoch: int
+    n: int | None  # positions; None for an iterable dataset
 
 
 class WorkerError(RuntimeError):
@@ -86,7 +93,11 @@ class ShmLoader:
         self.output = output
         self.seed = seed if seed is not None else secrets.randbits(63)
         self.memory_cap_bytes = memory_cap_bytes or _default_memory_cap()
-        self._epoch = 0
+        self._epoch = 0      # epochs started by iter(): they pick the order and the seeds
+        self._runs = 0       # passes over the data started (see Passes in _protocol.py)
+        self._current = None  # the run of the latest iter()
+        self._ahead = None   # the next epoch's run, started before its iter()
+        self._early = []     # messages of that run received meanwhile
         self._owner_pid = os.getpid()
         self._procs: list = []
         self._closed = False
@@ -153,10 +164,9 @@ class ShmLoader:
             for i in range(self.num_workers)]
         self._procs.append(_fork.Process(
             target=collator_main, name="ShmLoader collator", daemon=True,
-            args=(self.to_collator, self.to_main, self.arena, self.released, self.table,
-                  self.batch_size,
-                  self.drop_last, self.in_order, self.collate_fn, self.num_workers, self.prefetch,
-                  parent)))
+            args=(self.to_collator, self.to_main, self.ctl, self.arena, self.released, self.table,
+                  self.batch_size, self.drop_last, self.in_order, self.collate_fn,
+                  self.num_workers, self.prefetch, parent)))
         for p in self._procs:
             p.start()
 
@@ -178,7 +188,8 @@ class ShmLoader:
         """See NOTE [ ShmLoader processes and shutdown ] in _protocol.py."""
         if not self._procs:
             return
-        self.ctl[P.EPOCH] = P.STOPPED
+        for run in (self._runs - 1, self._runs):
+            P.end_run(self.ctl, run)  # workers stop pulling positions at once
         for q in (*self.tasks, self.to_collator):
             try:
                 q.put((P.STOP,), timeout=0.5)
@@ -253,29 +264,67 @@ class ShmLoader:
             parts.append(f"--- worker {i} (pid {p.pid}) ---\n{text}")
         return "\n".join(parts)
 
-    def _run_epoch(self, epoch):
+    def _start_run(self, epoch) -> _Run:
+        """Start a pass over the data for `epoch` (see Passes in _protocol.py)."""
         order = None if self.iterable else self._positions(epoch)
-        n = None if order is None else len(order)
-        nbatches = None if n is None else -(-n // self.batch_size)
-        self.ctl[P.CURSOR] = self.ctl[P.ARRIVED] = 0
-        self.ctl[P.LIMIT] = self.prefetch * self.batch_size
-        self.ctl[P.EPOCH] = epoch
-        self.to_collator.put((P.EPOCH_START, epoch, n))
+        self._runs += 1
+        run = _Run(self._runs, epoch, None if order is None else len(order))
+        self.ctl[P.slot(run.id, P.LIMIT)] = self.prefetch * self.batch_size
+        self.ctl[P.slot(run.id, P.ARRIVED)] = P.tagged(run.id)
+        self.ctl[P.slot(run.id, P.CURSOR)] = P.tagged(run.id)  # last: opens the run
+        self.to_collator.put((P.EPOCH_START, run.id, run.n))
         chunks = [None] if order is None else [order[i:i + P.ORDER_CHUNK]
-                                               for i in range(0, max(n, 1), P.ORDER_CHUNK)]
+                                               for i in range(0, max(run.n, 1), P.ORDER_CHUNK)]
         for q in self.tasks:
             for i, chunk in enumerate(chunks):
-                q.put((P.EPOCH_START, epoch, chunk, self.seed, i == len(chunks) - 1))
+                q.put((P.EPOCH_START, run.id, epoch, chunk, self.seed, i == len(chunks) - 1))
+        return run
+
+    def _runs_ahead(self) -> bool:
+        """Can the next epoch start before this one ends?  Not when the
+        next order is the user's to make (a sampler, which may wait for
+        set_epoch(); an iterable dataset), nor without persistent workers."""
+        return self.persistent_workers and self.sampler is None and not self.iterable
+
+    def _run_for(self, epoch):
+        """The run for `epoch` and the messages already received for it: the
+        run started ahead, if len(dataset) has not changed since; else a new
+        run (the old one ends: its batches are released as they come)."""
+        ahead, early = self._ahead, self._early
+        self._ahead, self._early = None, []
+        if self._current is not None:
+            P.end_run(self.ctl, self._current.id)  # an iterator this one supersedes
+        if ahead is not None and ahead.epoch == epoch and ahead.n == self._length():
+            self._current = ahead
+            return ahead, early
+        if ahead is not None:
+            P.end_run(self.ctl, ahead.id)
+            for msg in early:
+                self._drop(msg)
+        self._current = self._start_run(epoch)
+        return self._current, []
+
+    def _length(self):
+        n = len(self.dataset)
+        return n // self.batch_size * self.batch_size if self.drop_last else n
+
+    def _drop(self, msg):
+        """A message of a run nobody will read: free its batch."""
+        if msg[0] == P.BATCH:
+            self.released[msg[3]] = msg[4]
+
+    def _run_epoch(self, epoch):
+        run, early = self._run_for(epoch)
         pending = {}
         by_index = self.in_order and not self.iterable  # else: in arrival order
         yielded = 0
-        total = nbatches
+        total = None if run.n is None else -(-run.n // self.batch_size)
         ended = finished = False
         try:
             # Until END: it follows every batch, and carries the epoch's stats.
             while not (ended and yielded == total):
                 self._check_current(epoch)
-                msg = self._receive()
+                msg = early.pop(0) if early else self._receive()
                 kind = msg[0]
                 if kind == P.MEMORY_WAIT:
                     warnings.warn(
@@ -284,9 +333,14 @@ class ShmLoader:
                         f"be dropped. Keep fewer batches (copy what you keep) or pass a larger "
                         f"memory_cap_bytes", RuntimeWarning, stacklevel=2)
                     continue
-                if msg[1] != epoch:
-                    if kind == P.BATCH:
-                        self.released[msg[3]] = msg[4]  # a batch of an abandoned epoch
+                if (self._ahead is None and self._runs_ahead()
+                        and P.claimed(self.ctl, run.id) >= run.n):
+                    self._ahead = self._start_run(epoch + 1)  # every position is claimed
+                if msg[1] != run.id:
+                    if self._ahead is not None and msg[1] == self._ahead.id:
+                        self._early.append(msg)  # the next epoch, started ahead
+                    else:
+                        self._drop(msg)  # a run main abandoned
                     continue
                 if kind == P.ERROR:
                     _, _, pos, index, wid, pid, text = msg
@@ -304,17 +358,17 @@ class ShmLoader:
                 while key in pending:
                     batch = self._batch(pending.pop(key))
                     yielded += 1
-                    self.ctl[P.LIMIT] = (yielded + self.prefetch) * self.batch_size
+                    self.ctl[P.slot(run.id, P.LIMIT)] = (yielded + self.prefetch) * self.batch_size
                     yield batch
                     self._check_current(epoch)
                     key = yielded if by_index else None
             finished = True
         finally:
             if not finished:
-                for msg in pending.values():  # batches received but never handed out
-                    self.released[msg[3]] = msg[4]
-                if self._epoch == epoch and self._procs:
-                    self.ctl[P.EPOCH] = -epoch  # workers stop pulling this epoch's samples
+                for msg in (*pending.values(), *early):  # received but never handed out
+                    self._drop(msg)
+                if self._procs:
+                    P.end_run(self.ctl, run.id)  # workers stop pulling its positions
             if not self.persistent_workers:
                 self._shutdown()
 

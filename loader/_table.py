@@ -13,12 +13,12 @@ sample.
   ────────                         ────────────                      ──────
   allocate slab for batch b        OFFSET, ROWS, DIGEST,
   with the layout of recent        FILLED = 0
-  batches, then publish ──────────► STAMP = (epoch, b)  ◄─── read STAMP: is it (epoch, b)?
+  batches, then publish ──────────► STAMP = (run, b)  ◄─── read STAMP: is it (run, b)?
                                                               and does the sample's layout
                                                               digest equal DIGEST?
                                                               yes: write the row into the slab,
                                    FILLED += 1 ◄───────────── then count it (atomic add)
-  finish batch b  ◄──────── FILLED (epoch, b) ─────────────── the one that counts the last row
+  finish batch b  ◄──────── FILLED (run, b) ─────────────── the one that counts the last row
                                                               no: send the sample through the
                                                               ring (the collator places it and
                                                               counts it the same way)
@@ -27,11 +27,11 @@ Why it is safe:
 - STAMP is stored last, and read first, with a sequentially consistent
   atomic (shmq.atomic_add), so a worker that sees it sees the entry.
 - An entry is retired only when its batch is complete, which needs the
-  row of every worker still writing into it, or when its epoch is
-  abandoned.  Then the collator clears STAMP and holds the slab back
-  (quarantine) until every worker has said DONE for that epoch: a worker
-  sends DONE only after its last write, so no late write can land in a
-  slab that was handed out again.
+  row of every worker still writing into it, or when its run is over:
+  every worker has said DONE for it, and a worker sends DONE only after
+  its last write.  So no late write can land in a slab handed out again,
+  even when main abandoned the run midway (the collator keeps a run's
+  slabs until its DONEs arrive).
 - Leaves that are not numbers (strings, None...) travel in a small VALUES
   message sent before the row is counted; the completing worker's FILLED
   message is sent after its count, so the collator sees every VALUES of a
@@ -53,41 +53,44 @@ STAMP, OFFSET, ROWS, DIGEST0, DIGEST1, FILLED = range(6)
 WORDS = 8  # per entry: one 64-byte line, so entries never share a cache line
 
 
-def stamp(epoch: int, batch: int) -> int:
-    return (epoch << 32) | (batch + 1)  # never 0: 0 is a free entry
+def stamp(run: int, batch: int) -> int:
+    return (run << 32) | (batch + 1)  # never 0: 0 is a free entry
 
 
 class BatchTable:
-    """K entries in a shared int64 array, created before the fork."""
+    """`per_run` entries for each run parity (two runs can be live: see
+    Passes in _protocol.py), in a shared int64 array made before the fork."""
 
-    def __init__(self, entries: int):
-        self.entries = entries
-        self.words = shmq.shared_array(entries * WORDS, np.int64)
+    def __init__(self, per_run: int):
+        self.per_run = per_run
+        self.words = shmq.shared_array(2 * per_run * WORDS, np.int64)
 
-    def _at(self, batch: int, field: int) -> int:
-        return (batch % self.entries) * WORDS + field
+    def entry(self, run: int, batch: int) -> int:
+        return (run % 2) * self.per_run + batch % self.per_run
+
+    def _at(self, run: int, batch: int, field: int) -> int:
+        return self.entry(run, batch) * WORDS + field
 
     # --- collator side ---------------------------------------------------
 
-    def publish(self, epoch, batch, offset, layout: Layout, digest, filled=0) -> None:
-        w = self.words
-        w[self._at(batch, OFFSET)] = offset
-        w[self._at(batch, ROWS)] = layout.rows
-        w[self._at(batch, DIGEST0)], w[self._at(batch, DIGEST1)] = digest
-        w[self._at(batch, FILLED)] = filled
-        i = self._at(batch, STAMP)
-        shmq.atomic_add(w, i, stamp(epoch, batch) - int(w[i]))  # the release: stored last
+    def publish(self, run, batch, offset, layout: Layout, digest, filled=0) -> None:
+        w, base = self.words, self._at(run, batch, 0)
+        w[base + OFFSET] = offset
+        w[base + ROWS] = layout.rows
+        w[base + DIGEST0], w[base + DIGEST1] = digest
+        w[base + FILLED] = filled
+        shmq.atomic_add(w, base + STAMP, stamp(run, batch) - int(w[base + STAMP]))  # stored last
 
-    def retire(self, batch: int) -> None:
-        i = self._at(batch, STAMP)
+    def retire(self, run: int, batch: int) -> None:
+        i = self._at(run, batch, STAMP)
         shmq.atomic_add(self.words, i, -int(self.words[i]))
 
-    def count(self, batch: int) -> int:
+    def count(self, run: int, batch: int) -> int:
         """Count one more filled row; the new total."""
-        return shmq.atomic_add(self.words, self._at(batch, FILLED), 1) + 1
+        return shmq.atomic_add(self.words, self._at(run, batch, FILLED), 1) + 1
 
-    def filled(self, batch: int) -> int:
-        return int(shmq.atomic_add(self.words, self._at(batch, FILLED), 0))
+    def filled(self, run: int, batch: int) -> int:
+        return int(shmq.atomic_add(self.words, self._at(run, batch, FILLED), 0))
 
 
 class RowWriter:
@@ -97,12 +100,12 @@ class RowWriter:
         self.table, self.arena = table, arena
         self.layouts: dict = {}  # (signature, rows) -> (Layout, digest)
 
-    def try_write(self, epoch: int, batch: int, row: int, sample):
+    def try_write(self, run: int, batch: int, row: int, sample):
         """Write the sample into its row if batch is published with the
         sample's layout: returns (rows of the batch, non-numeric leaves).
         None if it was not written: then it must take the ring."""
-        w, base = self.table.words, (batch % self.table.entries) * WORDS
-        if shmq.atomic_add(w, base + STAMP, 0) != stamp(epoch, batch):
+        w, base = self.table.words, self.table._at(run, batch, 0)
+        if shmq.atomic_add(w, base + STAMP, 0) != stamp(run, batch):
             return None
         _, offset, rows, d0, d1 = w[base:base + FILLED].tolist()  # read after the stamp
         try:

@@ -74,20 +74,20 @@ def _next_task(tasks: shmq.Queue, parent_pid: int):
             exit_if_orphaned(parent_pid)
 
 
-def _epoch_task(tasks, parent_pid):
-    """The next epoch as (epoch, order or None, base seed), or None to stop.
-    An order arrives in chunks so that no message outgrows the ring."""
+def _run_task(tasks, parent_pid):
+    """The next run as (run, epoch, order or None, base seed), or None to
+    stop.  An order arrives in chunks so that no message outgrows the ring."""
     chunks = []
     while True:
         msg = _next_task(tasks, parent_pid)
         if msg[0] == P.STOP:
             return None
-        _, epoch, chunk, base_seed, last = msg
+        _, run, epoch, chunk, base_seed, last = msg
         if chunk is not None:
             chunks.append(chunk)
         if last:
             order = np.concatenate(chunks) if chunks else None
-            return epoch, order, base_seed
+            return run, epoch, order, base_seed
 
 
 class _Sender:
@@ -95,24 +95,27 @@ class _Sender:
     batch is published with the sample's layout, else through the ring
     (NOTE [ Direct row writes ] in _table.py)."""
 
-    def __init__(self, to_collator, ctl, batch_size, first_ready, writer: RowWriter | None):
-        self.ring, self.ctl, self.batch_size = to_collator, ctl, batch_size
+    def __init__(self, to_collator, ctl, run, batch_size, first_ready, writer: RowWriter | None):
+        self.ring, self.ctl, self.run, self.batch_size = to_collator, ctl, run, batch_size
         self.first_ready, self.writer = first_ready, writer
 
-    def send(self, epoch, pos, sample, arrival=None):
+    def send(self, pos, sample, arrival=None):
         """arrival: the sample's place in arrival order, if already claimed."""
+        run = self.run
         if arrival is None and self.first_ready:
-            arrival = shmq.atomic_add(self.ctl, P.ARRIVED, 1)
+            arrival = P.claim(self.ctl, P.ARRIVED, run)
+            if arrival < 0:
+                return  # main abandoned the run
         batch, row = divmod(pos if arrival is None else arrival, self.batch_size)
-        written = None if self.writer is None else self.writer.try_write(epoch, batch, row, sample)
+        written = None if self.writer is None else self.writer.try_write(run, batch, row, sample)
         if written is None:
-            self.ring.put((P.SAMPLE, epoch, pos, batch, row, sample))
+            self.ring.put((P.SAMPLE, run, pos, batch, row, sample))
             return
         rows, values = written
         if values:
-            self.ring.put((P.VALUES, epoch, batch, row, values))
-        if self.writer.table.count(batch) == rows:
-            self.ring.put((P.FILLED, epoch, batch))
+            self.ring.put((P.VALUES, run, batch, row, values))
+        if self.writer.table.count(run, batch) == rows:
+            self.ring.put((P.FILLED, run, batch))
 
 
 def worker_main(worker_id, num_workers, dataset, tasks, to_collator, ctl, table, arena,
@@ -122,8 +125,8 @@ def worker_main(worker_id, num_workers, dataset, tasks, to_collator, ctl, table,
     writer = RowWriter(table, arena) if direct else None
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     init_pending = worker_init_fn is not None
-    while (task := _epoch_task(tasks, parent_pid)) is not None:
-        epoch, order, base_seed = task
+    while (task := _run_task(tasks, parent_pid)) is not None:
+        run, epoch, order, base_seed = task
         seed = worker_seed(base_seed, epoch, worker_id)
         _worker_info = WorkerInfo(worker_id, num_workers, seed, dataset)
         seed_everything(seed)
@@ -133,16 +136,17 @@ def worker_main(worker_id, num_workers, dataset, tasks, to_collator, ctl, table,
                 try:
                     worker_init_fn(worker_id)
                 except Exception:
-                    _report(to_collator, epoch, -1, -1, worker_id)
-            sender = _Sender(to_collator, ctl, batch_size, not in_order and order is not None,
-                             writer)
+                    _report(to_collator, run, -1, -1, worker_id)
+            _wait_until_laid_out(ctl, run, parent_pid)
+            sender = _Sender(to_collator, ctl, run, batch_size,
+                             not in_order and order is not None, writer)
             if order is None:  # main sends no order for an iterable dataset
-                _run_iterable(epoch, worker_id, dataset, sender, ctl, parent_pid)
+                _run_iterable(run, worker_id, dataset, sender, ctl, parent_pid)
             else:
-                _run_map(epoch, worker_id, dataset, order, sender, ctl, parent_pid)
+                _run_map(run, worker_id, dataset, order, sender, ctl, parent_pid)
         except _Failed:
             pass  # reported to the collator; main raises it
-        to_collator.put((P.DONE, epoch, worker_id))
+        to_collator.put((P.DONE, run, worker_id))  # after this worker's last write of the run
     tasks.close()
     to_collator.close()
     os._exit(0)
@@ -152,41 +156,51 @@ class _Failed(Exception):
     """A sample (or worker_init_fn) raised; the error is already sent."""
 
 
-def _report(to_collator, epoch, pos, index, worker_id):
-    to_collator.put((P.ERROR, epoch, pos, index, worker_id, os.getpid(), traceback.format_exc()))
+def _report(to_collator, run, pos, index, worker_id):
+    to_collator.put((P.ERROR, run, pos, index, worker_id, os.getpid(), traceback.format_exc()))
     raise _Failed
 
 
-def _claim_position(ctl, epoch, parent_pid):
-    """The next position, after waiting until main allows it (prefetch)."""
-    pos = shmq.atomic_add(ctl, P.CURSOR, 1)
-    while pos >= ctl[P.LIMIT] and ctl[P.EPOCH] == epoch:
+def _wait_until_laid_out(ctl, run, parent_pid):
+    """Until the collator has published the run's first batches (or the
+    run ended): a row written before would have to take the ring."""
+    ready = P.slot(run, P.READY)
+    while ctl[ready] != run and P.live(ctl, run):
+        time.sleep(0.0002)
+        exit_if_orphaned(parent_pid)
+
+
+def _claim_position(ctl, run, parent_pid):
+    """The next position, after waiting until main allows it (prefetch);
+    -1 once the run has ended."""
+    pos = P.claim(ctl, P.CURSOR, run)
+    limit = P.slot(run, P.LIMIT)
+    while pos >= ctl[limit]:
+        if not P.live(ctl, run):
+            return -1
         time.sleep(0.0005)
         exit_if_orphaned(parent_pid)
     return pos
 
 
-def _run_map(epoch, worker_id, dataset, order, sender, ctl, parent_pid):
+def _run_map(run, worker_id, dataset, order, sender, ctl, parent_pid):
     n = len(order)
-    while ctl[P.EPOCH] == epoch:
-        pos = _claim_position(ctl, epoch, parent_pid)
-        if pos >= n or ctl[P.EPOCH] != epoch:
-            return
+    while 0 <= (pos := _claim_position(ctl, run, parent_pid)) < n:
         index = int(order[pos])
         try:
             sample = dataset[index]
         except Exception:
-            _report(sender.ring, epoch, pos, index, worker_id)
-        sender.send(epoch, pos, sample)
+            _report(sender.ring, run, pos, index, worker_id)
+        sender.send(pos, sample)
 
 
-def _run_iterable(epoch, worker_id, dataset, sender, ctl, parent_pid):
+def _run_iterable(run, worker_id, dataset, sender, ctl, parent_pid):
     """Positions are claimed once a sample is ready: they are its arrival order."""
     try:
         for sample in dataset:
-            arrival = _claim_position(ctl, epoch, parent_pid)
-            if ctl[P.EPOCH] != epoch:
+            arrival = _claim_position(ctl, run, parent_pid)
+            if arrival < 0:
                 return
-            sender.send(epoch, -1, sample, arrival)
+            sender.send(-1, sample, arrival)
     except Exception:
-        _report(sender.ring, epoch, -1, -1, worker_id)
+        _report(sender.ring, run, -1, -1, worker_id)

@@ -8,19 +8,21 @@
 
     a = shmq.shared_array(16, "i8")             # anonymous shared memory for forked children
     shmq.atomic_add(a, 0, 1)                    # atomic fetch-and-add on it
+    shmq.atomic_cas(a, 0, 1, 5)                 # compare-and-swap: True if a[0] was 1
 
 Linux only (POSIX shared memory in /dev/shm, futexes, /proc).
 """
 
 from shmq.errors import (Closed, Empty, Full, IncompatibleRing, MessageTooLarge, PeerLost,
                          ShmFull, ShmqError)
-from shmq._core import atomic_add, prefault, shared_array
+from shmq._core import atomic_add, atomic_cas, prefault, shared_array
 from shmq.queue import Queue
 
 __all__ = [
     "Queue",
     "shared_array",
     "atomic_add",
+    "atomic_cas",
     "prefault",
     "ShmqError",
     "Full",

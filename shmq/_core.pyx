@@ -51,6 +51,8 @@ cdef extern from *:
 cdef extern from *:
     # GCC/Clang builtin, the same primitive shmq_ring.h uses.
     int64_t __atomic_fetch_add(int64_t *ptr, int64_t val, int memorder) nogil
+    bint __atomic_compare_exchange_n(int64_t *ptr, int64_t *expected, int64_t desired, bint weak,
+                                     int success_memorder, int failure_memorder) nogil
     int __ATOMIC_SEQ_CST
 
 cdef extern from "signal.h" nogil:
@@ -258,15 +260,25 @@ def shared_array(shape, dtype=np.uint8):
     return _array_over(m, p, 1, &n, np.dtype(np.uint8)).view(dt).reshape(shape)
 
 
+cdef int64_t *_int64_word(cnp.ndarray arr, Py_ssize_t index) except NULL:
+    if arr.dtype != np.int64 or not arr.flags.c_contiguous or arr.ndim != 1:
+        raise TypeError("atomic operations need a 1-d C-contiguous int64 array")
+    if not 0 <= index < arr.shape[0]:
+        raise IndexError(f"index {index} out of range for an array of {arr.shape[0]}")
+    return <int64_t *>cnp.PyArray_DATA(arr) + index
+
+
 def atomic_add(cnp.ndarray arr not None, Py_ssize_t index, int64_t delta):
     """Atomically add delta to arr[index] (an int64 array, e.g. from
     shared_array) and return the value before the addition."""
-    if arr.dtype != np.int64 or not arr.flags.c_contiguous or arr.ndim != 1:
-        raise TypeError("atomic_add needs a 1-d C-contiguous int64 array")
-    if not 0 <= index < arr.shape[0]:
-        raise IndexError(f"index {index} out of range for an array of {arr.shape[0]}")
-    cdef int64_t *word = <int64_t *>cnp.PyArray_DATA(arr) + index
-    return __atomic_fetch_add(word, delta, __ATOMIC_SEQ_CST)
+    return __atomic_fetch_add(_int64_word(arr, index), delta, __ATOMIC_SEQ_CST)
+
+
+def atomic_cas(cnp.ndarray arr not None, Py_ssize_t index, int64_t expected, int64_t new):
+    """Atomically set arr[index] to new if it equals expected; True if it
+    did.  Sequentially consistent, like atomic_add."""
+    return __atomic_compare_exchange_n(_int64_word(arr, index), &expected, new, False,
+                                       __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)
 
 
 def prefault(cnp.ndarray arr not None):

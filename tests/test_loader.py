@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+import shmq
 from conftest import wait_until
 from loader import LoaderTimeout, ShmLoader, WorkerError, get_worker_info
 
@@ -206,6 +207,60 @@ def test_dataset_growth_between_epochs_is_seen():
         assert [k for b in loader for k in indices(b)] == list(range(10))
         ds.n = 15
         assert [k for b in loader for k in indices(b)] == list(range(15))
+
+
+class Counted(Numbers):
+    """Counts every dataset[i] in shared memory; with fail_after, the
+    loads after that many raise."""
+
+    def __init__(self, n, fail_after=None):
+        super().__init__(n)
+        self.loads = shmq.shared_array(1, np.int64)
+        self.fail_after = fail_after
+
+    def __getitem__(self, i):
+        if shmq.atomic_add(self.loads, 0, 1) + 1 > (self.fail_after or float("inf")):
+            raise ValueError(f"bad sample {i}")
+        return super().__getitem__(i)
+
+
+def test_next_epochs_first_batches_are_loaded_before_it_starts():
+    ds = Counted(50)
+    with ShmLoader(ds, batch_size=4, num_workers=2, prefetch=3) as loader:
+        assert [k for b in loader for k in indices(b)] == list(range(50))
+        # the next epoch runs ahead by exactly the prefetch window (3 batches)
+        assert wait_until(lambda: ds.loads[0] == 50 + 12, 5), ds.loads[0]
+        time.sleep(0.2)
+        assert ds.loads[0] == 50 + 12
+        assert [k for b in loader for k in indices(b)] == list(range(50))
+        assert wait_until(lambda: ds.loads[0] == 100 + 12, 5), ds.loads[0]
+
+
+def test_no_run_ahead_with_a_sampler_whose_next_order_is_unknown():
+    ds = Counted(20)
+    with ShmLoader(ds, batch_size=4, num_workers=2, sampler=range(20)) as loader:
+        assert [k for b in loader for k in indices(b)] == list(range(20))
+        time.sleep(0.3)
+        assert ds.loads[0] == 20
+
+
+def test_an_error_in_the_epoch_run_ahead_is_raised_in_that_epoch():
+    ds = Counted(20, fail_after=20)
+    with ShmLoader(ds, batch_size=4, num_workers=2) as loader:
+        assert [k for b in loader for k in indices(b)] == list(range(20))
+        with pytest.raises(WorkerError, match="bad sample"):
+            list(loader)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_growth_between_epochs_restarts_the_epoch_run_ahead(shuffle):
+    ds = Numbers(30)
+    with ShmLoader(ds, batch_size=4, num_workers=2, shuffle=shuffle, seed=3) as loader:
+        assert sorted(k for b in loader for k in indices(b)) == list(range(30))
+        ds.n = 45
+        second = [k for b in loader for k in indices(b)]
+        assert sorted(second) == list(range(45))
+        assert second == list(range(45)) or shuffle
 
 
 class Seeds:

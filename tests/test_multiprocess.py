@@ -289,3 +289,22 @@ def test_shared_array_and_atomic_add_across_forks(procs):
         shmq.atomic_add(data.reshape(-1), 0, 1)
     with pytest.raises(IndexError):
         shmq.atomic_add(counter, 8, 1)
+
+
+def increment_by_cas(counter, n):
+    done = 0
+    while done < n:
+        v = int(counter[0])
+        done += shmq.atomic_cas(counter, 0, v, v + 1)
+
+
+def test_atomic_cas_across_forks(procs):
+    counter = shmq.shared_array(2, "i8")
+    assert shmq.atomic_cas(counter, 1, 0, 7) is True and counter[1] == 7
+    assert shmq.atomic_cas(counter, 1, 0, 9) is False and counter[1] == 7  # unchanged
+    for _ in range(4):
+        procs.fork(increment_by_cas, counter, 20_000)
+    assert procs.join_all() == []
+    assert counter[0] == 80_000  # every successful swap was exclusive
+    with pytest.raises(TypeError):
+        shmq.atomic_cas(np.zeros(2, np.int32), 0, 0, 1)
