@@ -64,8 +64,8 @@ class Collator:
                  in_order, collate_fn, num_workers, prefetch, parent_pid):
         self.inbox, self.to_main, self.ctl = to_collator, to_main, ctl
         self.arena, self.table = arena, table
-        # Slabs in flight: published ahead for two runs, held by main's loop, one spare.
-        self.slabs = SlabAllocator(arena, released, 2 * table.per_run + prefetch + 1)
+        # Slabs the warm-up should cover: prefetched, open, held by main, one spare.
+        self.slabs = SlabAllocator(arena, released, prefetch + 3)
         self.batch_size, self.drop_last, self.in_order = batch_size, drop_last, in_order
         self.collate_fn, self.num_workers, self.parent_pid = collate_fn, num_workers, parent_pid
         self.passes: dict[int, _Pass] = {}
