@@ -1,7 +1,12 @@
-"""ShmLoader side by side with PyTorch's DataLoader (workloads W1 and W3
-of BENCHMARKS.md), in one run on one machine.
+"""ShmLoader side by side with PyTorch's DataLoader (tensor path and a
+numpy collate) and Grain's DataLoader: workloads W1-W4 of BENCHMARKS.md,
+in one run on one machine.
 
-    python bench/loaders.py [--batches 12] [--w3-batches 8]
+    python bench/loaders.py [--workloads W1,W2,W3,W4] [--batches 12] [--w3-batches 8]
+
+Grain is measured when it is installed (the [bench] extra installs it).
+Its DataLoader starts its worker processes for each pass, so its epochs
+include that start-up; that is how Grain is used.
 
 W2 and W4 (tiny samples; dict samples with a string) report batches per
 second on a warm epoch.
@@ -13,6 +18,9 @@ epoch, and two main-thread CPU figures from time.thread_time(): per batch
 over the whole epoch (includes blocking waits, which this kind of VM
 charges at ~0.1 ms each) and per *ready* batch (the loader's own work once
 a batch is there, taken back to back from a filled pipeline).
+W1 also reports the copy limit (np.copyto of the same bytes into touched
+memory, one core), and the peak memory of the whole process tree: PSS
+(proportional set size, so shared pages count once) and /dev/shm in use.
 W3: the same samples plus a 3.125 ms sleep each, a 50 ms "train step" per
 batch, 2/4/8 workers; mean time per batch of the second epoch against the
 ideal max(step, 128 x 3.125 ms / workers).
@@ -23,13 +31,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
+import warnings
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import ipc  # noqa: E402
 from loader import ShmLoader  # noqa: E402
+from report import machine  # noqa: E402
 
 BATCH = 128
 
@@ -85,7 +98,28 @@ def numpy_collate(samples):
     return np.stack(samples)
 
 
+def grain_available():
+    try:
+        import grain.python  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kinds():
+    return ["ShmLoader", "PyTorch tensor path", "PyTorch numpy collate"] + (
+        ["Grain"] if grain_available() else [])
+
+
 def make(kind, dataset_kwargs, workers, dataset=W1, batch_size=BATCH):
+    if kind == "Grain":
+        import grain.python as pygrain
+
+        source = dataset(**dataset_kwargs)
+        sampler = pygrain.IndexSampler(num_records=len(source), shard_options=pygrain.NoSharding(),
+                                       shuffle=False, num_epochs=1, seed=0)
+        return pygrain.DataLoader(data_source=source, sampler=sampler, worker_count=workers,
+                                  operations=[pygrain.Batch(batch_size=batch_size)])
     if kind == "ShmLoader":
         return ShmLoader(dataset(**dataset_kwargs), batch_size=batch_size, num_workers=workers,
                          memory_cap_bytes=4 << 30)
@@ -99,7 +133,7 @@ def make(kind, dataset_kwargs, workers, dataset=W1, batch_size=BATCH):
 
 def nbytes(batch):
     if isinstance(batch, dict):
-        return sum(nbytes(v) for v in batch.values() if not isinstance(v, list))
+        return sum(nbytes(v) for k, v in batch.items() if k != "path")
     return batch.nbytes if isinstance(batch, np.ndarray) else batch.numel() * batch.element_size()
 
 
@@ -112,6 +146,54 @@ def epoch_w1(loader):
         count += 1
         del b
     return time.perf_counter() - t0, time.thread_time() - c0, first, total, count
+
+
+class PeakMemory:
+    """Samples, every 50 ms in a thread, the PSS of this process and all
+    its descendants (shared pages divided among their users, so a slab or
+    segment counts once) and the bytes in use in /dev/shm."""
+
+    def __enter__(self):
+        self.pss = self.shm = 0
+        self.shm_base = self._shm_used()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        while not self._stop.wait(0.05):
+            self.pss = max(self.pss, sum(_pss(pid) for pid in _tree(os.getpid())))
+            self.shm = max(self.shm, self._shm_used() - self.shm_base)
+
+    @staticmethod
+    def _shm_used():
+        st = os.statvfs("/dev/shm")
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _tree(pid):
+    pids, i = [pid], 0
+    while i < len(pids):
+        try:
+            with open(f"/proc/{pids[i]}/task/{pids[i]}/children") as f:
+                pids += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+        i += 1
+    return pids
+
+
+def _pss(pid):
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+    except (OSError, StopIteration):
+        return 0
 
 
 def busy(seconds):
@@ -152,31 +234,35 @@ def close(loader):
 
 def run_w1(batches, warmup):
     rows = {}
-    for kind in ("ShmLoader", "PyTorch tensor path", "PyTorch numpy collate"):
+    for kind in kinds():
         loader = make(kind, {"batches": batches}, 2)
         try:
             for _ in range(warmup):  # workers started, batch memory touched
                 epoch_w1(loader)
-            wall, cpu, first, total, count = epoch_w1(loader)
+            with PeakMemory() as peak:
+                wall, cpu, first, total, count = epoch_w1(loader)
             ready = ready_batch_cpu(loader)
         finally:
             close(loader)
-        rows[kind] = (total / wall / 1e9, count / wall, first, cpu / count * 1e3, ready * 1e3)
+        rows[kind] = (total / wall / 1e9, count / wall, first, cpu / count * 1e3, ready * 1e3,
+                      peak.pss / 1e9, peak.shm / 1e9)
         print(f"  measured {kind}", flush=True)
+    limit = 1_200_000 * batches * BATCH / ipc.copy_limit_seconds(1_200_000, batches * BATCH) / 1e9
     print(f"\nW1: {batches} batches of 128 x (1000, 150) float64 (153.6 MB) per epoch, 2 workers, "
-          f"timed epoch after {warmup} warm-up epoch(s)")
-    print(f"{'loader':<24} {'GB/s':>7} {'batch/s':>8} {'first batch':>12} {'main CPU/batch':>15} "
-          f"{'ready batch':>12} {'ShmLoader is':>13}")
+          f"timed epoch after {warmup} warm-up epoch(s); copy limit {limit:.1f} GB/s")
+    print(f"{'loader':<22} {'GB/s':>6} {'batch/s':>7} {'first batch':>11} {'main CPU/batch':>14} "
+          f"{'ready batch':>11} {'peak PSS':>8} {'/dev/shm':>8} {'ShmLoader is':>12}")
     ours = rows["ShmLoader"][0]
-    for kind, (gbs, bps, first, cpu, ready) in rows.items():
-        print(f"{kind:<24} {gbs:>7.2f} {bps:>8.2f} {first * 1e3:>9.0f} ms {cpu:>12.2f} ms "
-              f"{ready:>9.3f} ms {ours / gbs:>12.2f}x")
+    for kind, (gbs, bps, first, cpu, ready, pss, shm) in rows.items():
+        print(f"{kind:<22} {gbs:>6.2f} {bps:>7.1f} {first * 1e3:>8.0f} ms {cpu:>11.2f} ms "
+              f"{ready:>8.3f} ms {pss:>6.2f} GB {shm:>5.2f} GB {ours / gbs:>11.2f}x")
+    print(f"{'copy limit (1 core)':<22} {limit:>6.2f}{'':>68} {ours / limit:>11.2f}x")
 
 
 def run_small(name, dataset, batch_size, batches):
     """W2 / W4: batches per second on a warm (second) epoch."""
     rows = {}
-    for kind in ("ShmLoader", "PyTorch tensor path", "PyTorch numpy collate"):
+    for kind in kinds():
         loader = make(kind, {"batches": batches}, 2, dataset, batch_size)
         try:
             epoch_w1(loader)
@@ -191,42 +277,62 @@ def run_small(name, dataset, batch_size, batches):
 
 
 def run_w3(batches):
-    print(f"\nW3: W1 samples + 3.125 ms sleep each, 50 ms train step, {batches} batches, "
-          f"second epoch")
-    print(f"{'loader':<24} {'workers':>7} {'ideal':>9} {'mean/batch':>11} {'vs ideal':>9}")
+    print(f"\nW3: W1 samples + 3.125 ms sleep each, 50 ms train step, {batches} batches; time to "
+          f"the first batch of a new loader, and mean time per batch of the second epoch")
+    print(f"{'loader':<24} {'workers':>7} {'first batch':>11} {'ideal':>9} {'mean/batch':>11} "
+          f"{'vs ideal':>9}")
     for workers in (2, 4, 8):
         ideal = max(0.050, BATCH * 0.003125 / workers)
-        for kind in ("ShmLoader", "PyTorch tensor path"):
+        for kind in kinds():
+            if kind == "PyTorch numpy collate":
+                continue  # W1 measures the collate path; W3 is about prefetching
+            t0 = time.perf_counter()
             loader = make(kind, {"batches": batches, "sleep_s": 0.003125}, workers)
             try:
                 for epoch in range(2):  # the first epoch warms up; the second is timed
-                    t0 = time.perf_counter()
+                    t1 = time.perf_counter()
                     n = 0
                     for b in loader:
+                        if n == 0 and epoch == 0:
+                            first = time.perf_counter() - t0
                         time.sleep(0.050)  # the train step
                         n += 1
                         del b
-                    mean = (time.perf_counter() - t0) / n
+                    mean = (time.perf_counter() - t1) / n
             finally:
                 close(loader)
-            print(f"{kind:<24} {workers:>7} {ideal * 1e3:>6.0f} ms {mean * 1e3:>8.0f} ms "
-                  f"{mean / ideal:>8.2f}x", flush=True)
+            print(f"{kind:<24} {workers:>7} {first * 1e3:>8.0f} ms {ideal * 1e3:>6.0f} ms "
+                  f"{mean * 1e3:>8.0f} ms {mean / ideal:>8.2f}x", flush=True)
+
+
+WORKLOADS = {
+    "W1": lambda args: run_w1(args.batches, args.warmup),
+    "W2": lambda args: run_small("W2 tiny (10, 150) float64", W2, BATCH, 60),
+    "W3": lambda args: run_w3(args.w3_batches),
+    "W4": lambda args: run_small("W4 dict {x: (3, 64, 64) uint8, y, path}", W4, 64, 60),
+}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="W1,W2,W3,W4",
+                        help="comma-separated, of " + ", ".join(WORKLOADS))
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--w3-batches", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="W1 epochs before the timed one")
     args = parser.parse_args(argv)
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    print(f"{cpu}, {os.cpu_count()} cores, Python {sys.version.split()[0]}")
-    run_w1(args.batches, args.warmup)
-    run_small("W2 tiny (10, 150) float64", W2, BATCH, 60)
-    run_small("W4 dict {x: (3, 64, 64) uint8, y, path}", W4, 64, 60)
-    run_w3(args.w3_batches)
+    chosen = [w.strip().upper() for w in args.workloads.split(",")]
+    unknown = [w for w in chosen if w not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
+    warnings.filterwarnings("ignore", message=".*worker processes in total.*")  # PyTorch, 8 workers
+    # Once torch is imported its idle thread pool exists; ShmLoader's fork
+    # warning is right in general but says nothing about this benchmark.
+    warnings.filterwarnings("ignore", message="ShmLoader forks")
+    print(f"{machine()}; peers: {', '.join(kinds()[1:])}")
+    for w in chosen:
+        WORKLOADS[w](args)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,24 @@ class LoaderTimeout(WorkerError, TimeoutError):
     """No batch arrived within the loader's ``timeout``."""
 
 
+# Ring capacities.  Most samples never enter a ring (NOTE [ Direct row writes ]), so
+# all of them fit Docker's default 64 MiB /dev/shm with 8 workers.
+TO_COLLATOR_BYTES = 32 << 20  # samples that take the ring: the largest such sample
+TO_MAIN_BYTES = 4 << 20       # batch descriptors
+TASKS_BYTES = 1 << 20         # per worker: epoch orders, in chunks of P.ORDER_CHUNK
+
+
+def _segment_bytes(capacity: int) -> int:
+    """A ring's /dev/shm footprint, at most: its capacity plus the header,
+    slots and (multi-producer) 4-byte publication tag per 64-byte block."""
+    return capacity + capacity // 16 + (64 << 10)
+
+
+def _shm_free_bytes() -> int:
+    st = os.statvfs("/dev/shm")
+    return st.f_bavail * st.f_frsize
+
+
 def _default_memory_cap() -> int:
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return max(1 << 30, pages // 4)
@@ -147,12 +165,7 @@ class ShmLoader:
         # Batches laid out ahead for direct writes: the prefetch window, plus
         # slack so that the next batches are ready as the window moves.
         self.table = BatchTable(self.prefetch + 2)
-        # Rings: every child inherits them by fork, so their names go at once.
-        self.to_collator = shmq.Queue(64 << 20, multi_producer=True)
-        self.to_main = shmq.Queue(4 << 20)
-        self.tasks = [shmq.Queue(1 << 20) for _ in range(self.num_workers)]
-        for q in (self.to_collator, self.to_main, *self.tasks):
-            q.unlink()
+        self._create_rings()
         # Where each worker writes its stacks when asked (R3); unnamed files.
         self._stack_files = [tempfile.TemporaryFile() for _ in range(self.num_workers)]
         parent = os.getpid()
@@ -169,6 +182,32 @@ class ShmLoader:
                   self.num_workers, self.prefetch, parent)))
         for p in self._procs:
             p.start()
+
+    def _create_rings(self):
+        """The rings live in /dev/shm: check its room for all of them first,
+        so a small one (Docker's default is 64 MiB) fails here, naming what
+        is needed.  Every child inherits the rings by fork, so their names
+        are unlinked at once."""
+        sizes = [TO_COLLATOR_BYTES, TO_MAIN_BYTES] + [TASKS_BYTES] * self.num_workers
+        needed = sum(_segment_bytes(size) for size in sizes)
+        free = _shm_free_bytes()
+        if needed > free:
+            raise shmq.ShmFull(
+                f"ShmLoader needs about {needed} bytes in /dev/shm for its rings "
+                f"({len(sizes)} rings for {self.num_workers} workers) but /dev/shm has {free} "
+                f"free; free space there (stale segments: `python -m shmq clean`), use fewer "
+                f"workers, or give the container more shared memory (docker run "
+                f"--shm-size={max(1, -(-2 * needed // (1 << 30)))}g)")
+        rings = []
+        try:
+            for i, size in enumerate(sizes):
+                rings.append(shmq.Queue(size, multi_producer=i == 0))
+                rings[-1].unlink()
+        except BaseException:
+            for q in rings:
+                q.close()
+            raise
+        self.to_collator, self.to_main, *self.tasks = rings
 
     def _check_children(self):
         for i, p in enumerate(self._procs):

@@ -188,10 +188,9 @@ def _run_map(run, worker_id, dataset, order, sender, ctl, parent_pid):
     while 0 <= (pos := _claim_position(ctl, run, parent_pid)) < n:
         index = int(order[pos])
         try:
-            sample = dataset[index]
-        except Exception:
+            sender.send(pos, dataset[index])
+        except Exception:  # the dataset's, or a sample the ring cannot take (MessageTooLarge)
             _report(sender.ring, run, pos, index, worker_id)
-        sender.send(pos, sample)
 
 
 def _run_iterable(run, worker_id, dataset, sender, ctl, parent_pid):

@@ -392,6 +392,27 @@ def test_del_and_garbage_collection_stop_the_children():
             os.kill(pid, 0)
 
 
+def test_a_small_dev_shm_is_refused_up_front_naming_the_bytes_and_shm_size(monkeypatch):
+    from loader import _loader
+
+    monkeypatch.setattr(_loader, "_shm_free_bytes", lambda: 32 << 20)  # half of Docker's default
+    loader = ShmLoader(Numbers(8), batch_size=4, num_workers=2)
+    with pytest.raises(shmq.ShmFull, match=r"needs about \d+ bytes.*--shm-size=1g"):
+        iter(loader)
+    assert mp.active_children() == []  # nothing started, nothing created in /dev/shm
+    loader.close()
+
+
+def test_a_sample_too_large_for_the_ring_is_reported_with_both_sizes():
+    class Huge(Numbers):
+        def __getitem__(self, i):
+            return np.zeros(40 << 20, np.uint8)  # the first batch takes the 32 MiB ring
+
+    with ShmLoader(Huge(4), batch_size=2, num_workers=2) as loader:
+        with pytest.raises(WorkerError, match=r"(?s)sample index \d.*MessageTooLarge"):
+            list(loader)
+
+
 def test_bad_arguments():
     for kwargs, match in [({"batch_size": 0}, "batch_size"), ({"num_workers": 0}, "num_workers"),
                           ({"output": "jax"}, "output"), ({"timeout": -1}, "timeout"),
