@@ -92,6 +92,12 @@ class Queue:
             os.close(fd)
         self._setup(ring, name, creator_pid=os.getpid())
 
+    @staticmethod
+    def footprint(capacity_bytes: int = _DEFAULT_CAPACITY, multi_producer: bool = False) -> int:
+        """Bytes of /dev/shm a queue of this capacity takes (its segment,
+        header and publication tags included), to check for room first."""
+        return _core.segment_bytes(_capacity_for(capacity_bytes), bool(multi_producer))
+
     @classmethod
     def attach(cls, name: str) -> "Queue":
         """Open an existing queue by name, from any process."""

@@ -23,7 +23,8 @@ from shmq.errors import ShmFull
 PREFIX = "shmq-"
 SHM_DIR = "/dev/shm"
 
-__all__ = ["PREFIX", "SHM_DIR", "new_name", "create", "open_existing", "unlink",
+__all__ = ["PREFIX", "SHM_DIR", "new_name", "free_bytes", "shm_size_option", "create",
+           "open_existing", "unlink",
            "SegmentInfo", "list_segments", "remove_stale"]
 
 
@@ -33,17 +34,23 @@ def new_name(kind: str = "") -> str:
     return f"/{PREFIX}{tag}{os.getpid()}-{secrets.token_hex(6)}"
 
 
-def _free_bytes() -> int:
+def free_bytes() -> int:
+    """Bytes free in /dev/shm for this user."""
     st = os.statvfs(SHM_DIR)
     return st.f_bavail * st.f_frsize
 
 
+def shm_size_option(nbytes: int) -> str:
+    """The docker option that leaves room for nbytes of segments, twice over."""
+    return f"--shm-size={max(1, -(-2 * nbytes // (1 << 30)))}g"
+
+
 def _shm_full(name: str, nbytes: int) -> ShmFull:
     return ShmFull(
-        f"/dev/shm has {_free_bytes()} bytes free but shmq segment {name!r} needs {nbytes}; "
+        f"/dev/shm has {free_bytes()} bytes free but shmq segment {name!r} needs {nbytes}; "
         f"free space in /dev/shm (stale segments: `python -m shmq clean`), use a smaller "
         f"capacity_bytes, or give the container more shared memory (docker run "
-        f"--shm-size={max(1, -(-2 * nbytes // (1 << 30)))}g)")
+        f"{shm_size_option(nbytes)})")
 
 
 def create(name: str, nbytes: int) -> int:
@@ -53,7 +60,7 @@ def create(name: str, nbytes: int) -> int:
     full /dev/shm fail here with ShmFull instead of delivering SIGBUS on the
     first write into a page that has no backing; on failure the name is
     removed again, so nothing half-built is left behind."""
-    if nbytes > _free_bytes():
+    if nbytes > free_bytes():
         raise _shm_full(name, nbytes)
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
     fd = os.dup(shm.fd)

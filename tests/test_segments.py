@@ -143,7 +143,7 @@ def test_shm_full_is_reported_up_front_and_leaves_nothing():
 def test_shm_full_when_reservation_fails(monkeypatch):
     # Past the free-space pre-check (as if another process raced us for the
     # space): posix_fallocate fails and the half-made name is removed.
-    monkeypatch.setattr(segment, "_free_bytes", lambda: 1 << 62)
+    monkeypatch.setattr(segment, "free_bytes", lambda: 1 << 62)
     before = set(os.listdir(segment.SHM_DIR))
     with pytest.raises(shmq.ShmFull, match="--shm-size"):
         shmq.Queue(_core.MAX_CAPACITY)
