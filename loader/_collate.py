@@ -3,8 +3,9 @@
 The default collate (like PyTorch's) stacks each array leaf of the sample
 tree along a new first axis, turns numbers into a 1-d array, and gives any
 other leaf (str, bytes, None...) as a list.  Here the stacking happens in
-place: the collator writes each sample into its row of the slab as it
-arrives, so a batch is never assembled twice.
+place: each sample is written into its row of the slab as it arrives (by
+its worker, or by the collator: NOTE [ Direct row writes ] in _table.py),
+so a batch is never assembled twice.
 
 What travels to main is a *spec*: the batch tree with every array leaf
 replaced by an ArrayLeaf (where in the slab, which dtype and shape) and
@@ -132,16 +133,10 @@ class Layout:
         self.nbytes = offset
         # leaves that are Python objects (strings...): kept in lists, not in the slab
         self.value_leaves = [i for i, kind in enumerate(self.kinds) if kind == OTHER]
-
-    @classmethod
-    def of(cls, sample, rows: int) -> Layout:
-        return cls(signature(sample), rows)
-
-    def digest(self) -> tuple[int, int]:
-        """128 bits that name (signature, rows) in every process: pickling
-        is exact where hash() is not (hash(-1) == hash(-2))."""
-        d = hashlib.blake2b(pickle.dumps((self.signature, self.rows)), digest_size=16).digest()
-        return tuple(int(w) for w in np.frombuffer(d, np.int64))
+        # 128 bits that name (signature, rows) in every process: pickling is
+        # exact where hash() is not (hash(-1) == hash(-2))
+        d = hashlib.blake2b(pickle.dumps((sig, rows)), digest_size=16).digest()
+        self.digest = tuple(int(w) for w in np.frombuffer(d, np.int64))
 
     def write_row(self, slab: np.ndarray, row: int, leaves: list) -> list:
         """Write the leaves of a sample whose signature is this layout's
@@ -198,6 +193,24 @@ class Layout:
             else:
                 leaves.append(ArrayLeaf(off, dtype.str, (rows,) + shape))
         return unflatten(self.structure, leaves)
+
+
+class LayoutCache:
+    """(signature, rows) -> Layout for the most recent layouts: building one
+    pickles and hashes its signature, so it is built once."""
+
+    SIZE = 64
+
+    def __init__(self):
+        self._found: dict = {}
+
+    def get(self, sig, rows: int) -> Layout:
+        layout = self._found.get((sig, rows))
+        if layout is None:
+            layout = self._found[sig, rows] = Layout(sig, rows)
+            if len(self._found) > self.SIZE:  # varying layouts: forget the oldest
+                del self._found[next(iter(self._found))]
+        return layout
 
 
 class OutputPlan:

@@ -13,7 +13,7 @@ import shmq
 from loader import _protocol as P
 from loader._collate import (
     CollateError,
-    Layout,
+    LayoutCache,
     OutputPlan,
     flatten,
     signature,
@@ -69,9 +69,9 @@ class Collator:
         self.batch_size, self.drop_last, self.in_order = batch_size, drop_last, in_order
         self.collate_fn, self.num_workers, self.parent_pid = collate_fn, num_workers, parent_pid
         self.passes: dict[int, _Pass] = {}
-        self.owner: dict[int, tuple[int, int]] = {}  # table entry -> (run, batch) published there
+        self.taken: set[int] = set()  # batch table entries a batch is published in
         self.guess = None                    # signature of the latest batch's layout
-        self.layouts = {}                    # (signature, rows) -> (Layout, digest)
+        self.layouts = LayoutCache()
 
     def rows_of(self, p, index):
         if p.n is None:  # iterable dataset: every batch full until the end
@@ -94,34 +94,23 @@ class Collator:
             exit_if_orphaned(self.parent_pid)
             time.sleep(0.001)
 
-    def layout(self, sig, rows):
-        key = (sig, rows)
-        found = self.layouts.get(key)
-        if found is None:
-            layout = Layout(sig, rows)
-            found = self.layouts[key] = (layout, layout.digest())
-            if len(self.layouts) > 64:
-                del self.layouts[next(iter(self.layouts))]
-        return found
-
     def lay_out(self, b, sig, slab_got=None):
-        b.layout = self.layout(sig, b.rows)[0]
+        b.layout = self.layouts.get(sig, b.rows)
         b.lease, b.generation, b.offset = slab_got or self.slab(b.layout.nbytes)
         b.views = b.layout.views(self.arena[b.offset:b.offset + b.layout.nbytes])
 
     def try_publish(self, p, b):
         """Give b its table entry if that is free and b is in the window."""
         entry = self.table.entry(p.run, b.index)
-        if (self.collate_fn is None and not b.published and entry not in self.owner
+        if (self.collate_fn is None and not b.published and entry not in self.taken
                 and b.index < p.lo + self.table.per_run):
-            self.table.publish(p.run, b.index, b.offset, b.layout,
-                               self.layout(b.layout.signature, b.rows)[1], b.filled)
-            self.owner[entry] = (p.run, b.index)
+            self.table.publish(p.run, b.index, b.offset, b.layout, b.filled)
+            self.taken.add(entry)
             b.published = True
 
     def unpublish(self, p, b):
         self.table.retire(p.run, b.index)
-        del self.owner[self.table.entry(p.run, b.index)]
+        self.taken.remove(self.table.entry(p.run, b.index))
         b.published = False
 
     def publish_ahead(self, p):
@@ -135,10 +124,10 @@ class Collator:
             if index in p.open:
                 self.try_publish(p, p.open[index])
                 continue
-            if index in p.finished or self.table.entry(p.run, index) in self.owner:
+            if index in p.finished or self.table.entry(p.run, index) in self.taken:
                 continue
             b = _Batch(index, self.rows_of(p, index))
-            got = self.slabs.allocate(self.layout(self.guess, b.rows)[0].nbytes)
+            got = self.slabs.allocate(self.layouts.get(self.guess, b.rows).nbytes)
             if got is None:
                 return  # memory is short: the ring path waits for it instead
             self.lay_out(b, self.guess, got)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 import shmq
+from shmq import segment
 from loader import _protocol as P
 from loader._collate import materialize
 from loader._collator import collator_main
@@ -54,17 +55,6 @@ TO_MAIN_BYTES = 4 << 20       # batch descriptors
 TASKS_BYTES = 1 << 20         # per worker: epoch orders, in chunks of P.ORDER_CHUNK
 
 
-def _segment_bytes(capacity: int) -> int:
-    """A ring's /dev/shm footprint, at most: its capacity plus the header,
-    slots and (multi-producer) 4-byte publication tag per 64-byte block."""
-    return capacity + capacity // 16 + (64 << 10)
-
-
-def _shm_free_bytes() -> int:
-    st = os.statvfs("/dev/shm")
-    return st.f_bavail * st.f_frsize
-
-
 def _default_memory_cap() -> int:
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return max(1 << 30, pages // 4)
@@ -73,9 +63,10 @@ def _default_memory_cap() -> int:
 class ShmLoader:
     """Batches from arbitrary Python preprocessing, at memory speed.
 
-    Forked workers run ``dataset[i]`` (or iterate an iterable dataset); a
-    collator process writes each sample into its row of a batch slab in
-    shared memory; iterating yields numpy arrays (or torch tensors with
+    Forked workers run ``dataset[i]`` (or iterate an iterable dataset) and
+    write each sample into its row of a batch slab in shared memory (a
+    collator process lays the slabs out and takes the samples that do not
+    fit them); iterating yields numpy arrays (or torch tensors with
     ``output="torch"``) that view those slabs: no copy, no unpickling in
     the training loop.  A slab is reused only when every array of its batch
     is gone, so batches you keep stay intact.
@@ -131,9 +122,11 @@ class ShmLoader:
             order = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
         else:
             order = np.arange(len(self.dataset), dtype=np.int64)
-        if self.drop_last:
-            order = order[:len(order) // self.batch_size * self.batch_size]
-        return order.astype(np.int64, copy=False)
+        return order[:self._kept(len(order))].astype(np.int64, copy=False)
+
+    def _kept(self, n: int) -> int:
+        """Of n positions, those an epoch delivers (drop_last drops a short batch)."""
+        return n // self.batch_size * self.batch_size if self.drop_last else n
 
     def stats(self) -> dict | None:
         """How the last epoch whose end was seen was delivered: batches,
@@ -148,7 +141,7 @@ class ShmLoader:
             raise TypeError("an iterable dataset has no length; ShmLoader cannot know its "
                             "number of batches")
         n = len(self.sampler) if self.sampler is not None else len(self.dataset)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return -(-self._kept(n) // self.batch_size)
 
     # --- processes -------------------------------------------------------------
 
@@ -189,19 +182,20 @@ class ShmLoader:
         is needed.  Every child inherits the rings by fork, so their names
         are unlinked at once."""
         sizes = [TO_COLLATOR_BYTES, TO_MAIN_BYTES] + [TASKS_BYTES] * self.num_workers
-        needed = sum(_segment_bytes(size) for size in sizes)
-        free = _shm_free_bytes()
+        mpsc = [True] + [False] * (len(sizes) - 1)  # only to_collator has several producers
+        needed = sum(map(shmq.Queue.footprint, sizes, mpsc))
+        free = segment.free_bytes()
         if needed > free:
             raise shmq.ShmFull(
                 f"ShmLoader needs about {needed} bytes in /dev/shm for its rings "
                 f"({len(sizes)} rings for {self.num_workers} workers) but /dev/shm has {free} "
                 f"free; free space there (stale segments: `python -m shmq clean`), use fewer "
                 f"workers, or give the container more shared memory (docker run "
-                f"--shm-size={max(1, -(-2 * needed // (1 << 30)))}g)")
+                f"{segment.shm_size_option(needed)})")
         rings = []
         try:
-            for i, size in enumerate(sizes):
-                rings.append(shmq.Queue(size, multi_producer=i == 0))
+            for size, multi_producer in zip(sizes, mpsc):
+                rings.append(shmq.Queue(size, multi_producer=multi_producer))
                 rings[-1].unlink()
         except BaseException:
             for q in rings:
@@ -333,7 +327,7 @@ class ShmLoader:
         self._ahead, self._early = None, []
         if self._current is not None:
             P.end_run(self.ctl, self._current.id)  # an iterator this one supersedes
-        if ahead is not None and ahead.epoch == epoch and ahead.n == self._length():
+        if ahead is not None and ahead.epoch == epoch and ahead.n == self._kept(len(self.dataset)):
             self._current = ahead
             return ahead, early
         if ahead is not None:
@@ -342,10 +336,6 @@ class ShmLoader:
                 self._drop(msg)
         self._current = self._start_run(epoch)
         return self._current, []
-
-    def _length(self):
-        n = len(self.dataset)
-        return n // self.batch_size * self.batch_size if self.drop_last else n
 
     def _drop(self, msg):
         """A message of a run nobody will read: free its batch."""

@@ -47,7 +47,7 @@ from __future__ import annotations
 import numpy as np
 
 import shmq
-from loader._collate import CollateError, Layout, signature_and_leaves
+from loader._collate import CollateError, Layout, LayoutCache, signature_and_leaves
 
 STAMP, OFFSET, ROWS, DIGEST0, DIGEST1, FILLED = range(6)
 WORDS = 8  # per entry: one 64-byte line, so entries never share a cache line
@@ -73,11 +73,11 @@ class BatchTable:
 
     # --- collator side ---------------------------------------------------
 
-    def publish(self, run, batch, offset, layout: Layout, digest, filled=0) -> None:
+    def publish(self, run, batch, offset, layout: Layout, filled=0) -> None:
         w, base = self.words, self._at(run, batch, 0)
         w[base + OFFSET] = offset
         w[base + ROWS] = layout.rows
-        w[base + DIGEST0], w[base + DIGEST1] = digest
+        w[base + DIGEST0], w[base + DIGEST1] = layout.digest
         w[base + FILLED] = filled
         shmq.atomic_add(w, base + STAMP, stamp(run, batch) - int(w[base + STAMP]))  # stored last
 
@@ -98,7 +98,7 @@ class RowWriter:
 
     def __init__(self, table: BatchTable, arena: np.ndarray):
         self.table, self.arena = table, arena
-        self.layouts: dict = {}  # (signature, rows) -> (Layout, digest)
+        self.layouts = LayoutCache()
 
     def try_write(self, run: int, batch: int, row: int, sample):
         """Write the sample into its row if batch is published with the
@@ -112,13 +112,7 @@ class RowWriter:
             sig, leaves = signature_and_leaves(sample)
         except CollateError:
             return None  # the collator reports it
-        found = self.layouts.get((sig, rows))
-        if found is None:
-            layout = Layout(sig, rows)
-            found = self.layouts[sig, rows] = (layout, layout.digest())
-            if len(self.layouts) > 64:  # varying layouts: forget the oldest
-                del self.layouts[next(iter(self.layouts))]
-        layout, digest = found
-        if digest != (d0, d1):
+        layout = self.layouts.get(sig, rows)
+        if layout.digest != (d0, d1):
             return None
         return rows, layout.write_row(self.arena[offset:offset + layout.nbytes], row, leaves)

@@ -393,9 +393,9 @@ def test_del_and_garbage_collection_stop_the_children():
 
 
 def test_a_small_dev_shm_is_refused_up_front_naming_the_bytes_and_shm_size(monkeypatch):
-    from loader import _loader
+    from shmq import segment
 
-    monkeypatch.setattr(_loader, "_shm_free_bytes", lambda: 32 << 20)  # half of Docker's default
+    monkeypatch.setattr(segment, "free_bytes", lambda: 32 << 20)  # half of Docker's default
     loader = ShmLoader(Numbers(8), batch_size=4, num_workers=2)
     with pytest.raises(shmq.ShmFull, match=r"needs about \d+ bytes.*--shm-size=1g"):
         iter(loader)
