@@ -70,6 +70,12 @@ class Collator:
         self.collate_fn, self.num_workers, self.parent_pid = collate_fn, num_workers, parent_pid
         self.passes: dict[int, _Pass] = {}
         self.taken: set[int] = set()  # batch table entries a batch is published in
+        # Batches are published up to this far past the count sent (not past
+        # `lo`: first-ready sends later batches while a worker descheduled
+        # mid-row still holds batch `lo`).  The table has many more entries
+        # per run, so batch b takes the ring only if batch b - per_run is
+        # still open.
+        self.window = P.publish_window(prefetch)
         self.guess = None                    # signature of the latest batch's layout
         self.layouts = LayoutCache()
 
@@ -103,7 +109,7 @@ class Collator:
         """Give b its table entry if that is free and b is in the window."""
         entry = self.table.entry(p.run, b.index)
         if (self.collate_fn is None and not b.published and entry not in self.taken
-                and b.index < p.lo + self.table.per_run):
+                and b.index < p.sent + self.window):
             self.table.publish(p.run, b.index, b.offset, b.layout, b.filled)
             self.taken.add(entry)
             b.published = True
@@ -118,7 +124,7 @@ class Collator:
         write their rows directly (NOTE [ Direct row writes ])."""
         if self.collate_fn is not None or self.guess is None or p.ended:
             return
-        for index in range(p.lo, p.lo + self.table.per_run):
+        for index in range(p.lo, p.sent + self.window):
             if p.nbatches is not None and index >= p.nbatches:
                 return
             if index in p.open:

@@ -155,9 +155,7 @@ class ShmLoader:
         self.ctl = shmq.shared_array(P.CTL_WORDS, np.int64)
         self.released = shmq.shared_array(MAX_LEASES, np.int64)
         self.arena = shmq.shared_array(self.memory_cap_bytes, np.uint8)
-        # Batches laid out ahead for direct writes: the prefetch window, plus
-        # slack so that the next batches are ready as the window moves.
-        self.table = BatchTable(self.prefetch + 2)
+        self.table = BatchTable(max(64, 2 * P.publish_window(self.prefetch)))
         self._create_rings()
         # Where each worker writes its stacks when asked (R3); unnamed files.
         self._stack_files = [tempfile.TemporaryFile() for _ in range(self.num_workers)]

@@ -103,6 +103,15 @@ def end_run(ctl, run: int) -> None:
         ctl[i] = 0
 
 
+def publish_window(prefetch: int) -> int:
+    """How many batches past those sent the collator lays out for direct
+    writes: workers load positions below main's limit, `prefetch` batches
+    past what it has yielded (at most what was sent), plus one claim each
+    that waits; one more batch of slack lets the next be ready as the
+    window moves."""
+    return prefetch + 2
+
+
 # message kinds (first element of every message tuple; the second is the run)
 SAMPLE = 0      # worker → collator: (SAMPLE, run, pos, batch, row, sample)
 ERROR = 1       # worker → collator → main: (ERROR, run, pos, index, worker_id, pid, traceback)
