@@ -35,7 +35,8 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
-        depends=["shmq/shmq_ring.h", "shmq/_ring.pxd"],
+        depends=["shmq/shmq_ring.h", "shmq/shmq_sync.h", "shmq/_ring.pxd", "shmq/sync.pxd", "shmq/_fork.pxi",
+                 "shmq/_sync.pxi"],
     )
 ]
 

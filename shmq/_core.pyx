@@ -46,13 +46,10 @@ cdef extern from *:
     #endif
     """
     int MADV_POPULATE_WRITE
+    int MADV_REMOVE
     int madvise(void *addr, size_t length, int advice) nogil
 
 cdef extern from *:
-    # GCC/Clang builtin, the same primitive shmq_ring.h uses.
-    int64_t __atomic_fetch_add(int64_t *ptr, int64_t val, int memorder) nogil
-    bint __atomic_compare_exchange_n(int64_t *ptr, int64_t *expected, int64_t desired, bint weak,
-                                     int success_memorder, int failure_memorder) nogil
     int __ATOMIC_SEQ_CST
 
 cdef extern from "signal.h" nogil:
@@ -260,25 +257,7 @@ def shared_array(shape, dtype=np.uint8):
     return _array_over(m, p, 1, &n, np.dtype(np.uint8)).view(dt).reshape(shape)
 
 
-cdef int64_t *_int64_word(cnp.ndarray arr, Py_ssize_t index) except NULL:
-    if arr.dtype != np.int64 or not arr.flags.c_contiguous or arr.ndim != 1:
-        raise TypeError("atomic operations need a 1-d C-contiguous int64 array")
-    if not 0 <= index < arr.shape[0]:
-        raise IndexError(f"index {index} out of range for an array of {arr.shape[0]}")
-    return <int64_t *>cnp.PyArray_DATA(arr) + index
-
-
-def atomic_add(cnp.ndarray arr not None, Py_ssize_t index, int64_t delta):
-    """Atomically add delta to arr[index] (an int64 array, e.g. from
-    shared_array) and return the value before the addition."""
-    return __atomic_fetch_add(_int64_word(arr, index), delta, __ATOMIC_SEQ_CST)
-
-
-def atomic_cas(cnp.ndarray arr not None, Py_ssize_t index, int64_t expected, int64_t new):
-    """Atomically set arr[index] to new if it equals expected; True if it
-    did.  Sequentially consistent, like atomic_add."""
-    return __atomic_compare_exchange_n(_int64_word(arr, index), &expected, new, False,
-                                       __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)
+include "_sync.pxi"
 
 
 def prefault(cnp.ndarray arr not None):
@@ -367,6 +346,7 @@ cdef class Ring:
     cdef readonly bint closed
     cdef bint produced        # this handle has taken the producer role
     cdef bint consuming       # this handle has taken the consumer role
+    cdef readonly bint anonymous  # no name: shared only with children forked while open
     cdef bint view_open       # a get_view() record is held
     cdef uint64_t view_pos, view_bytes
     cdef bint reserve_open    # a reserve() record is held
@@ -383,12 +363,14 @@ cdef class Ring:
     # --- construction -----------------------------------------------------
 
     @staticmethod
-    def create(int fd, uint64_t capacity, bint mpsc, str name):
+    def create(int fd, uint64_t capacity, bint mpsc, str name, bint anonymous=False):
         cdef uint64_t so, ao, dof
         shmq_layout(capacity, mpsc, SHMQ_MAX_ATTACH, &so, &ao, &dof)
         cdef Mapping m = Mapping.map_ring(fd, dof, capacity)
         shmq_init(m.base, capacity, mpsc, getpid(), _own_starttime())
-        return Ring._bind(m, name)
+        cdef Ring ring = Ring._bind(m, name)
+        ring.anonymous = anonymous
+        return ring
 
     @staticmethod
     def attach(int fd, uint64_t file_bytes, bytes header_copy, str name,
@@ -926,6 +908,25 @@ cdef class Ring:
         if self.r.slot >= 0:
             shmq_slot_close(&self.r, self.r.slot)
         self.closed = True
+        if self.anonymous and not self._others_open():
+            # Nobody can reach an anonymous ring once its last handle is
+            # closed (it has no name to attach by), so its memory goes back
+            # now, even in processes that still map it: a child forked while
+            # the ring was open keeps the mapping until it exits.
+            madvise(self.r.data, self.r.capacity, MADV_REMOVE)
+
+    cdef bint _others_open(self):
+        """Does a live handle other than this one hold a slot?"""
+        cdef uint32_t i
+        cdef uint64_t o
+        for i in range(SHMQ_MAX_ATTACH):
+            if <int32_t>i == self.r.slot:
+                continue
+            o = shmq_slot_owner(&self.r, i)
+            if (<uint32_t>o & SHMQ_SLOT_STATE_MASK) == SHMQ_SLOT_OPEN and \
+                    shmq_owner_alive(&self.r.slots[i], o):
+                return True
+        return False
 
     def reserve_pending_slot(self):
         """Reserve a slot for a process that will adopt it: a child about to
@@ -972,3 +973,6 @@ cdef str _header_problem(str name, int bad, const shmq_header *h, uint64_t file_
     else:
         detail = "inconsistent with the rest of the header"
     return f"cannot attach to {name!r}: field {field}: {detail}"
+
+
+include "_fork.pxi"

@@ -123,6 +123,7 @@ cdef extern from "shmq_ring.h" nogil:
     void shmq_layout(uint64_t capacity, int mpsc, uint32_t max_attach,
                      uint64_t *slots_offset, uint64_t *avail_offset, uint64_t *data_offset)
     uint64_t shmq_proc_starttime(uint32_t pid)
+    int shmq_owner_alive(const shmq_slot *s, uint64_t owner)
     void shmq_init(void *base, uint64_t capacity, int mpsc, uint32_t creator_pid,
                    uint64_t creator_starttime)
     int shmq_validate(const void *base, uint64_t file_bytes, int *bad_field)

@@ -20,9 +20,7 @@ import atexit
 import multiprocessing.util
 import os
 import sys
-import threading
 import warnings
-import weakref
 
 import numpy as np
 
@@ -33,9 +31,6 @@ __all__ = ["Queue"]
 
 _DEFAULT_CAPACITY = 64 << 20
 
-# Every open handle in this process, for the fork and exit hooks.
-_open_handles: "weakref.WeakSet[Queue]" = weakref.WeakSet()
-_open_lock = threading.Lock()
 
 
 def _capacity_for(capacity_bytes) -> int:
@@ -74,13 +69,29 @@ class Queue:
     ``capacity_bytes`` is rounded up to a power of two (at least 4096); the
     largest message is about that size.  A handle is for one thread at a
     time: attach again to use the queue from another thread.
+
+    ``anonymous=True`` creates a queue with no name (``q.name`` is None): it
+    lives in unnamed shared memory (memfd), never in /dev/shm, and is shared
+    only with processes forked while it is open.  Nothing can leak it, even
+    a SIGKILL during creation, and its memory is returned when its last
+    handle closes.
     """
 
     __slots__ = ("_ring", "_name", "_creator_pid", "_pid", "_site", "__weakref__")
 
-    def __init__(self, capacity_bytes: int = _DEFAULT_CAPACITY, multi_producer: bool = False):
+    def __init__(self, capacity_bytes: int = _DEFAULT_CAPACITY, multi_producer: bool = False, *,
+                 anonymous: bool = False):
         capacity = _capacity_for(capacity_bytes)
         mpsc = bool(multi_producer)
+        if anonymous:
+            fd = segment.create_anonymous(_core.segment_bytes(capacity, mpsc))
+            try:
+                ring = _core.Ring.create(fd, capacity, mpsc, f"anonymous queue of pid {os.getpid()}",
+                                         anonymous=True)
+            finally:
+                os.close(fd)
+            self._setup(ring, None, creator_pid=None)  # no name: nothing to unlink
+            return
         name = segment.new_name()
         fd = segment.create(name, _core.segment_bytes(capacity, mpsc))
         try:
@@ -122,8 +133,7 @@ class Queue:
         self._creator_pid = creator_pid
         self._pid = os.getpid()
         self._site = _creation_site()
-        with _open_lock:
-            _open_handles.add(self)
+        _core.register_handle(self)  # for the fork and exit hooks
 
     # --- data -------------------------------------------------------------
 
@@ -169,8 +179,9 @@ class Queue:
     # --- description --------------------------------------------------------
 
     @property
-    def name(self) -> str:
-        """The segment name; pass it to ``Queue.attach``."""
+    def name(self) -> str | None:
+        """The segment name; pass it to ``Queue.attach``.  None for an
+        anonymous queue."""
         return self._name
 
     @property
@@ -193,7 +204,8 @@ class Queue:
     def __repr__(self):
         state = "closed" if self.closed else "open"
         kind = "multi-producer" if self.multi_producer else "single-producer"
-        return f"<shmq.Queue {self._name!r} {kind} {self.capacity_bytes} bytes {state}>"
+        label = "anonymous" if self._name is None else repr(self._name)
+        return f"<shmq.Queue {label} {kind} {self.capacity_bytes} bytes {state}>"
 
     # --- lifetime -------------------------------------------------------------
 
@@ -202,15 +214,17 @@ class Queue:
         then see ``Closed``; the consumer's close makes producers' ``put``
         raise ``Closed``.  The creating process also unlinks the name."""
         self._ring.close()
-        with _open_lock:
-            _open_handles.discard(self)
+        _core.forget_handle(self)
         if self._creator_pid == os.getpid():
             self._creator_pid = None
             segment.unlink(self._name)
 
     def unlink(self) -> None:
         """Remove the name from /dev/shm now.  Handles already open keep
-        working; ``attach`` by name no longer does.  Only the creator may."""
+        working; ``attach`` by name no longer does.  Only the creator may.
+        An anonymous queue has no name: nothing to do."""
+        if self._name is None:
+            return
         if self._creator_pid != os.getpid():
             raise PermissionError(
                 f"only the handle that created {self._name!r} unlinks it (this handle in pid "
@@ -227,7 +241,7 @@ class Queue:
         ring = getattr(self, "_ring", None)
         if ring is None or ring.closed or self._pid != os.getpid():
             return
-        warnings.warn(f"unclosed shmq.Queue {self._name!r} created at {self._site}",
+        warnings.warn(f"unclosed shmq.Queue {self._ring.name!r} created at {self._site}",
                       ResourceWarning, source=self)
         self.close()
 
@@ -236,30 +250,13 @@ class Queue:
         # it by name there.  A slot is reserved for that process now, so it
         # counts as a producer before it has even started: otherwise a fast
         # producer that closes could end the stream before a slow one attaches.
+        if self._name is None:
+            raise TypeError(
+                f"an anonymous shmq.Queue cannot be sent to another process: only processes "
+                f"forked while it is open share it; create it with anonymous=False to pass it "
+                f"to a spawned process ({self._ring.name})")
         slot = self._ring.reserve_pending_slot()
         return (Queue._attach, (self._name, slot, os.getpid()))
-
-
-def _before_fork():
-    with _open_lock:
-        handles = list(_open_handles)
-    for q in handles:
-        q._ring.reserve_child_slot()
-
-
-def _after_fork_in_parent():
-    for q in list(_open_handles):
-        q._ring.forget_child_slot()
-
-
-def _after_fork_in_child():
-    global _open_lock
-    _open_lock = threading.Lock()  # a thread of the parent may have held it
-    handles = list(_open_handles)
-    for q in handles:
-        q._ring.adopt_child_slot(q._pid)  # q._pid is still the parent's here
-        q._pid = os.getpid()
-        q._creator_pid = None  # the child never unlinks its parent's names
 
 
 def _close_at_multiprocessing_exit(_marker):
@@ -271,7 +268,7 @@ def _close_at_multiprocessing_exit(_marker):
 
 
 def _close_all():
-    for q in list(_open_handles):
+    for q in _core.open_handles():
         try:
             q.close()
         except Exception:
@@ -284,6 +281,7 @@ class _MultiprocessingHook:
 
 _mp_hook = _MultiprocessingHook()
 multiprocessing.util.register_after_fork(_mp_hook, _close_at_multiprocessing_exit)
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
-                    after_in_child=_after_fork_in_child)
+# Compiled hooks: see _fork.pxi for why they must not be Python code.
+os.register_at_fork(before=_core.before_fork, after_in_parent=_core.after_fork_in_parent,
+                    after_in_child=_core.after_fork_in_child)
 atexit.register(_close_all)

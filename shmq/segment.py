@@ -24,7 +24,7 @@ PREFIX = "shmq-"
 SHM_DIR = "/dev/shm"
 
 __all__ = ["PREFIX", "SHM_DIR", "new_name", "free_bytes", "shm_size_option", "create",
-           "open_existing", "unlink",
+           "create_anonymous", "open_existing", "unlink",
            "SegmentInfo", "list_segments", "remove_stale"]
 
 
@@ -76,6 +76,28 @@ def create(name: str, nbytes: int) -> int:
     except BaseException:
         os.close(fd)
         unlink(name)
+        raise
+    return fd
+
+
+def create_anonymous(nbytes: int) -> int:
+    """An fd of nbytes of unnamed shared memory (memfd), every page reserved.
+
+    It never appears in /dev/shm, so no crash can leave it behind and
+    /dev/shm's size does not limit it; it is freed when the last process
+    that maps it unmaps it or exits."""
+    fd = os.memfd_create("shmq-anonymous", os.MFD_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise ShmFull(
+                f"cannot reserve {nbytes} bytes of memory for an anonymous shmq queue "
+                f"({os.strerror(e.errno)}); free memory or use a smaller capacity_bytes") from e
+        raise
+    except BaseException:
+        os.close(fd)
         raise
     return fd
 

@@ -108,7 +108,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <linux/futex.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -117,6 +116,8 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "shmq_sync.h"
 
 #define SHMQ_MAGIC 0x474e4952514d4853ULL /* "SHMQRING" read as little-endian */
 #define SHMQ_VERSION 1u
@@ -534,8 +535,8 @@ static inline void shmq_slot_close(shmq_ring *r, int32_t i) {
     /* Wake everyone: they re-check peers on wake-up. */
     __atomic_fetch_add(&r->hdr->data_seq, 1, __ATOMIC_SEQ_CST);
     __atomic_fetch_add(&r->hdr->space_seq, 1, __ATOMIC_SEQ_CST);
-    syscall(SYS_futex, &r->hdr->data_seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-    syscall(SYS_futex, &r->hdr->space_seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    shmq_word_wake(&r->hdr->data_seq, SHMQ_WAKE_ALL);
+    shmq_word_wake(&r->hdr->space_seq, SHMQ_WAKE_ALL);
 }
 
 /* If this OPEN owner is dead, retire it as GONE (once, by CAS) and count it. */
@@ -659,7 +660,7 @@ static inline void shmq_wake_consumer(shmq_ring *r) {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     if (__atomic_load_n(&h->consumer_waiting, __ATOMIC_RELAXED)) {
         __atomic_fetch_add(&h->data_seq, 1, __ATOMIC_SEQ_CST);
-        syscall(SYS_futex, &h->data_seq, FUTEX_WAKE, 1, NULL, NULL, 0);
+        shmq_word_wake(&h->data_seq, 1);
     }
 }
 
@@ -717,7 +718,7 @@ static inline void shmq_wake_producers(shmq_ring *r, uint64_t head) {
     if (free_bytes < (wanted > floor ? wanted : floor) && free_bytes < r->capacity) return;
     if (__atomic_exchange_n(&h->space_wanted, 0, __ATOMIC_SEQ_CST)) {
         __atomic_fetch_add(&h->space_seq, 1, __ATOMIC_SEQ_CST);
-        syscall(SYS_futex, &h->space_seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+        shmq_word_wake(&h->space_seq, SHMQ_WAKE_ALL);
     }
 }
 
@@ -799,11 +800,6 @@ static inline void shmq_note_sleep(uint32_t *misses, uint64_t slept_since) {
     if (shmq_now_ns() - slept_since < SHMQ_SPIN_NS) *misses = 0;
 }
 
-static inline void shmq_futex_wait(uint32_t *word, uint32_t expect, uint64_t timeout_ns) {
-    struct timespec ts = {(time_t)(timeout_ns / 1000000000ULL), (long)(timeout_ns % 1000000000ULL)};
-    /* Not FUTEX_PRIVATE: the word is shared between processes. */
-    syscall(SYS_futex, word, FUTEX_WAIT, expect, &ts, NULL, 0);
-}
 
 static inline int shmq_readable(shmq_ring *r) {
     uint64_t head = __atomic_load_n(&r->hdr->head_pos, __ATOMIC_RELAXED);
@@ -831,7 +827,7 @@ static inline int shmq_wait_readable(shmq_ring *r, uint64_t timeout_ns) {
     int ready = shmq_readable(r);
     if (!ready) {
         uint64_t t0 = shmq_now_ns();
-        shmq_futex_wait(&h->data_seq, seq, timeout_ns);
+        shmq_word_wait(&h->data_seq, seq, timeout_ns);
         shmq_note_sleep(&r->read_spin_misses, t0);
     }
     __atomic_store_n(&h->consumer_waiting, 0, __ATOMIC_RELAXED);
@@ -861,7 +857,7 @@ static inline int shmq_wait_writable(shmq_ring *r, uint64_t need, uint64_t timeo
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
     if (shmq_writable(r, need)) return SHMQ_OK;
     uint64_t t0 = shmq_now_ns();
-    shmq_futex_wait(&h->space_seq, seq, timeout_ns);
+    shmq_word_wait(&h->space_seq, seq, timeout_ns);
     shmq_note_sleep(&r->write_spin_misses, t0);
     return shmq_writable(r, need) ? SHMQ_OK : SHMQ_TIMEOUT;
 }

@@ -4,6 +4,7 @@ checksums, see payload.py), is bounded in time, and is leak-checked."""
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -307,4 +308,28 @@ def test_atomic_cas_across_forks(procs):
     assert procs.join_all() == []
     assert counter[0] == 80_000  # every successful swap was exclusive
     with pytest.raises(TypeError):
-        shmq.atomic_cas(np.zeros(2, np.int32), 0, 0, 1)
+        shmq.atomic_cas(np.zeros(2, np.float64), 0, 0, 1)
+
+
+def test_fork_hooks_run_no_python_code_so_ctrl_c_cannot_be_lost_in_them():
+    """Python swallows an exception raised in an os.register_at_fork hook, so
+    a KeyboardInterrupt whose handler ran inside a hook written in Python
+    would be lost.  shmq's hooks are compiled and run no Python frame."""
+    q = shmq.Queue(4096)
+    frames = []
+
+    def profiler(frame, event, arg):
+        if event == "call" and os.sep + "shmq" + os.sep in frame.f_code.co_filename:
+            frames.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(profiler)
+    try:
+        pid = os.fork()
+    finally:
+        sys.setprofile(None)
+    if pid == 0:
+        os._exit(3 if frames else 0)
+    _, status = os.waitpid(pid, 0)
+    q.close()
+    assert frames == []
+    assert os.waitstatus_to_exitcode(status) == 0  # none in the child either

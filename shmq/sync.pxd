@@ -1,0 +1,14 @@
+# Cython declarations of shmq_sync.h (waiting and waking on shared 32-bit
+# words).  MUST MATCH shmq_sync.h.  Other Cython modules (the loader's) use
+# them without the GIL:
+#
+#     from shmq.sync cimport shmq_word_wait, shmq_word_wake
+#
+# (build with shmq's directory on the include path: shmq.get_include()).
+from libc.stdint cimport uint32_t, uint64_t
+
+
+cdef extern from "shmq_sync.h" nogil:
+    int SHMQ_WAKE_ALL
+    int shmq_word_wait(uint32_t *word, uint32_t expect, uint64_t timeout_ns)
+    int shmq_word_wake(uint32_t *word, int n)
