@@ -1,4 +1,5 @@
-"""Build of the one compiled module, shmq._core.
+"""Build of the compiled modules: shmq._core, and loader._native (the
+loader's per-process C pieces, built on shmq's headers).
 
 Compiler directives live here, in one place:
 - language_level=3, embedsignature: ordinary Python 3 semantics and signatures
@@ -37,7 +38,16 @@ extensions = [
         extra_link_args=link_args,
         depends=["shmq/shmq_ring.h", "shmq/shmq_sync.h", "shmq/_ring.pxd", "shmq/sync.pxd", "shmq/_fork.pxi",
                  "shmq/_sync.pxi"],
-    )
+    ),
+    Extension(
+        "loader._native",
+        ["loader/_native.pyx"],
+        include_dirs=[np.get_include(), "shmq"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        extra_compile_args=compile_args,
+        extra_link_args=link_args,
+        depends=["shmq/shmq_sync.h", "shmq/sync.pxd"],
+    ),
 ]
 
 setup(

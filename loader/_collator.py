@@ -1,333 +1,481 @@
-"""The collator process: places samples into batch slabs and tells main.
-See NOTE [ ShmLoader processes and shutdown ] in _protocol.py."""
+"""The collator process: lays out batch slabs, publishes them for the
+workers' direct writes, and tells main when a batch is complete.  See
+NOTE [ ShmLoader processes and shutdown ] in _protocol.py and NOTE [ Direct
+row writes ] in _table.py.  Its loop never blocks: it takes messages
+without waiting and sleeps only on its bell."""
 
 from __future__ import annotations
 
+import collections
 import os
-import time
-import traceback
 
 import numpy as np
 
 import shmq
+from loader import _control as C
 from loader import _protocol as P
-from loader._collate import (
+from loader._layout import (
     CollateError,
     LayoutCache,
-    OutputPlan,
-    flatten,
-    signature,
-    unflatten,
+    castable,
+    describe_difference,
+    promoted,
+    signature_and_leaves,
 )
-from loader._slabs import SlabAllocator
-from loader._worker import die_with_parent, exit_if_orphaned
+from loader._shared import LoaderConfig, SharedState
+from loader._slabs import Slab, SlabAllocator
+from loader._table import CONFIRMED, REFUSED, count_of
+from loader._worker import exit_if_orphaned
+
+DRAIN_BATCH = 256  # messages handled between looks at runs, memory and the outbox
 
 
 class _Batch:
-    """A batch being filled: its slab, its layout and who fills its rows.
+    """A batch being filled.  It is *published* while it owns its table
+    entry; its layout is *confirmed* once it came from a sample of this
+    batch (else it is a guess from earlier batches)."""
 
-    A batch is *published* while it owns an entry of the batch table
-    (workers then write rows themselves and count them there); otherwise
-    only this process fills it, counting in `filled`.  A layout taken from
-    earlier batches is *provisional* until a sample of this batch matches
-    it; samples that do not are set `aside` until the batch is complete."""
+    __slots__ = ("index", "rows", "batched", "layout", "slab", "version", "confirmed", "published",
+                 "refused", "counted", "values", "wanted", "held_rows")
 
-    __slots__ = ("aside", "counted", "filled", "generation", "index", "layout", "lease", "offset",
-                 "provisional", "published", "rows", "samples", "seen", "views")
-
-    def __init__(self, index, rows):
-        self.index, self.rows, self.filled = index, rows, 0
-        self.seen = 0           # rows this process has had a message for (SAMPLE or VALUES)
-        self.counted = False    # every row is counted (in the table, or in `filled`)
-        self.lease = self.layout = self.views = None
-        self.published = self.provisional = False
-        self.aside = {}  # row -> an owned sample that does not fit a provisional layout
-        self.samples = [None] * rows  # collate_fn mode: the samples, by row
+    def __init__(self, index, rows, batched):
+        self.index, self.rows, self.batched = index, rows, batched
+        self.layout = self.slab = None
+        self.version = 0
+        self.confirmed = self.published = self.refused = self.counted = False
+        self.values: dict[int, list] = {}   # row -> its non-numeric leaves
+        self.wanted = None      # a signature waiting for memory (or for the table entry)
+        self.held_rows = []     # SampleRow messages waiting for memory to promote the batch
 
 
 class _Pass:
-    """One run over the data (see Passes in _protocol.py).  It lives until
-    every worker has said DONE for it, even after main abandoned it: until
-    then a worker may still write into its slabs."""
+    """One run, from the collator's side.  It lives until every worker has
+    said Done for it, even after main abandoned it: until then a worker may
+    still write into its slabs."""
 
-    def __init__(self, run, n, batch_size):
-        self.run, self.n = run, n
-        self.nbatches = None if n is None else -(-n // batch_size)
+    def __init__(self, run: int, control: C.Control, cfg: LoaderConfig):
+        self.run = run
+        self.kept = control.read(run, C.KEPT)
+        units = control.read(run, C.UNITS)
+        B = cfg.batch_size
+        if cfg.iterable:
+            self.nbatches = None
+        elif cfg.per_batch:
+            self.nbatches = units
+        else:
+            self.nbatches = -(-units // B)
         self.open: dict[int, _Batch] = {}
         self.lo, self.finished = 0, set()  # batches below lo, and those in `finished`, are sent
-        self.sent = self.done_workers = self.samples = self.via_ring = 0
+        self.sent = self.samples = self.done_workers = self.rows_by_collator = self.relayouts = 0
         self.ended = False
+
+    def rows_of(self, index: int, cfg: LoaderConfig) -> int:
+        if cfg.per_batch:
+            return 1
+        if self.nbatches is None:  # iterable: full until the end (then trimmed)
+            return cfg.batch_size
+        return min(cfg.batch_size, self.kept - index * cfg.batch_size)
 
 
 class Collator:
-    def __init__(self, to_collator, to_main, ctl, arena, released, table, batch_size, drop_last,
-                 in_order, collate_fn, num_workers, prefetch, parent_pid):
-        self.inbox, self.to_main, self.ctl = to_collator, to_main, ctl
-        self.arena, self.table = arena, table
-        # Slabs the warm-up should cover: prefetched, open, held by main, one spare.
-        self.slabs = SlabAllocator(arena, released, prefetch + 3)
-        self.batch_size, self.drop_last, self.in_order = batch_size, drop_last, in_order
-        self.collate_fn, self.num_workers, self.parent_pid = collate_fn, num_workers, parent_pid
+    def __init__(self, cfg: LoaderConfig, shared: SharedState):
+        self.cfg, self.shared = cfg, shared
+        self.control, self.table, self.arena = shared.control, shared.table, shared.arena
+        self.inbox, self.to_main = shared.to_collator, shared.to_main
+        # Slabs the warm-up should cover: two runs' windows, and those main holds.
+        self.slabs = SlabAllocator(shared.arena, shared.released, shared.hazards,
+                                   2 * cfg.publish_window + 2)
         self.passes: dict[int, _Pass] = {}
-        self.taken: set[int] = set()  # batch table entries a batch is published in
-        # Batches are published up to this far past the count sent (not past
-        # `lo`: first-ready sends later batches while a worker descheduled
-        # mid-row still holds batch `lo`).  The table has many more entries
-        # per run, so batch b takes the ring only if batch b - per_run is
-        # still open.
-        self.window = P.publish_window(prefetch)
-        self.guess = None                    # signature of the latest batch's layout
+        self.known_run = 0
+        self.taken: dict[int, tuple[int, int]] = {}   # table entry -> (run, batch) published there
         self.layouts = LayoutCache()
+        self.guess = None              # signature of the latest batch's layout
+        self.waiting: list[tuple[int, int]] = []      # (run, batch) waiting for memory or an entry
+        self.told_memory_wait = False
+        self.outbox: collections.deque = collections.deque()
+        self.early = None              # a message taken while checking whether to sleep
+        self.pid = os.getpid()
 
-    def rows_of(self, p, index):
-        if p.n is None:  # iterable dataset: every batch full until the end
-            return self.batch_size
-        return min(self.batch_size, p.n - index * self.batch_size)
+    # --- loop ---------------------------------------------------------------------
 
-    # --- slabs and the batch table -----------------------------------------------
-
-    def slab(self, nbytes):
-        """(lease, generation, offset), waiting while main holds them all."""
-        told = False
-        while True:
-            got = self.slabs.allocate(nbytes)
-            if got is not None:
-                return got
-            if not told:
-                self.to_main.put((P.MEMORY_WAIT, self.slabs.held_bytes, self.arena.nbytes,
-                                  len(self.slabs.live)))
-                told = True
-            exit_if_orphaned(self.parent_pid)
-            time.sleep(0.001)
-
-    def lay_out(self, b, sig, slab_got=None):
-        b.layout = self.layouts.get(sig, b.rows)
-        b.lease, b.generation, b.offset = slab_got or self.slab(b.layout.nbytes)
-        b.views = b.layout.views(self.arena[b.offset:b.offset + b.layout.nbytes])
-
-    def try_publish(self, p, b):
-        """Give b its table entry if that is free and b is in the window."""
-        entry = self.table.entry(p.run, b.index)
-        if (self.collate_fn is None and not b.published and entry not in self.taken
-                and b.index < p.sent + self.window):
-            self.table.publish(p.run, b.index, b.offset, b.layout, b.filled)
-            self.taken.add(entry)
-            b.published = True
-
-    def unpublish(self, p, b):
-        self.table.retire(p.run, b.index)
-        self.taken.remove(self.table.entry(p.run, b.index))
-        b.published = False
-
-    def publish_ahead(self, p):
-        """Lay out the next batches with the latest layout, so workers can
-        write their rows directly (NOTE [ Direct row writes ])."""
-        if self.collate_fn is not None or self.guess is None or p.ended:
-            return
-        for index in range(p.lo, p.sent + self.window):
-            if p.nbatches is not None and index >= p.nbatches:
-                return
-            if index in p.open:
-                self.try_publish(p, p.open[index])
+    def run(self) -> None:
+        c = self.control
+        while not c.stopped:
+            self._flush_outbox()
+            self._look_at_runs()
+            if self.waiting and self.slabs.reclaim():
+                self._retry_waiting()
+            if self._drain():
                 continue
-            if index in p.finished or self.table.entry(p.run, index) in self.taken:
+            if self.slabs.warming:
+                self.slabs.warm_up()  # idle time, not batch time; messages are checked between chunks
                 continue
-            b = _Batch(index, self.rows_of(p, index))
-            got = self.slabs.allocate(self.layouts.get(self.guess, b.rows).nbytes)
-            if got is None:
-                return  # memory is short: the ring path waits for it instead
-            self.lay_out(b, self.guess, got)
-            b.provisional = True
-            p.open[index] = b
-            self.try_publish(p, b)
+            self._sleep()
 
-    def filled(self, p, b):
-        return self.table.filled(p.run, b.index) if b.published else b.filled
+    def _drain(self) -> bool:
+        """Handle up to DRAIN_BATCH messages; True if there were any."""
+        handled = 0
+        while handled < DRAIN_BATCH:
+            msg = self._take()
+            if msg is None:
+                break
+            self._handle(msg)
+            handled += 1
+        return handled > 0
 
-    # --- samples -------------------------------------------------------------
+    def _take(self):
+        if self.early is not None:
+            msg, self.early = self.early, None
+            return msg
+        try:
+            # get (a copy), never get_view: a message may hold arrays (a
+            # SampleRow, objects among a row's values) that the collator keeps
+            # after the ring reuses their memory.
+            return self.inbox.get(timeout=0)
+        except shmq.Empty:
+            return None
+        except shmq.PeerLost:
+            return None  # a worker died mid-write; main sees its exit status and reports it
 
-    def place(self, p, pos, index, row, sample):
-        """A sample that came through the ring, for row `row` of batch `index`."""
-        p.via_ring += 1
-        b = p.open.get(index)
-        if b is None:
-            b = p.open[index] = _Batch(index, self.rows_of(p, index))
-            if self.collate_fn is None:
-                sig = signature(sample)
-                self.lay_out(b, sig)
-                self.guess = sig
-                self.try_publish(p, b)
-        if self.collate_fn is not None:
-            b.samples[row] = sample
-        elif b.provisional and signature(sample) != b.layout.signature:
-            b.aside[row] = _owned(sample)
-        else:
-            b.layout.write(b.views, row, sample, f"sample at position {pos}")
-            b.provisional = False
-        b.seen += 1
-        if b.published:
-            b.counted = self.table.count(p.run, index) == b.rows
-        else:
-            b.filled += 1
-            b.counted = b.filled == b.rows
-        self.finish_if_complete(p, b)
+    def _sleep(self) -> None:
+        c = self.control
 
-    def values(self, p, index, row, values):
-        b = p.open[index]
-        for leaf, value in zip(b.layout.value_leaves, values):
-            b.views[leaf][row] = value
-        b.seen += 1
-        self.finish_if_complete(p, b)
+        def ready():
+            if c.stopped or c.latest_run() > self.known_run:
+                return True
+            if self.early is None:
+                self.early = self._take()
+            if self.early is not None:
+                return True
+            if self.outbox and self._flush_outbox():
+                return True
+            return bool(self.waiting) and self.slabs.reclaim()
 
-    def all_counted(self, p, index):
-        """A worker counted the last row of a batch (its FILLED message)."""
-        b = p.open[index]
-        b.counted = True
-        self.finish_if_complete(p, b)
+        if not c.collator_bell.wait(ready, P.IDLE_SLICE_S):
+            exit_if_orphaned(self.cfg.parent_pid)
+        if self.waiting and self.slabs.reclaim():
+            self._retry_waiting()
 
-    def finish_if_complete(self, p, b):
-        """Complete: every row counted, and, where rows carry non-numeric
-        leaves, every VALUES message seen.  A worker sends VALUES before it
-        counts its row, but a ring sample can complete the count while a
-        VALUES message is still behind it in the ring."""
-        if b.counted and (self.collate_fn is not None or not b.layout.value_leaves
-                          or b.seen == b.rows):
-            self.finish(p, b, b.rows)
+    # --- to main --------------------------------------------------------------------
 
-    def settle_aside(self, b, rows):
-        """Rows that did not fit the provisional layout: if no row did, the
-        batch takes the layout of its own first sample; otherwise they are
-        written as the default collate always does (or refused)."""
-        if len(b.aside) == rows:
-            old = b.lease
-            self.lay_out(b, signature(b.aside[min(b.aside)]))
-            self.slabs.release(old)
-        for row, sample in sorted(b.aside.items()):
-            b.layout.write(b.views, row, sample, f"sample in row {row} of batch {b.index}")
-        b.aside = {}
-
-    def finish(self, p, b, rows):
-        del p.open[b.index]
-        if b.published:
-            self.unpublish(p, b)
-        if self.collate_fn is not None:
-            plan = OutputPlan(self.collate_fn(b.samples[:rows]))
-            nbytes = plan.nbytes
-            lease, gen, offset = self.slab(nbytes)
-            spec = plan.write(self.arena[offset:offset + nbytes])
-        else:
+    def _send(self, msg) -> None:
+        """To main, never blocking: what its ring cannot take waits in the
+        outbox, and main rings our bell when it has made room."""
+        if not self.outbox:
             try:
-                if b.aside:
-                    self.settle_aside(b, rows)
-            except Exception:
-                self.slabs.release(b.lease)
-                raise
-            self.guess = b.layout.signature
-            spec = b.layout.spec(b.views, rows)
-            lease, gen, offset, nbytes = b.lease, b.generation, b.offset, b.layout.nbytes
-        self.to_main.put((P.BATCH, p.run, b.index, lease, gen, offset, nbytes, spec))
+                self.to_main.put(msg, timeout=0)
+                return
+            except shmq.Full:
+                pass
+        self.outbox.append(msg)
+        shmq.atomic_store(self.control.ctl, C.OUTBOX, 1)
+
+    def _flush_outbox(self) -> bool:
+        """Move what the ring takes; True if something moved."""
+        moved = False
+        while self.outbox:
+            try:
+                self.to_main.put(self.outbox[0], timeout=0)
+            except shmq.Full:
+                return moved
+            self.outbox.popleft()
+            moved = True
+        if moved:
+            shmq.atomic_store(self.control.ctl, C.OUTBOX, 0)
+        return moved
+
+    def _fail(self, run: int, batch: int, pos: int, exc: BaseException, note: str) -> None:
+        self._send(P.Failed(run, batch if self.cfg.in_order else -1, pos, -1, -1, self.pid,
+                            P.ErrorReport.of(exc, note)))
+
+    # --- runs -----------------------------------------------------------------------
+
+    def _look_at_runs(self) -> None:
+        latest = self.control.latest_run()
+        while self.known_run < latest:
+            self.known_run += 1
+            p = self.passes[self.known_run] = _Pass(self.known_run, self.control, self.cfg)
+            self._publish_ahead(p)
+
+    def _pass(self, run: int) -> _Pass:
+        if run > self.known_run:
+            self._look_at_runs()  # a worker saw the run before we did
+        return self.passes[run]   # a run's messages all come before its workers' Done
+
+    def _end_pass(self, p: _Pass) -> None:
+        """Every worker is done: send what is left of a partial batch (only
+        where rows fill in arrival order is one a complete prefix), free the
+        rest, and tell main."""
+        p.ended = True
+        arrival_order = not self.cfg.in_order or self.cfg.iterable
+        for b in sorted(p.open.values(), key=lambda b: b.index):
+            rows = count_of(self.table.filled_word(p.run, b.index)) if b.published else 0
+            if (rows and arrival_order and not self.cfg.drop_last and not b.refused
+                    and (not b.layout.value_leaves or all(r in b.values for r in range(rows)))):
+                self._finish(p, b, rows)
+                continue
+            self._unpublish(p, b)
+            if b.slab is not None:
+                self.slabs.release(b.slab.lease)
+        p.open = {}
+        self.waiting = [(r, i) for r, i in self.waiting if r != p.run]
+        del self.passes[p.run]
+        self._send(P.RunEnded(p.run, p.sent, p.samples, p.rows_by_collator, p.relayouts))
+
+    # --- layouts, slabs and the table --------------------------------------------------
+
+    def _allocate(self, p: _Pass, b: _Batch, nbytes: int) -> Slab | None:
+        """A slab, or None: then (run, batch) waits in self.waiting.  A
+        batch larger than the whole arena is refused at once."""
+        if nbytes > self.slabs.capacity:
+            self._refuse(p, b, -1, MemoryError(
+                f"batch {b.index} needs {nbytes} bytes of slab memory but memory_cap_bytes is "
+                f"{self.slabs.capacity}: pass memory_cap_bytes >= {nbytes} (a few batches' worth "
+                f"lets loading run ahead), or use smaller batches"))
+            return None
+        slab = self.slabs.allocate(nbytes)
+        if slab is None:
+            if (p.run, b.index) not in self.waiting:
+                self.waiting.append((p.run, b.index))
+            if not self.told_memory_wait:
+                self.told_memory_wait = True
+                self._send(P.MemoryWait(self.slabs.held_bytes, self.slabs.capacity,
+                                        len(self.slabs.live), nbytes))
+        return slab
+
+    def _retry_waiting(self) -> None:
+        waiting, self.waiting = sorted(self.waiting), []
+        self.told_memory_wait = False
+        for run, index in waiting:
+            p = self.passes.get(run)
+            b = None if p is None else p.open.get(index)
+            if b is None:
+                continue
+            if b.wanted is not None:
+                sig, b.wanted = b.wanted, None
+                self._lay_out(p, b, sig)
+            held, b.held_rows = b.held_rows, []
+            for msg in held:
+                self._sample_row(p, msg)
+
+    def _entry_free(self, p: _Pass, b: _Batch) -> bool:
+        owner = self.taken.get(self.table.entry(p.run, b.index))
+        return owner is None or owner == (p.run, b.index)
+
+    def _lay_out(self, p: _Pass, b: _Batch, sig, provisional: bool = False) -> bool:
+        """Give b a slab with sig's layout and publish it (first layout, or
+        a provisional one replaced).  False if it must wait for memory or
+        for its table entry."""
+        if not self._entry_free(p, b):
+            b.wanted = sig
+            if (p.run, b.index) not in self.waiting:
+                self.waiting.append((p.run, b.index))
+            return False
+        layout = self.layouts.get(sig, b.rows, b.batched)
+        slab = self._allocate(p, b, layout.nbytes)
+        if slab is None:
+            b.wanted = None if b.refused else sig
+            return False
+        if b.published:
+            # Replacing a provisional layout: only while no row is counted.
+            if not self.table.replace_if_uncounted(p.run, b.index):
+                # A row was counted: the layout stands, confirmed; a worker
+                # whose sample differs sends it whole.
+                self.slabs.release(slab.lease)
+                b.confirmed = True
+                self.control.table_bell.ring()
+                return True
+            b.version += 1
+            self.slabs.retire(b.slab.lease)
+            p.relayouts += 1
+        b.layout, b.slab = layout, slab
+        b.confirmed = not provisional
+        b.values = {}  # rows' values are re-sent by their writers after a relayout
+        self._publish(p, b)
+        return True
+
+    def _publish(self, p: _Pass, b: _Batch, count: int = 0) -> None:
+        flags = (CONFIRMED if b.confirmed else 0) | (REFUSED if b.refused else 0)
+        self.table.publish(p.run, b.index, b.slab.offset, b.slab.token, b.layout, b.version, flags,
+                           count)
+        self.taken[self.table.entry(p.run, b.index)] = (p.run, b.index)
+        b.published = True
+        self.control.table_bell.ring()
+
+    def _unpublish(self, p: _Pass, b: _Batch) -> None:
+        if b.published:
+            self.table.unpublish(p.run, b.index)
+            del self.taken[self.table.entry(p.run, b.index)]
+            b.published = False
+            self.control.table_bell.ring()
+
+    def _publish_ahead(self, p: _Pass) -> None:
+        """Lay out the next batches with the latest layout, so workers can
+        write their rows without asking (NOTE [ Direct row writes ])."""
+        if self.guess is None or p.ended:
+            return
+        end = p.sent + self.cfg.publish_window
+        if p.nbatches is not None:
+            end = min(end, p.nbatches)
+        for index in range(p.lo, end):
+            if index in p.open or index in p.finished:
+                continue
+            b = _Batch(index, p.rows_of(index, self.cfg), not self.cfg.per_batch)
+            if not self._entry_free(p, b):
+                continue
+            layout = self.layouts.get(self.guess, b.rows, b.batched)
+            slab = self.slabs.allocate(layout.nbytes)
+            if slab is None:
+                return  # memory is short: batches wait for it when a sample asks
+            b.layout, b.slab = layout, slab
+            p.open[index] = b
+            self._publish(p, b)
+
+    # --- messages -------------------------------------------------------------------------
+
+    def _handle(self, msg) -> None:
+        kind = type(msg)
+        if kind is P.Failed:
+            self._send(msg)
+            return
+        p = self._pass(msg.run)
+        if kind is P.Done:
+            p.done_workers += 1
+            if p.done_workers == self.cfg.num_workers:
+                self._end_pass(p)
+            return
+        try:
+            if kind is P.RowValues:
+                self._row_values(p, msg)
+            elif kind is P.Filled:
+                b = p.open.get(msg.batch)
+                if b is not None:
+                    b.counted = True
+                    self._finish_if_complete(p, b)
+            elif kind is P.LayoutRequest:
+                self._layout_request(p, msg)
+            elif kind is P.SampleRow:
+                self._sample_row(p, msg)
+        except Exception as e:
+            self._fail(p.run, msg.batch, getattr(msg, "pos", -1), e,
+                       f"in the collator, handling {kind.__name__} for batch {msg.batch}")
+
+    def _layout_request(self, p: _Pass, m: P.LayoutRequest) -> None:
+        b = p.open.get(m.batch)
+        if b is None:
+            if m.batch in p.finished or p.ended:
+                return
+            b = p.open[m.batch] = _Batch(m.batch, m.rows, m.batched)
+            self._lay_out(p, b, m.signature)
+            return
+        if not b.published:
+            if b.wanted is None and not b.refused:
+                b.wanted = m.signature
+                self._lay_out(p, b, m.signature)
+            return
+        if m.version < 0 or m.version != b.version or b.confirmed:
+            return  # the entry changed since the worker looked: it looks again
+        self._lay_out(p, b, m.signature)
+
+    def _row_values(self, p: _Pass, m: P.RowValues) -> None:
+        b = p.open.get(m.batch)
+        if b is None or b.layout is None or m.values_key != b.layout.values_key:
+            return  # written into a layout replaced since: its writer sends them again
+        b.values[m.row] = m.values
+        self._finish_if_complete(p, b)
+
+    def _sample_row(self, p: _Pass, m: P.SampleRow) -> None:
+        """A sample whose batch's confirmed layout differs: write it with a
+        safe cast, promote the batch's dtypes, or refuse the batch."""
+        b = p.open.get(m.batch)
+        if b is None or b.refused:
+            return
+        if not b.published:
+            b.held_rows.append(m)
+            return
+        sig, leaves = signature_and_leaves(m.sample)
+        if not castable(sig, b.layout):
+            wider = promoted(b.layout.signature, sig)
+            if wider is None:
+                self._refuse(p, b, m.pos, CollateError(
+                    f"a sample of batch {b.index} (row {m.row}) does not fit the batch: "
+                    f"{describe_difference(b.layout.signature, sig)}. Default collate stacks "
+                    f"samples of equal structure and shapes only: pad them, or pass collate_fn"))
+                return
+            if not self._promote(p, b, wider):
+                b.held_rows.append(m)
+                return
+        view = self.arena[b.slab.offset:b.slab.offset + b.layout.nbytes]
+        values = b.layout.write_row(view, m.row, leaves)
+        if b.layout.value_leaves:
+            b.values[m.row] = values
+        p.rows_by_collator += 1
+        if self.table.count(p.run, b.index, b.version) == b.rows:
+            b.counted = True
+        self._finish_if_complete(p, b)
+
+    def _promote(self, p: _Pass, b: _Batch, sig) -> bool:
+        """Lay b out again with wider dtypes, copying the rows counted so
+        far (safe casts).  Workers still writing the old layout fail to count
+        and send their samples whole.  False if it must wait for memory."""
+        layout = self.layouts.get(sig, b.rows, b.batched)
+        slab = self._allocate(p, b, layout.nbytes)
+        if slab is None:
+            return False
+        counted = self.table.freeze(p.run, b.index)
+        b.version += 1
+        old_layout, old = b.layout, b.slab
+        new_views = layout.views(self.arena[slab.offset:slab.offset + layout.nbytes])
+        old_views = old_layout.views(self.arena[old.offset:old.offset + old_layout.nbytes])
+        for dst, src in zip(new_views, old_views):
+            if dst is not None:
+                dst[...] = src  # every row: those not counted are written again
+        self.slabs.retire(old.lease)
+        b.layout, b.slab, b.confirmed = layout, slab, True
+        p.relayouts += 1
+        self._publish(p, b, counted)
+        return True
+
+    def _refuse(self, p: _Pass, b: _Batch, pos: int, exc: BaseException) -> None:
+        """The batch cannot be made: every worker drops its row, and main
+        raises when it reaches it."""
+        if b.refused:
+            return
+        b.refused = True
+        if b.published:
+            self.table.add_flags(p.run, b.index, REFUSED)
+            self.control.table_bell.ring()
+        self._fail(p.run, b.index, pos, exc, f"batch {b.index}")
+
+    def _finish_if_complete(self, p: _Pass, b: _Batch) -> None:
+        """Complete: every row counted and, where rows carry non-numeric
+        leaves, every row's values seen (a worker sends them before it
+        counts its row, but a row the collator wrote may complete the count
+        while another row's values are still behind in the ring)."""
+        if b.counted and not b.refused and (not b.layout.value_leaves or len(b.values) == b.rows):
+            self._finish(p, b, b.rows)
+
+    def _finish(self, p: _Pass, b: _Batch, rows: int) -> None:
+        del p.open[b.index]
+        self._unpublish(p, b)
+        self.guess = b.layout.signature
+        spec = b.layout.spec(rows, b.values)
+        self._send(P.BatchReady(p.run, b.index, b.slab, spec))
         p.sent += 1
-        p.samples += rows
+        p.samples += rows if b.batched else 1
         p.finished.add(b.index)
         while p.lo in p.finished:
             p.finished.remove(p.lo)
             p.lo += 1
-        self.publish_ahead(p)
-
-    def end_pass(self, p):
-        """Every worker is done: send what is left of a partial batch.  Only
-        where rows fill in arrival order (first-ready, iterable datasets) is
-        a partial batch a prefix of rows; in order, a batch is partial only
-        when a sample failed (main has been told) or main abandoned the run."""
-        p.ended = True
-        arrival_order = not self.in_order or p.n is None
-        for b in sorted(p.open.values(), key=lambda b: b.index):
-            rows = self.filled(p, b)
-            if rows and arrival_order and not self.drop_last:
-                self.finish(p, b, rows)
-                continue
-            if b.published:
-                self.unpublish(p, b)
-            if b.lease is not None:
-                self.slabs.release(b.lease)
-        p.open = {}
-        del self.passes[p.run]
-        self.to_main.put((P.END, p.run, p.sent, p.samples, p.via_ring))
-
-    # --- loop ------------------------------------------------------------------
-
-    def handle(self, msg):
-        kind = msg[0]
-        if kind == P.EPOCH_START:
-            p = self.passes[msg[1]] = _Pass(msg[1], msg[2], self.batch_size)
-            self.publish_ahead(p)
-            self.ctl[P.slot(p.run, P.READY)] = p.run  # workers may start
-            return
-        p = self.passes[msg[1]]  # a run's messages all come before its workers' DONE
-        if kind == P.DONE:
-            p.done_workers += 1
-            if p.done_workers == self.num_workers:
-                self.end_pass(p)
-        elif kind == P.ERROR:
-            self.to_main.put(msg)
-        else:
-            try:
-                if kind == P.SAMPLE:
-                    _, _, pos, index, row, sample = msg
-                    self.place(p, pos, index, row, sample)
-                elif kind == P.VALUES:
-                    self.values(p, *msg[2:])
-                elif kind == P.FILLED:
-                    self.all_counted(p, msg[2])
-            except Exception as e:
-                pos = msg[2] if kind == P.SAMPLE else -1
-                where = (f"collating the sample at position {pos}" if kind == P.SAMPLE
-                         else f"collating batch {msg[2]}")
-                self.to_main.put((P.ERROR, p.run, pos, -1, -1, os.getpid(), _describe(e, where)))
-
-    def run(self):
-        copy = self.collate_fn is not None  # collate_fn keeps samples past the ring
-        while True:
-            # While the arena is not warm yet, poll briefly and fault in a
-            # chunk whenever nothing arrives: idle time, not batch time.
-            wait = 0.002 if self.slabs.warming else P.WAIT_SLICE_S
-            try:
-                if copy:
-                    msg = self.inbox.get(timeout=wait)
-                    if msg[0] == P.STOP:
-                        return
-                    self.handle(msg)
-                else:
-                    with self.inbox.get_view(timeout=wait) as msg:
-                        if msg[0] == P.STOP:
-                            return
-                        self.handle(msg)
-            except shmq.Empty:
-                exit_if_orphaned(self.parent_pid)
-                self.slabs.warm_up()
-            except shmq.PeerLost:
-                pass  # a worker died mid-write; main sees its exit code and reports it
+        if self.waiting:
+            self._retry_waiting()  # its table entry is free now
+        self._publish_ahead(p)
+        for q in self.passes.values():
+            if q is not p:
+                self._publish_ahead(q)  # the next epoch's run, started ahead
 
 
-def _owned(sample):
-    """A copy of a sample whose arrays may view ring memory."""
-    leaves: list = []
-    structure = flatten(sample, leaves)
-    return unflatten(structure, [np.array(x) if isinstance(x, np.ndarray) else x for x in leaves])
-
-
-def _describe(exc, where):
-    text = "".join(traceback.format_exception(exc))
-    if isinstance(exc, CollateError):
-        return f"{text}\n(while {where})"
-    return text
-
-
-def collator_main(to_collator, to_main, ctl, arena, released, table, batch_size, drop_last,
-                  in_order, collate_fn, num_workers, prefetch, parent_pid):
-    die_with_parent(parent_pid)
-    Collator(to_collator, to_main, ctl, arena, released, table, batch_size, drop_last, in_order,
-             collate_fn, num_workers, prefetch, parent_pid).run()
-    to_collator.close()
-    to_main.close()
-    os._exit(0)
+def collator_main(cfg: LoaderConfig, shared: SharedState) -> None:
+    Collator(cfg, shared).run()
+    shared.to_collator.close()
+    shared.to_main.close()

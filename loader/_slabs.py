@@ -1,23 +1,35 @@
 """Batch memory: the collator's slab allocator and main's leased views.
 
 See NOTE [ ShmLoader processes and shutdown ] in _protocol.py for how a
-slab travels from the collator to the user and back.
+slab travels from the collator to the user and back, and NOTE [ Direct row
+writes ] in _table.py for why a retired slab waits for the hazards.
 """
 
 from __future__ import annotations
 
+import mmap
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 
 import shmq
+from loader._layout import align
 
-ALIGN = 64
 MAX_LEASES = 1 << 16
+PAGE = mmap.PAGESIZE
 
 
-def align(n: int) -> int:
-    return (n + ALIGN - 1) & ~(ALIGN - 1)
+class Slab(NamedTuple):
+    lease: int
+    generation: int
+    offset: int
+    nbytes: int
+
+    @property
+    def token(self) -> int:
+        """Names this allocation of the lease in hazard words: never 0."""
+        return (self.lease << 32) | self.generation
 
 
 class SlabAllocator:
@@ -27,41 +39,47 @@ class SlabAllocator:
     slab freed by main is reused by the next batch of similar size."""
 
     WARM_CHUNK = 32 << 20
-    WARM_MIN = 256 << 20
 
-    def __init__(self, arena: np.ndarray, released: np.ndarray, slabs_in_flight: int):
-        self.arena = arena
-        self.released = released
+    def __init__(self, arena: np.ndarray, released: np.ndarray, hazards: np.ndarray,
+                 slabs_in_flight: int):
+        self.arena, self.released, self.hazards = arena, released, hazards
         self.slabs_in_flight = slabs_in_flight
         self.warm = 0        # arena[:warm] is faulted in
         self.largest = 0     # largest slab so far
         self.free = [(0, arena.nbytes)]        # sorted (offset, size)
-        self.live: dict[int, tuple[int, int, int]] = {}  # lease -> (offset, nbytes, generation)
+        self.live: dict[int, Slab] = {}        # lease -> slab, handed out or in use
+        self.limbo: list[Slab] = []            # retired while a worker may still write into it
         self.generation = np.zeros(MAX_LEASES, np.int64)
         self.free_leases = list(range(MAX_LEASES - 1, -1, -1))
 
     @property
-    def held_bytes(self) -> int:
-        return sum(n for _, n, _ in self.live.values())
+    def capacity(self) -> int:
+        return self.arena.nbytes
 
-    def allocate(self, nbytes: int):
-        """(lease, generation, offset) or None when the arena is full even
-        after reclaiming what main released."""
+    @property
+    def held_bytes(self) -> int:
+        return sum(s.nbytes for s in self.live.values())
+
+    def allocate(self, nbytes: int) -> Slab | None:
+        """A slab of at least nbytes, or None while the arena is full even
+        after reclaiming what main released and what no worker still uses."""
         nbytes = align(max(nbytes, 1))
         # Reclaim first, always: reusing the lowest released slab keeps the
         # batch memory on pages already faulted in.  (Reclaiming only when
         # the arena is full walks through fresh pages for epochs.)
         self.reclaim()
         found = self._first_fit(nbytes)
-        if found is None or not self.free_leases:
+        if found is None:
+            return None
+        if not self.free_leases:
+            self._give_back(found, nbytes)
             return None
         self.largest = max(self.largest, nbytes)
         self.warm = max(self.warm, found + nbytes)  # its first copy faults it in
         lease = self.free_leases.pop()
         self.generation[lease] += 1
-        gen = int(self.generation[lease])
-        self.live[lease] = (found, nbytes, gen)
-        return lease, gen, found
+        slab = self.live[lease] = Slab(lease, int(self.generation[lease]), found, nbytes)
+        return slab
 
     def _first_fit(self, nbytes):
         for i, (off, size) in enumerate(self.free):
@@ -78,7 +96,9 @@ class SlabAllocator:
         return self.warm < self._warm_target()
 
     def _warm_target(self) -> int:
-        return min(self.arena.nbytes, max(self.WARM_MIN, self.slabs_in_flight * self.largest))
+        # What one run keeps in flight, no more: a loader of tiny batches
+        # must not fault in (and hold) hundreds of megabytes.
+        return min(self.arena.nbytes, self.slabs_in_flight * self.largest)
 
     def warm_up(self) -> None:
         """Fault in the next chunk of the arena (called when the collator is
@@ -90,16 +110,36 @@ class SlabAllocator:
             self.warm = end
 
     def reclaim(self) -> bool:
-        """Free every slab whose lease main has released; True if any."""
-        done = [lease for lease, (_, _, gen) in self.live.items() if self.released[lease] == gen]
-        for lease in done:
-            self.release(lease)
+        """Free every slab main has released, and every retired slab no
+        worker's hazard names any more; True if any."""
+        done = [s for s in self.live.values() if self.released[s.lease] == s.generation]
+        for s in done:
+            self.release(s.lease)
+        if self.limbo:
+            in_use = set(self.hazards.tolist())
+            kept = [s for s in self.limbo if s.token in in_use]
+            for s in self.limbo:
+                if s.token not in in_use:
+                    self._free_lease(s)
+            freed_limbo = len(kept) != len(self.limbo)
+            self.limbo = kept
+            return bool(done) or freed_limbo
         return bool(done)
 
     def release(self, lease: int) -> None:
-        off, nbytes, _ = self.live.pop(lease)
-        self.free_leases.append(lease)
-        self.free.append((off, nbytes))
+        self._free_lease(self.live.pop(lease))
+
+    def retire(self, lease: int) -> None:
+        """A slab replaced while workers may still be writing into it: it is
+        freed once no hazard word names it (see NOTE [ Direct row writes ])."""
+        self.limbo.append(self.live.pop(lease))
+
+    def _free_lease(self, slab: Slab) -> None:
+        self.free_leases.append(slab.lease)
+        self._give_back(slab.offset, slab.nbytes)
+
+    def _give_back(self, offset: int, nbytes: int) -> None:
+        self.free.append((offset, nbytes))
         self.free.sort()
         merged = [self.free[0]]
         for o, n in self.free[1:]:
@@ -111,19 +151,57 @@ class SlabAllocator:
         self.free = merged
 
 
-class _Slab(np.ndarray):
+class _SlabView(np.ndarray):
     """The uint8 view of one leased slab.  Its own type stops numpy from
     collapsing the .base chain of the batch arrays past it, so every array
     of a batch keeps its slab alive, and the slab's finalizer runs only
     when the last of them is gone."""
 
 
-def _release(released: np.ndarray, lease: int, generation: int) -> None:
-    released[lease] = generation
+class Leases:
+    """Main's side of the slabs: the batches handed to the user.  When the
+    last array of a batch dies, its lease is released (one aligned int64
+    store: safe from any thread, no lock) and the collator is told.  After
+    close(), a released slab's pages are given back at once."""
 
+    def __init__(self, arena: np.ndarray, released: np.ndarray, on_release):
+        self.arena, self.released, self.on_release = arena, released, on_release
+        self.held: dict[int, Slab] = {}   # lease -> slab the user may still hold
+        self.closed = False
 
-def lease_slab(arena: np.ndarray, released: np.ndarray, lease: int, generation: int,
-               offset: int, nbytes: int) -> _Slab:
-    slab = arena[offset:offset + nbytes].view(_Slab)
-    weakref.finalize(slab, _release, released, lease, generation)
-    return slab
+    def view(self, slab: Slab) -> _SlabView:
+        v = self.arena[slab.offset:slab.offset + slab.nbytes].view(_SlabView)
+        self.held[slab.lease] = slab
+        weakref.finalize(v, self._release, slab)
+        return v
+
+    def _release(self, slab: Slab) -> None:
+        self.held.pop(slab.lease, None)
+        if self.closed:
+            # Its pages, including those it shared with slabs freed earlier.
+            lo = slab.offset - slab.offset % PAGE
+            hi = min(self.arena.nbytes, -(-(slab.offset + slab.nbytes) // PAGE) * PAGE)
+            for lo, hi in self._free_pages([(lo, hi)]):
+                shmq.discard_pages(self.arena[lo:hi])
+            return
+        shmq.atomic_store(self.released, slab.lease, slab.generation)
+        self.on_release()
+
+    def close(self) -> None:
+        """Give back every page of the arena that no held batch uses."""
+        self.closed = True
+        for lo, hi in self._free_pages([(0, self.arena.nbytes)]):
+            shmq.discard_pages(self.arena[lo:hi])
+
+    def _free_pages(self, ranges):
+        """The parts of ranges that no held slab overlaps."""
+        taken = sorted((s.offset, s.offset + s.nbytes) for s in self.held.values())
+        for lo, hi in ranges:
+            for tlo, thi in taken:
+                if thi <= lo or tlo >= hi:
+                    continue
+                if tlo > lo:
+                    yield lo, tlo
+                lo = max(lo, thi)
+            if hi > lo:
+                yield lo, hi

@@ -1,45 +1,60 @@
-"""The batch table: slabs the collator has laid out ahead, which workers
-fill row by row themselves.  See NOTE [ Direct row writes ] below.
+"""The batch table: slabs the collator has laid out, which workers fill row
+by row themselves.  See NOTE [ Direct row writes ] below.
 
 NOTE [ Direct row writes ]
 ==========================
 
-Without this table every sample is copied twice: worker → to_collator ring
-→ its row of the slab.  With it, a worker writes its sample straight into
-its row, and the collator handles one message per batch instead of one per
-sample.
+Every sample is written once, by the worker that loaded it, straight into
+its row of its batch's slab.  Samples never travel through a ring, so no
+sample size is too large; the collator only lays out slabs and hears one
+message per batch.
 
-  collator                         table[b % K]                      worker
-  ────────                         ────────────                      ──────
-  allocate slab for batch b        OFFSET, ROWS, DIGEST,
-  with the layout of recent        FILLED = 0
-  batches, then publish ──────────► STAMP = (run, b)  ◄─── read STAMP: is it (run, b)?
-                                                              and does the sample's layout
-                                                              digest equal DIGEST?
-                                                              yes: write the row into the slab,
-                                   FILLED += 1 ◄───────────── then count it (atomic add)
-  finish batch b  ◄──────── FILLED (run, b) ─────────────── the one that counts the last row
-                                                              no: send the sample through the
-                                                              ring (the collator places it and
-                                                              counts it the same way)
+  collator                               table entry of (run, batch)          worker
+  ────────                               ───────────────────────────          ──────
+  lays out the batch with a layout:      OFFSET ROWS DIGEST TOKEN             STAMP == (run, batch)?
+  the latest one (a *provisional*        FILLED = (flags|version, count)      no: send LayoutRequest(sig),
+  guess), or one a sample asked for  ──► STAMP = (run, batch)  (stored last)       wait for the entry
+  (*confirmed*)                                                               digest == its layout's?
+                                                                                yes: hazard = TOKEN,
+                                                                                re-read STAMP, FILLED,
+                                                                                write the row,
+                                         FILLED count += 1 (CAS, same ◄─────── count it (CAS: only if
+                                         version)                               the version is the same)
+  finish the batch ◄─── Filled ───────────────────────────────────────────── the one that counts the last row
+
+When the digest differs:
+- the entry is provisional and no row is counted: the worker sends a
+  LayoutRequest with its signature and waits; the collator lays the batch
+  out again with it (a new slab, version + 1, confirmed).  This is what
+  happens at the first batch with a new shape (bucketing) and at the first
+  batch of all: the first sample's small signature is enough.
+- otherwise (confirmed, or a row already counted): the worker sends the
+  whole sample as a SampleRow.  The collator writes it itself, casting when
+  that is safe, or promotes the batch's dtypes (np.result_type: an int in a
+  float batch, say; version + 1, rows copied over), or refuses the batch
+  (CollateError to main, entry REFUSED: every worker drops its row).  Only
+  samples of a batch whose dtypes differ take this path.
 
 Why it is safe:
-- STAMP is stored last, and read first, with a sequentially consistent
-  atomic (shmq.atomic_add), so a worker that sees it sees the entry.
-- An entry is retired only when its batch is complete, which needs the
-  row of every worker still writing into it, or when its run is over:
-  every worker has said DONE for it, and a worker sends DONE only after
-  its last write.  So no late write can land in a slab handed out again,
-  even when main abandoned the run midway (the collator keeps a run's
-  slabs until its DONEs arrive).
-- Leaves that are not numbers (strings, None...) travel in a small VALUES
-  message sent before the row is counted; the completing worker's FILLED
-  message is sent after its count, so the collator sees every VALUES of a
-  batch before its FILLED (one ring, ordered by claim).
-- The digest is 128 bits of blake2b over the pickled (signature, rows):
-  exact where hash() is not.  A sample that does not match, and a batch
-  that is not published, take the ring as before: correctness never
-  depends on the guess.
+- The collator changes an entry only between two increments of its SEQ
+  word (odd while changing).  A worker reads SEQ, the entry, SEQ again,
+  and acts only on a snapshot taken under one even SEQ (a seqlock).
+- A version bump is a CAS on FILLED, so after it no count of the old
+  version can succeed: a worker whose count fails wrote into a replaced
+  slab and starts over.  The replaced slab is retired, not freed: it is
+  reused only once no worker's hazard word names its TOKEN (hazard
+  pointers: the worker's hazard store and the collator's CAS are both
+  sequentially consistent, so either the worker sees the new version or
+  the collator sees the hazard).  The worker re-reads SEQ after setting
+  its hazard, so a change that began before is seen.
+- A completed batch needs the row of every worker still writing into it;
+  a run's entries are kept until every worker has said Done for it, and a
+  worker says Done only after its last write.  So no late write lands in a
+  slab handed out again, even when main abandoned the run midway.
+- Non-numeric leaves (strings, None, objects) travel in a small
+  RowValues message sent before the row is counted; the worker that counts
+  the last row sends Filled after its count, so the collator sees every
+  RowValues of a batch before its Filled (one ring, ordered by claim).
 """
 
 from __future__ import annotations
@@ -47,19 +62,39 @@ from __future__ import annotations
 import numpy as np
 
 import shmq
-from loader._collate import CollateError, Layout, LayoutCache, signature_and_leaves
+from loader._layout import CollateError, LayoutCache, signature_and_leaves
 
-STAMP, OFFSET, ROWS, DIGEST0, DIGEST1, FILLED = range(6)
+STAMP, OFFSET, ROWS, DIGEST0, DIGEST1, FILLED, TOKEN, SEQ = range(8)
 WORDS = 8  # per entry: one 64-byte line, so entries never share a cache line
+
+# FILLED: (flags | version) << 32 | rows counted
+COUNT_MASK = 0xFFFFFFFF
+VERSION_MASK = (1 << 28) - 1
+CONFIRMED = 1 << 28   # flags: the layout came from a sample of this batch
+REFUSED = 1 << 29     # the batch cannot be collated: workers drop their rows
 
 
 def stamp(run: int, batch: int) -> int:
     return (run << 32) | (batch + 1)  # never 0: 0 is a free entry
 
 
+def version_of(filled: int) -> int:
+    return (filled >> 32) & VERSION_MASK
+
+
+def flags_of(filled: int) -> int:
+    return (filled >> 32) & ~VERSION_MASK
+
+
+def count_of(filled: int) -> int:
+    return filled & COUNT_MASK
+
+
 class BatchTable:
     """`per_run` entries for each run parity (two runs can be live: see
-    Passes in _protocol.py), in a shared int64 array made before the fork."""
+    NOTE [ Runs ] in _control.py), in a shared int64 array made before the
+    fork.  The collator changes an entry only inside a window of its SEQ
+    word (odd while changing), so workers read consistent snapshots."""
 
     def __init__(self, per_run: int):
         self.per_run = per_run
@@ -68,51 +103,164 @@ class BatchTable:
     def entry(self, run: int, batch: int) -> int:
         return (run % 2) * self.per_run + batch % self.per_run
 
-    def _at(self, run: int, batch: int, field: int) -> int:
-        return self.entry(run, batch) * WORDS + field
+    def base(self, run: int, batch: int) -> int:
+        return self.entry(run, batch) * WORDS
 
-    # --- collator side ---------------------------------------------------
+    def filled_word(self, run: int, batch: int) -> int:
+        return shmq.atomic_load(self.words, self.base(run, batch) + FILLED)
 
-    def publish(self, run, batch, offset, layout: Layout, filled=0) -> None:
-        w, base = self.words, self._at(run, batch, 0)
+    # --- collator side: every change inside a SEQ window -----------------------
+
+    def _begin(self, base: int) -> None:
+        shmq.atomic_add(self.words, base + SEQ, 1)  # SYNC POINT: odd; seq_cst (hazards)
+
+    def _end(self, base: int) -> None:
+        shmq.atomic_add(self.words, base + SEQ, 1)  # even: a new snapshot
+
+    def publish(self, run, batch, offset, token, layout, version, flags, count=0) -> None:
+        w, base = self.words, self.base(run, batch)
+        self._begin(base)
         w[base + OFFSET] = offset
         w[base + ROWS] = layout.rows
         w[base + DIGEST0], w[base + DIGEST1] = layout.digest
-        w[base + FILLED] = filled
-        shmq.atomic_add(w, base + STAMP, stamp(run, batch) - int(w[base + STAMP]))  # stored last
+        w[base + TOKEN] = token
+        shmq.atomic_store(w, base + FILLED, ((flags | version) << 32) | count)
+        shmq.atomic_store(w, base + STAMP, stamp(run, batch))
+        self._end(base)
 
-    def retire(self, run: int, batch: int) -> None:
-        i = self._at(run, batch, STAMP)
-        shmq.atomic_add(self.words, i, -int(self.words[i]))
+    def unpublish(self, run: int, batch: int) -> None:
+        base = self.base(run, batch)
+        self._begin(base)
+        shmq.atomic_store(self.words, base + STAMP, 0)
+        self._end(base)
 
-    def count(self, run: int, batch: int) -> int:
-        """Count one more filled row; the new total."""
-        return shmq.atomic_add(self.words, self._at(run, batch, FILLED), 1) + 1
+    def _cas_filled(self, base: int, change) -> int:
+        """FILLED := change(FILLED) by CAS (workers count concurrently);
+        returns the value replaced."""
+        w, i = self.words, base + FILLED
+        while True:
+            old = shmq.atomic_load(w, i)
+            if shmq.atomic_cas(w, i, old, change(old)):
+                return old
 
-    def filled(self, run: int, batch: int) -> int:
-        return int(shmq.atomic_add(self.words, self._at(run, batch, FILLED), 0))
+    def replace_if_uncounted(self, run: int, batch: int) -> bool:
+        """If no row is counted: bump the version and unpublish (the caller
+        publishes the new layout), True.  Else keep the layout and mark it
+        CONFIRMED, False."""
+        base = self.base(run, batch)
+        self._begin(base)
+
+        def change(old):
+            if count_of(old):
+                return old | (CONFIRMED << 32)
+            return (CONFIRMED | ((version_of(old) + 1) & VERSION_MASK)) << 32
+
+        replaced = not count_of(self._cas_filled(base, change))
+        if replaced:
+            shmq.atomic_store(self.words, base + STAMP, 0)
+        self._end(base)
+        return replaced
+
+    def freeze(self, run: int, batch: int) -> int:
+        """Bump the version keeping the count and unpublish: no count of the
+        old version succeeds after this.  Returns the rows counted."""
+        base = self.base(run, batch)
+        self._begin(base)
+        old = self._cas_filled(base, lambda old: (
+            ((flags_of(old) | ((version_of(old) + 1) & VERSION_MASK)) << 32) | count_of(old)))
+        shmq.atomic_store(self.words, base + STAMP, 0)
+        self._end(base)
+        return count_of(old)
+
+    def add_flags(self, run: int, batch: int, flags: int) -> None:
+        base = self.base(run, batch)
+        self._begin(base)
+        self._cas_filled(base, lambda old: old | (flags << 32))
+        self._end(base)
+
+    # --- workers ---------------------------------------------------------------
+
+    def count(self, run: int, batch: int, version: int) -> int:
+        """Count one more row written in `version`: the new count, or -1 if
+        the version changed (the row went into a replaced slab)."""
+        w, i = self.words, self.base(run, batch) + FILLED
+        while True:
+            old = shmq.atomic_load(w, i)
+            if version_of(old) != version:
+                return -1
+            if shmq.atomic_cas(w, i, old, old + 1):
+                return count_of(old) + 1
+
+
+# What a worker's placement did (RowWriter.place).
+WRITTEN, SENT, DROPPED, ENDED = range(4)
 
 
 class RowWriter:
-    """Worker side: write a sample into its published row, if it can."""
+    """Worker side of NOTE [ Direct row writes ]: place one sample in its
+    row, writing it directly whenever the batch's layout is its own."""
 
-    def __init__(self, table: BatchTable, arena: np.ndarray):
-        self.table, self.arena = table, arena
+    def __init__(self, table: BatchTable, arena: np.ndarray, hazards: np.ndarray, worker_id: int,
+                 channel):
+        self.table, self.arena, self.hazards, self.me = table, arena, hazards, worker_id
+        self.channel = channel  # sends messages and waits for entry changes (_worker.Channel)
         self.layouts = LayoutCache()
 
-    def try_write(self, run: int, batch: int, row: int, sample):
-        """Write the sample into its row if batch is published with the
-        sample's layout: returns (rows of the batch, non-numeric leaves).
-        None if it was not written: then it must take the ring."""
-        w, base = self.table.words, self.table._at(run, batch, 0)
-        if shmq.atomic_add(w, base + STAMP, 0) != stamp(run, batch):
-            return None
-        _, offset, rows, d0, d1 = w[base:base + FILLED].tolist()  # read after the stamp
-        try:
-            sig, leaves = signature_and_leaves(sample)
-        except CollateError:
-            return None  # the collator reports it
-        layout = self.layouts.get(sig, rows)
-        if layout.digest != (d0, d1):
-            return None
-        return rows, layout.write_row(self.arena[offset:offset + layout.nbytes], row, leaves)
+    def place(self, run: int, batch: int, row: int, rows: int, pos: int, sample,
+              batched: bool = True) -> int:
+        """Place sample in row `row` of batch `batch` (which has `rows`
+        rows).  Returns WRITTEN, SENT (the collator has it), DROPPED (the
+        batch was refused) or ENDED (the run ended meanwhile).  Raises
+        CollateError for a sample no batch could take."""
+        sig, leaves = signature_and_leaves(sample)
+        layout = self.layouts.get(sig, rows, batched)
+        w, base, t = self.table.words, self.table.base(run, batch), self.table
+        want = stamp(run, batch)
+        asked = None  # the SEQ at which a LayoutRequest was sent
+        while True:
+            seq = shmq.atomic_load(w, base + SEQ)
+            if seq & 1:  # the collator is changing it
+                if not self.channel.wait_for_entry(run, base, seq):
+                    return ENDED
+                continue
+            filled = shmq.atomic_load(w, base + FILLED)
+            published = shmq.atomic_load(w, base + STAMP) == want
+            digest = (int(w[base + DIGEST0]), int(w[base + DIGEST1]))
+            offset, token = int(w[base + OFFSET]), int(w[base + TOKEN])
+            if shmq.atomic_load(w, base + SEQ) != seq:
+                continue  # changed while we read it
+            if not published:
+                if asked is None:  # once: the collator remembers the batch
+                    self.channel.request_layout(run, batch, row, sig, -1, rows, batched)
+                    asked = seq
+                if not self.channel.wait_for_entry(run, base, seq):
+                    return ENDED
+                continue
+            if flags_of(filled) & REFUSED:
+                return DROPPED
+            version = version_of(filled)
+            if digest == layout.digest:
+                shmq.atomic_add(self.hazards, self.me, token)  # SYNC POINT: seq_cst, then re-check
+                try:
+                    if shmq.atomic_load(w, base + SEQ) != seq:
+                        continue  # changed meanwhile: look again
+                    values = layout.write_row(self.arena[offset:offset + layout.nbytes], row, leaves)
+                    if values:
+                        self.channel.row_values(run, batch, row, layout.values_key, values)
+                    counted = t.count(run, batch, version)
+                finally:
+                    shmq.atomic_store(self.hazards, self.me, 0)
+                if counted < 0:
+                    continue  # the batch was laid out again: write it there
+                if counted == rows:
+                    self.channel.filled(run, batch)
+                return WRITTEN
+            if not flags_of(filled) & CONFIRMED and count_of(filled) == 0:
+                if asked != seq:
+                    self.channel.request_layout(run, batch, row, sig, version, rows, batched)
+                    asked = seq
+                if not self.channel.wait_for_entry(run, base, seq):
+                    return ENDED
+                continue
+            self.channel.sample_row(run, batch, row, pos, sample, version)
+            return SENT

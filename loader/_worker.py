@@ -1,24 +1,22 @@
-"""Worker processes: run dataset[i] (or iterate an iterable dataset) and
-send each sample to the collator.  See NOTE [ ShmLoader processes and
-shutdown ] in _protocol.py."""
+"""Worker processes: claim units of a run, load them, and place each sample
+in its row (NOTE [ Direct row writes ] in _table.py).  See NOTE [ Runs ] in
+_control.py for how runs are started and ended without messages."""
 
 from __future__ import annotations
 
-import ctypes
-import faulthandler
 import os
 import random
-import signal
 import sys
-import time
-import traceback
 from dataclasses import dataclass
 
 import numpy as np
 
 import shmq
+from loader import _control as C
 from loader import _protocol as P
-from loader._table import RowWriter
+from loader._layout import CollateError
+from loader._shared import LoaderConfig, SharedState
+from loader._table import ENDED, SEQ, RowWriter
 
 _worker_info = None
 
@@ -37,21 +35,6 @@ def get_worker_info() -> WorkerInfo | None:
     return _worker_info
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies, and
-    ignore Ctrl-C (main handles it); see the NOTE in _protocol.py."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    exit_if_orphaned(parent_pid)  # the parent may have died before prctl took effect
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def exit_if_orphaned(parent_pid: int) -> None:
-    """The fallback to PR_SET_PDEATHSIG, checked between bounded waits."""
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 def worker_seed(base_seed: int, epoch: int, worker_id: int) -> int:
     """Distinct per worker and per epoch, the same across runs for the same
     base seed."""
@@ -66,140 +49,225 @@ def seed_everything(seed: int) -> None:
         torch.manual_seed(seed)
 
 
-def _next_task(tasks: shmq.Queue, parent_pid: int):
-    while True:
-        try:
-            return tasks.get(timeout=P.WAIT_SLICE_S)
-        except shmq.Empty:
-            exit_if_orphaned(parent_pid)
+def exit_if_orphaned(parent_pid: int) -> None:
+    """The fallback to the parent-death signal, checked between bounded waits."""
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
-def _run_task(tasks, parent_pid):
-    """The next run as (run, epoch, order or None, base seed), or None to
-    stop.  An order arrives in chunks so that no message outgrows the ring."""
-    chunks = []
-    while True:
-        msg = _next_task(tasks, parent_pid)
-        if msg[0] == P.STOP:
-            return None
-        _, run, epoch, chunk, base_seed, last = msg
-        if chunk is not None:
-            chunks.append(chunk)
-        if last:
-            order = np.concatenate(chunks) if chunks else None
-            return run, epoch, order, base_seed
+class Channel:
+    """A worker's messages to the collator (each followed by a ring of the
+    collator's bell) and its waits for table entries."""
+
+    def __init__(self, shared: SharedState, worker_id: int, parent_pid: int):
+        self.ring, self.control, self.table = shared.to_collator, shared.control, shared.table
+        self.me, self.pid, self.parent_pid = worker_id, os.getpid(), parent_pid
+
+    def send(self, msg) -> None:
+        self.ring.put(msg)
+        self.control.collator_bell.ring()
+
+    def request_layout(self, run, batch, row, sig, version, rows, batched):
+        self.send(P.LayoutRequest(run, batch, row, sig, version, rows, batched))
+
+    def row_values(self, run, batch, row, values_key, values):
+        self.send(P.RowValues(run, batch, row, values_key, values))
+
+    def filled(self, run, batch):
+        self.send(P.Filled(run, batch))
+
+    def sample_row(self, run, batch, row, pos, sample, version):
+        self.send(P.SampleRow(run, batch, row, pos, sample, version))
+
+    def failed(self, run, batch, pos, index, exc: BaseException, note=""):
+        self.send(P.Failed(run, batch, pos, index, self.me, self.pid, P.ErrorReport.of(exc, note)))
+
+    def done(self, run):
+        self.send(P.Done(run, self.me))
+
+    def wait_for_entry(self, run, base, seq_seen) -> bool:
+        """Until the table entry at `base` changes (its SEQ word), or the run
+        ended.  False if it ended."""
+        c, words = self.control, self.table.words
+
+        def ready():
+            return not c.live(run) or c.stopped or shmq.atomic_load(words, base + SEQ) != seq_seen
+
+        while not c.table_bell.wait(ready, P.IDLE_SLICE_S):
+            exit_if_orphaned(self.parent_pid)
+        return c.live(run) and not c.stopped
 
 
-class _Sender:
-    """How a worker hands a sample over: straight into its row when its
-    batch is published with the sample's layout, else through the ring
-    (NOTE [ Direct row writes ] in _table.py)."""
+class Worker:
+    def __init__(self, cfg: LoaderConfig, shared: SharedState, worker_id: int):
+        self.cfg, self.shared, self.id = cfg, shared, worker_id
+        self.control = shared.control
+        self.channel = Channel(shared, worker_id, cfg.parent_pid)
+        self.writer = RowWriter(shared.table, shared.arena, shared.hazards, worker_id, self.channel)
+        self.init_pending = cfg.worker_init_fn is not None
 
-    def __init__(self, to_collator, ctl, run, batch_size, first_ready, writer: RowWriter | None):
-        self.ring, self.ctl, self.run, self.batch_size = to_collator, ctl, run, batch_size
-        self.first_ready, self.writer = first_ready, writer
+    def run(self) -> None:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            # One intra-op thread per worker, as PyTorch's workers have: the
+            # parent's thread pool does not survive the fork.
+            torch.set_num_threads(1)
+        seen = 0
+        while (latest := self._wait_for_run(seen)) is not None:
+            for run in range(seen + 1, latest + 1):
+                self._one_run(run)
+                self.channel.done(run)  # after this worker's last write into the run
+            seen = latest
 
-    def send(self, pos, sample, arrival=None):
-        """arrival: the sample's place in arrival order, if already claimed."""
-        run = self.run
-        if arrival is None and self.first_ready:
-            arrival = P.claim(self.ctl, P.ARRIVED, run)
-            if arrival < 0:
-                return  # main abandoned the run
-        batch, row = divmod(pos if arrival is None else arrival, self.batch_size)
-        written = None if self.writer is None else self.writer.try_write(run, batch, row, sample)
-        if written is None:
-            self.ring.put((P.SAMPLE, run, pos, batch, row, sample))
+    def _wait_for_run(self, seen: int) -> int | None:
+        c = self.control
+        ready = lambda: c.stopped or c.latest_run() > seen  # noqa: E731
+        while not c.run_bell.wait(ready, P.IDLE_SLICE_S):
+            exit_if_orphaned(self.cfg.parent_pid)
+        return None if c.stopped else c.latest_run()
+
+    def _one_run(self, run: int) -> None:
+        global _worker_info
+        c, cfg = self.control, self.cfg
+        if not c.live(run):
             return
-        rows, values = written
-        if values:
-            self.ring.put((P.VALUES, run, batch, row, values))
-        if self.writer.table.count(run, batch) == rows:
-            self.ring.put((P.FILLED, run, batch))
-
-
-def worker_main(worker_id, num_workers, dataset, tasks, to_collator, ctl, table, arena,
-                batch_size, in_order, direct, worker_init_fn, stack_file, parent_pid):
-    global _worker_info
-    die_with_parent(parent_pid)
-    writer = RowWriter(table, arena) if direct else None
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    init_pending = worker_init_fn is not None
-    while (task := _run_task(tasks, parent_pid)) is not None:
-        run, epoch, order, base_seed = task
-        seed = worker_seed(base_seed, epoch, worker_id)
-        _worker_info = WorkerInfo(worker_id, num_workers, seed, dataset)
+        epoch = c.read(run, C.EPOCH)
+        seed = worker_seed(cfg.seed, epoch, self.id)
+        _worker_info = WorkerInfo(self.id, cfg.num_workers, seed, cfg.dataset)
         seed_everything(seed)
-        try:
-            if init_pending:
-                init_pending = False
-                try:
-                    worker_init_fn(worker_id)
-                except Exception:
-                    _report(to_collator, run, -1, -1, worker_id)
-            _wait_until_laid_out(ctl, run, parent_pid)
-            sender = _Sender(to_collator, ctl, run, batch_size,
-                             not in_order and order is not None, writer)
-            if order is None:  # main sends no order for an iterable dataset
-                _run_iterable(run, worker_id, dataset, sender, ctl, parent_pid)
-            else:
-                _run_map(run, worker_id, dataset, order, sender, ctl, parent_pid)
-        except _Failed:
-            pass  # reported to the collator; main raises it
-        to_collator.put((P.DONE, run, worker_id))  # after this worker's last write of the run
-    tasks.close()
-    to_collator.close()
-    os._exit(0)
-
-
-class _Failed(Exception):
-    """A sample (or worker_init_fn) raised; the error is already sent."""
-
-
-def _report(to_collator, run, pos, index, worker_id):
-    to_collator.put((P.ERROR, run, pos, index, worker_id, os.getpid(), traceback.format_exc()))
-    raise _Failed
-
-
-def _wait_until_laid_out(ctl, run, parent_pid):
-    """Until the collator has published the run's first batches (or the
-    run ended): a row written before would have to take the ring."""
-    ready = P.slot(run, P.READY)
-    while ctl[ready] != run and P.live(ctl, run):
-        time.sleep(0.0002)
-        exit_if_orphaned(parent_pid)
-
-
-def _claim_position(ctl, run, parent_pid):
-    """The next position, after waiting until main allows it (prefetch);
-    -1 once the run has ended."""
-    pos = P.claim(ctl, P.CURSOR, run)
-    limit = P.slot(run, P.LIMIT)
-    while pos >= ctl[limit]:
-        if not P.live(ctl, run):
-            return -1
-        time.sleep(0.0005)
-        exit_if_orphaned(parent_pid)
-    return pos
-
-
-def _run_map(run, worker_id, dataset, order, sender, ctl, parent_pid):
-    n = len(order)
-    while 0 <= (pos := _claim_position(ctl, run, parent_pid)) < n:
-        index = int(order[pos])
-        try:
-            sender.send(pos, dataset[index])
-        except Exception:  # the dataset's, or a sample the ring cannot take (MessageTooLarge)
-            _report(sender.ring, run, pos, index, worker_id)
-
-
-def _run_iterable(run, worker_id, dataset, sender, ctl, parent_pid):
-    """Positions are claimed once a sample is ready: they are its arrival order."""
-    try:
-        for sample in dataset:
-            arrival = _claim_position(ctl, run, parent_pid)
-            if arrival < 0:
+        if self.init_pending:
+            self.init_pending = False
+            try:
+                cfg.worker_init_fn(self.id)
+            except Exception as e:
+                self.channel.failed(run, -1, -1, -1, e, "in worker_init_fn")
                 return
-            sender.send(-1, sample, arrival)
-    except Exception:
-        _report(sender.ring, run, -1, -1, worker_id)
+        if cfg.iterable:
+            self._iterable_run(run)
+        else:
+            self._map_run(run, self._order(run))
+
+    def _order(self, run: int) -> np.ndarray | None:
+        c = self.control
+        kept, kind = c.read(run, C.KEPT), c.read(run, C.ORDER)
+        if kind == C.ORDER_RANGE:
+            return None
+        if kind == C.ORDER_PERMUTATION:
+            rng = np.random.default_rng([c.read(run, C.ORDER_SEED), c.read(run, C.EPOCH)])
+            return rng.permutation(c.read(run, C.SIZE))[:kept]
+        return self.shared.read_order(run, kept)
+
+    def _wait_to_load(self, run: int, unit: int) -> bool:
+        """Until unit is below main's limit (prefetch); False if the run ended."""
+        c = self.control
+        if unit < c.limit(run):
+            return True
+        ready = lambda: unit < c.limit(run) or not c.live(run) or c.stopped  # noqa: E731
+        while not c.limit_bell.wait(ready, P.IDLE_SLICE_S):
+            exit_if_orphaned(self.cfg.parent_pid)
+        return unit < c.limit(run) and c.live(run) and not c.stopped
+
+    def _claim(self, run: int, units: int) -> int:
+        """The next unit to load, -1 when there is none (all claimed, or
+        the run ended).  A unit past the end is never waited for."""
+        unit = self.control.claim(run)
+        if unit < 0 or unit >= units or not self._wait_to_load(run, unit):
+            return -1
+        return unit
+
+    def _slot(self, run: int, unit: int, kept: int):
+        """(batch, row, rows of that batch) of a unit, or None if the run
+        ended.  In first-ready mode the k-th unit ready goes to place k."""
+        B = self.cfg.batch_size
+        if not self.cfg.in_order:
+            unit = self.control.claim(run, C.ARRIVED)
+            if unit < 0:
+                return None
+        if self.cfg.per_batch:
+            return unit, 0, 1
+        batch, row = divmod(unit, B)
+        return batch, row, min(B, kept - batch * B)
+
+    def _map_run(self, run: int, order) -> None:
+        c, cfg, B = self.control, self.cfg, self.cfg.batch_size
+        units, kept = c.read(run, C.UNITS), c.read(run, C.KEPT)
+        index_of = (lambda p: p) if order is None else (lambda p: int(order[p]))  # noqa: E731
+        while (unit := self._claim(run, units)) >= 0:
+            positions = range(unit * B, min(kept, unit * B + B)) if cfg.per_batch else (unit,)
+            batch = (unit if cfg.per_batch else unit // B) if cfg.in_order else -1
+            samples = []
+            for p in positions:
+                try:
+                    samples.append(cfg.dataset[index_of(p)])
+                except Exception as e:
+                    self.channel.failed(run, batch, p, index_of(p), e)
+                    break
+            else:
+                if not self._place(run, unit, kept, samples, batch, index_of(positions[0])):
+                    return
+
+    def _place(self, run, unit, kept, samples, failed_batch, first_index) -> bool:
+        """Collate (per batch) and place; False once the run ended."""
+        cfg = self.cfg
+        try:
+            sample = cfg.collate_fn(samples) if cfg.per_batch else samples[0]
+        except Exception as e:
+            self.channel.failed(run, failed_batch, -1, -1, e, "in collate_fn")
+            return True
+        slot = self._slot(run, unit, kept)
+        if slot is None:
+            return False
+        batch, row, rows = slot
+        try:
+            return self.writer.place(run, batch, row, rows, unit, sample,
+                                     batched=not cfg.per_batch) != ENDED
+        except CollateError as e:
+            at = f"the sample at index {first_index}" if not cfg.per_batch else f"batch {batch}"
+            self.channel.failed(run, failed_batch, -1 if cfg.per_batch else unit,
+                                -1 if cfg.per_batch else first_index, e,
+                                f"while placing {at} in its batch")
+            return True
+
+    def _iterable_run(self, run: int) -> None:
+        cfg, B = self.cfg, self.cfg.batch_size
+        pending = []
+        try:
+            for sample in cfg.dataset:
+                if not self.control.live(run) or self.control.stopped:
+                    return
+                if cfg.per_batch:
+                    pending.append(sample)
+                    if len(pending) < B:
+                        continue
+                    samples, pending = pending, []
+                else:
+                    samples = [sample]
+                if not self._iterable_place(run, samples):
+                    return
+            if pending and not cfg.drop_last:
+                self._iterable_place(run, pending)
+        except Exception as e:
+            self.channel.failed(run, -1, -1, -1, e, "while iterating the dataset")
+
+    def _iterable_place(self, run, samples) -> bool:
+        cfg, B = self.cfg, self.cfg.batch_size
+        arrival = self.control.claim(run, C.ARRIVED)
+        if arrival < 0 or not self._wait_to_load(run, arrival):
+            return False
+        try:
+            sample = cfg.collate_fn(samples) if cfg.per_batch else samples[0]
+        except Exception as e:
+            self.channel.failed(run, -1, -1, -1, e, "in collate_fn")
+            return True
+        batch, row, rows = (arrival, 0, 1) if cfg.per_batch else (*divmod(arrival, B), B)
+        try:
+            return self.writer.place(run, batch, row, rows, arrival, sample,
+                                     batched=not cfg.per_batch) != ENDED
+        except CollateError as e:
+            self.channel.failed(run, -1, -1, -1, e, "while placing a sample in its batch")
+            return True
+
+
+def worker_main(cfg: LoaderConfig, shared: SharedState, worker_id: int) -> None:
+    Worker(cfg, shared, worker_id).run()
+    shared.to_collator.close()

@@ -1,7 +1,12 @@
 """Fixtures shared by every test.
 
 - ``shm_guard`` (autouse): lists our entries in /dev/shm before and after each
-  test and fails the test if one is left (after up to 5 s for teardown).
+  test and fails the test if one made by this test's process tree is left
+  (after up to 5 s for teardown).  Segments of other programs running at the
+  same time are not ours: a segment's name carries its creator's pid.
+- ``no_leftover_processes`` (autouse): fails the test if a process it
+  started (a descendant of the test process) is still there, running or a
+  zombie, 5 s after it ended.
 - ``procs``: starts child processes (fork, spawn, or a fresh interpreter) and
   at teardown joins them with a timeout; a hung child's stacks are dumped
   (faulthandler on SIGUSR1) before it is killed and the test fails.  A test
@@ -30,18 +35,101 @@ def our_shm_entries() -> set[str]:
             if e.startswith(segment.PREFIX) or (e.startswith("sem.") and segment.PREFIX in e)}
 
 
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state) of every process we can see."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        table[int(entry)] = (int(fields[1]), fields[0])
+    return table
+
+
+def descendants(root: int | None = None) -> dict[int, str]:
+    """pid -> state of every descendant of root (default: this process)."""
+    root = os.getpid() if root is None else root
+    table = _process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found[pid] = table[pid][1]
+        todo.extend(children.get(pid, []))
+    return found
+
+
+# pids of processes started by tests (for the /dev/shm guard's attribution)
+_started_pids: set[int] = set()
+
+
+def _segment_pid(entry: str) -> int | None:
+    for part in entry[len(segment.PREFIX):].split("-"):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
 @pytest.fixture(autouse=True)
 def shm_guard():
     before = our_shm_entries()
+    tree = {os.getpid(), *descendants()}
     yield
     deadline = time.monotonic() + LEAK_GRACE_S
-    leaked = our_shm_entries() - before
+
+    def leaked_by_us():
+        ours = tree | set(descendants()) | _started_pids
+        return {e for e in our_shm_entries() - before if _segment_pid(e) in ours}
+
+    leaked = leaked_by_us()
     while leaked and time.monotonic() < deadline:
         time.sleep(0.05)
-        leaked = our_shm_entries() - before
+        tree.update(descendants())
+        leaked = leaked_by_us()
     for entry in leaked:  # so one leak does not fail every later test
         segment.unlink("/" + entry)
     assert not leaked, f"test left entries in /dev/shm: {sorted(leaked)}"
+
+
+def _is_multiprocessing_helper(pid: int) -> bool:
+    """multiprocessing's resource tracker and forkserver live for the whole
+    session once a test has used spawn or forkserver: not a leak."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    return b"multiprocessing.resource_tracker" in cmdline or b"multiprocessing.forkserver" in cmdline
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    before = set(descendants())
+
+    def left_by_test():
+        return {p: s for p, s in descendants().items()
+                if p not in before and not _is_multiprocessing_helper(p)}
+
+    yield
+    deadline = time.monotonic() + LEAK_GRACE_S
+    left = left_by_test()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = left_by_test()
+    for pid in left:  # so one leftover does not fail every later test
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, os.WNOHANG)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    assert not left, f"processes started by the test are still there (pid: state): {left}"
 
 
 class ProcessTracker:
@@ -60,6 +148,7 @@ class ProcessTracker:
         p = ctx.Process(target=_child_main, args=(target, args), daemon=True)
         p.start()
         self._children.append(p)
+        _started_pids.add(p.pid)
         return p
 
     def python(self, code: str, *args: str) -> subprocess.Popen:
@@ -67,6 +156,7 @@ class ProcessTracker:
         p = subprocess.Popen([sys.executable, "-c", _CHILD_PRELUDE + code, *args],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._children.append(p)
+        _started_pids.add(p.pid)
         return p
 
     def join_all(self, timeout: float = JOIN_TIMEOUT_S) -> list[str]:

@@ -237,7 +237,9 @@ def test_mpsc_producer_killed_mid_write_does_not_block_others(procs, point):
 # --- interrupts --------------------------------------------------------------
 
 INTERRUPTIBLE_CHILD = """
-import sys, numpy as np, shmq
+import signal, sys, numpy as np, shmq
+# A test suite started in the background inherits SIGINT ignored: restore it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 q = shmq.Queue.attach(sys.argv[1])
 if sys.argv[2] == "put":
     q.put(np.zeros(3000, np.uint8))

@@ -1,0 +1,200 @@
+"""The loader's child processes: forking them safely, knowing how they
+ended, and ending them.  See NOTE [ ShmLoader processes and shutdown ] in
+_protocol.py."""
+
+from __future__ import annotations
+
+import errno
+import faulthandler
+import os
+import select
+import signal
+import tempfile
+import threading
+import traceback
+import warnings
+
+from loader import _native
+
+# Caught in C by every child (_native.pyx): its parent thread or process
+# ended.  A real-time signal, so it is not one a dataset is likely to use.
+PARENT_DEATH_SIGNAL = signal.SIGRTMAX - 2
+_BLOCKED_AROUND_FORK = {signal.SIGINT, signal.SIGTERM}
+REAPED_ELSEWHERE = 1 << 16  # not an exit code: the status went to someone else
+
+
+class LoaderStartError(RuntimeError):
+    """The loader's processes could not be started (fork failed, no file
+    descriptors left...); nothing was left running."""
+
+
+class Child:
+    """One forked child: its pid, a pidfd to wait on, and its report file
+    (faulthandler stacks on SIGUSR1, and the traceback of an exception that
+    ended it)."""
+
+    __slots__ = ("role", "pid", "pidfd", "report", "_code")
+
+    def __init__(self, role: str, pid: int, pidfd: int | None, report):
+        self.role, self.pid, self.pidfd, self.report = role, pid, pidfd, report
+        self._code = None
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; its exit code, or -signal, once it ended."""
+        if self._code is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else (an os.wait() in main?)
+                self._code = REAPED_ELSEWHERE
+                return self._code
+            if pid:
+                self._code = os.waitstatus_to_exitcode(status)
+        return self._code
+
+    def how_it_ended(self) -> str:
+        code = self.exitcode
+        if code is None:
+            return "is still running"
+        if code == REAPED_ELSEWHERE:
+            return ("exited, and its exit status was collected by other code in this process "
+                    "(an os.wait() or os.waitpid(-1, ...) reaps the loader's children too)")
+        if code < 0:
+            name = signal.Signals(-code).name
+            hint = (" (SIGKILL is often the out-of-memory killer: check `dmesg`, use smaller "
+                    "batches or fewer workers)" if code == -signal.SIGKILL else "")
+            return f"was killed by signal {name}{hint}"
+        return f"exited unexpectedly with exit code {code}"
+
+    def last_words(self, limit: int = 6000) -> str:
+        """What it wrote to its report file (a traceback, stacks), if anything."""
+        try:
+            self.report.seek(0)
+            text = self.report.read().decode(errors="replace").strip()
+        except (OSError, ValueError):
+            return ""
+        return text[-limit:]
+
+    def kill(self) -> None:
+        if self.exitcode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+        self.report.close()
+
+
+def fork_children(specs) -> list[Child]:
+    """Fork one child per (role, target, args); each runs target(*args) and
+    exits.  If any fork fails, the children already started are killed and
+    reaped and every file closed, then LoaderStartError is raised."""
+    if threading.active_count() > 1:
+        warnings.warn(
+            f"ShmLoader forks {len(specs)} processes from a process running "
+            f"{threading.active_count()} threads; a lock another thread holds at the fork stays "
+            f"locked in the children and can hang them. Create the loader (and iterate it once) "
+            f"before starting threads, or make sure they hold no locks the dataset uses",
+            RuntimeWarning, stacklevel=4)
+    children: list[Child] = []
+    try:
+        for role, target, args in specs:
+            children.append(_fork(role, target, args))
+    except BaseException as e:
+        for c in children:
+            c.kill()
+        wait_all(children, 5.0)
+        for c in children:
+            c.exitcode
+            c.close()
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE, errno.EAGAIN,
+                                                  errno.ENOMEM):
+            raise LoaderStartError(
+                f"ShmLoader could not start its processes ({len(children)} of {len(specs)} "
+                f"started, then: {e}); each needs 2 file descriptors and a process slot. Raise "
+                f"the limits (`ulimit -n`, `ulimit -u`) or use fewer workers") from e
+        raise
+    return children
+
+
+def _fork(role, target, args) -> Child:
+    report = tempfile.TemporaryFile()
+    parent = os.getpid()
+    # Blocked across the fork: a Ctrl-C arriving now is delivered after it,
+    # in main's own code, never inside an at-fork hook (Python swallows
+    # exceptions raised there) and never in the child.
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED_AROUND_FORK)
+    pid = -1
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns about forking a multi-threaded process; the
+            # loader warns about Python threads itself (fork_children), and
+            # native thread pools (torch's) are safe to fork around.
+            warnings.filterwarnings("ignore", category=DeprecationWarning,
+                                    message=r".*multi-threaded.*fork")
+            pid = os.fork()
+        if pid == 0:
+            _child_main(role, parent, target, args, report, old_mask)  # never returns
+    except BaseException:
+        report.close()
+        raise
+    finally:
+        if pid != 0:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError as e:
+        if e.errno != errno.ENOSYS:  # kernels before 5.3 have none: waitpid only
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            report.close()
+            raise
+        pidfd = None
+    return Child(role, pid, pidfd, report)
+
+
+def _child_main(role, parent, target, args, report, mask):
+    code = 1
+    try:
+        _native.die_with_parent(parent, PARENT_DEATH_SIGNAL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is main's to handle
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        faulthandler.register(signal.SIGUSR1, file=report, all_threads=True)
+        target(*args)
+        code = 0
+    except BaseException:
+        try:
+            report.write(f"ShmLoader {role} (pid {os.getpid()}) failed:\n"
+                         f"{traceback.format_exc()}".encode())
+            report.flush()
+        except BaseException:
+            pass
+    finally:
+        os._exit(code)
+
+
+def wait_all(children, timeout: float) -> bool:
+    """Wait until every child has exited, up to timeout seconds (on their
+    pidfds: no polling).  True if they all did."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    pending = [c for c in children if c.exitcode is None]
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        fds = [c.pidfd for c in pending if c.pidfd is not None]
+        if fds:
+            poller = select.poll()
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            poller.poll(min(left, 0.5) * 1000)
+        else:  # no pidfds (old kernel): a short wait, then look again
+            time.sleep(min(left, 0.01))
+        pending = [c for c in pending if c.exitcode is None]
+    return True
