@@ -94,6 +94,7 @@ class Collator:
         self.told_memory_wait = False
         self.outbox: collections.deque = collections.deque()
         self.early = None              # a message taken while checking whether to sleep
+        self.freed = False             # memory was reclaimed while checking whether to sleep
         self.pid = os.getpid()
 
     # --- loop ---------------------------------------------------------------------
@@ -103,8 +104,9 @@ class Collator:
         while not c.stopped:
             self._flush_outbox()
             self._look_at_runs()
-            if self.waiting and self.slabs.reclaim():
+            if self.waiting and (self.slabs.reclaim() or self.freed):
                 self._retry_waiting()
+            self.freed = False
             if self._drain():
                 continue
             if self.slabs.warming:
@@ -149,12 +151,12 @@ class Collator:
                 return True
             if self.outbox and self._flush_outbox():
                 return True
-            return bool(self.waiting) and self.slabs.reclaim()
+            if self.waiting and self.slabs.reclaim():
+                self.freed = True
+            return self.freed
 
         if not c.collator_bell.wait(ready, P.IDLE_SLICE_S):
             exit_if_orphaned(self.cfg.parent_pid)
-        if self.waiting and self.slabs.reclaim():
-            self._retry_waiting()
 
     # --- to main --------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import numpy as np
 
 import shmq
+from loader._native import Bell  # an eventcount: see its docstring
 
 # --- ctl words (int64) ---------------------------------------------------------
 STOP = 0            # 1 once main stops the loader (see NOTE [ ShmLoader processes and shutdown ])
@@ -67,35 +68,6 @@ LIMIT_BELL = 2      # LIMIT rose, or a run ended: workers waiting to load
 TABLE_BELL = 4      # a table entry changed: workers waiting for a layout
 COLLATOR_BELL = 6   # a message, a released slab, a new run, STOP: the collator
 BELL_WORDS = 8
-
-
-class Bell:
-    """An eventcount: ring() after changing what a sleeper waits for;
-    wait(ready, timeout) sleeps until ready() holds, a ring, or timeout."""
-
-    __slots__ = ("words", "seq", "sleepers")
-
-    def __init__(self, words: np.ndarray, index: int):
-        self.words, self.seq, self.sleepers = words, index, index + 1
-
-    def ring(self) -> None:
-        # SYNC POINT: the seq_cst read-modify-write pairs with the sleeper's
-        # announcement below (Dekker): either it sees our change or we see it.
-        if shmq.atomic_add(self.words, self.sleepers, 0):
-            shmq.atomic_add(self.words, self.seq, 1)
-            shmq.wake(self.words, self.seq)
-
-    def wait(self, ready, timeout: float) -> bool:
-        """ready() once at least; True if it held when this returned."""
-        seq = shmq.atomic_load(self.words, self.seq)
-        shmq.atomic_add(self.words, self.sleepers, 1)  # SYNC POINT: announce, then re-check
-        try:
-            if ready():
-                return True
-            shmq.wait(self.words, self.seq, seq, timeout)
-        finally:
-            shmq.atomic_add(self.words, self.sleepers, -1)
-        return ready()
 
 
 def word(run: int, which: int) -> int:

@@ -40,9 +40,75 @@ cdef extern from *:
 from libc.errno cimport errno
 import os
 
+import numpy as np
+
 
 def die_with_parent(int parent_pid, int sig):
     """End this process at once when parent_pid, its parent process, dies
     (not when the parent's thread that forked it ends): see the C above."""
     if loader_die_with_parent(parent_pid, sig) != 0:
         raise OSError(errno, f"cannot ask to die with the parent process: {os.strerror(errno)}")
+
+
+# --- bells ---------------------------------------------------------------------
+
+cimport numpy as cnp
+from cpython.exc cimport PyErr_CheckSignals
+from libc.stdint cimport int32_t, uint32_t, uint64_t
+
+from shmq.sync cimport SHMQ_WAKE_ALL, shmq_word_wait, shmq_word_wake
+
+cdef extern from *:
+    int32_t __atomic_load_n(int32_t *ptr, int memorder) nogil
+    int32_t __atomic_fetch_add(int32_t *ptr, int32_t val, int memorder) nogil
+    int __ATOMIC_ACQUIRE
+    int __ATOMIC_SEQ_CST
+
+cnp.import_array()
+
+
+cdef class Bell:
+    """An eventcount on two int32 words of a shared array: a sequence and
+    the number of sleepers (the pattern of shmq_sync.h).  ring() after
+    changing what a sleeper waits for; wait(ready, timeout) sleeps until
+    ready() holds, a ring, or timeout seconds.
+
+    One futex wait per call, for the whole timeout: the loader's children
+    ignore Ctrl-C, and a signal meant for this thread interrupts the wait
+    (Python handlers then run before ready() is checked again)."""
+
+    cdef object words          # keeps the shared array alive
+    cdef int32_t *seq
+    cdef int32_t *sleepers
+
+    def __init__(self, cnp.ndarray words not None, Py_ssize_t index):
+        if words.dtype != np.int32 or not words.flags.c_contiguous or words.ndim != 1:
+            raise TypeError("a Bell lives in a 1-d C-contiguous int32 array")
+        if not 0 <= index < words.shape[0] - 1:
+            raise IndexError(f"a Bell needs words {index} and {index + 1} of {words.shape[0]}")
+        self.words = words
+        self.seq = <int32_t *>cnp.PyArray_DATA(words) + index
+        self.sleepers = self.seq + 1
+
+    def ring(self):
+        # SYNC POINT: the seq_cst read-modify-write pairs with the sleeper's
+        # announcement in wait() (Dekker): either it sees our change or we
+        # see it and wake it.
+        if __atomic_fetch_add(self.sleepers, 0, __ATOMIC_SEQ_CST):
+            __atomic_fetch_add(self.seq, 1, __ATOMIC_SEQ_CST)
+            shmq_word_wake(<uint32_t *>self.seq, SHMQ_WAKE_ALL)
+
+    def wait(self, ready, double timeout):
+        """ready() at least once; True if it held when this returned."""
+        cdef int32_t seq = __atomic_load_n(self.seq, __ATOMIC_ACQUIRE)
+        cdef uint64_t ns = <uint64_t>(max(timeout, 0.0) * 1e9)
+        __atomic_fetch_add(self.sleepers, 1, __ATOMIC_SEQ_CST)  # SYNC POINT: announce, re-check
+        try:
+            if ready():
+                return True
+            with nogil:
+                shmq_word_wait(<uint32_t *>self.seq, <uint32_t>seq, ns)
+            PyErr_CheckSignals()
+        finally:
+            __atomic_fetch_add(self.sleepers, -1, __ATOMIC_SEQ_CST)
+        return bool(ready())
