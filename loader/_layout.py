@@ -224,17 +224,22 @@ class Layout:
         arrays to this layout's dtypes, which a caller checked are safe);
         returns its non-numeric leaves, which are not written."""
         values = []
-        for leaf, kind, dtype, shape, off, n in zip(leaves, self.kinds, self.dtypes, self.shapes,
-                                                     self.offsets, self.row_nbytes):
+        for i, (leaf, kind, dtype, shape, off, n) in enumerate(zip(
+                leaves, self.kinds, self.dtypes, self.shapes, self.offsets, self.row_nbytes)):
             if kind == OTHER:
                 values.append(leaf)
                 continue
             start = off + row * n
             dst = slab[start:start + n].view(dtype)
-            if kind == ARRAY:
-                dst.reshape(shape)[...] = as_array(leaf)
-            else:
-                dst[0] = leaf
+            try:
+                if kind == ARRAY:
+                    dst.reshape(shape)[...] = as_array(leaf)
+                else:
+                    dst[0] = leaf
+            except (OverflowError, ValueError, TypeError) as e:
+                raise CollateError(f"leaf {i} ({type(leaf).__name__}) cannot be stored as "
+                                   f"{dtype}: {e}; return a value that fits, or pass "
+                                   f"collate_fn") from e
         return values
 
     def views(self, slab: np.ndarray) -> list:
