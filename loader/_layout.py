@@ -224,23 +224,25 @@ class Layout:
         arrays to this layout's dtypes, which a caller checked are safe);
         returns its non-numeric leaves, which are not written."""
         values = []
-        for i, (leaf, kind, dtype, shape, off, n) in enumerate(zip(
-                leaves, self.kinds, self.dtypes, self.shapes, self.offsets, self.row_nbytes)):
+        for i, (leaf, kind, off, n) in enumerate(zip(leaves, self.kinds, self.offsets,
+                                                     self.row_nbytes)):
             if kind == OTHER:
                 values.append(leaf)
-                continue
-            start = off + row * n
-            dst = slab[start:start + n].view(dtype)
-            try:
-                if kind == ARRAY:
-                    dst.reshape(shape)[...] = as_array(leaf)
-                else:
-                    dst[0] = leaf
-            except (OverflowError, ValueError, TypeError) as e:
-                raise CollateError(f"leaf {i} ({type(leaf).__name__}) cannot be stored as "
-                                   f"{dtype}: {e}; return a value that fits, or pass "
-                                   f"collate_fn") from e
+            else:
+                self.write_leaf(slab[off + row * n:off + row * n + n], i, leaf)
         return values
+
+    def write_leaf(self, dst: np.ndarray, i: int, leaf) -> None:
+        """Store array or number leaf i into dst, the uint8 bytes of its row."""
+        dtype = self.dtypes[i]
+        try:
+            if self.kinds[i] == ARRAY:
+                dst.view(dtype).reshape(self.shapes[i])[...] = as_array(leaf)
+            else:
+                dst.view(dtype)[0] = leaf
+        except (OverflowError, ValueError, TypeError) as e:
+            raise CollateError(f"leaf {i} ({type(leaf).__name__}) cannot be stored as {dtype}: "
+                               f"{e}; return a value that fits, or pass collate_fn") from e
 
     def views(self, slab: np.ndarray) -> list:
         """Per leaf: an array of (rows,) + shape over the slab, or None."""

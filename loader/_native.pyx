@@ -112,3 +112,49 @@ cdef class Bell:
         finally:
             __atomic_fetch_add(self.sleepers, -1, __ATOMIC_SEQ_CST)
         return bool(ready())
+
+
+include "_rowwriter.pxi"
+
+
+cdef class RunCounters:
+    """A worker's hot path into the ctl words of NOTE [ Runs ]: claiming the
+    next unit of a run and checking main's limit, without Python calls.
+    The word layout comes from _control.py (passed in: one source)."""
+
+    cdef object ctl_array
+    cdef int64_t *ctl
+    cdef Py_ssize_t n, base, words, cursor, limit, arrived, shift
+
+    def __init__(self, cnp.ndarray ctl not None, Py_ssize_t run_base, Py_ssize_t run_words,
+                 Py_ssize_t cursor, Py_ssize_t limit, Py_ssize_t arrived, Py_ssize_t run_shift):
+        if ctl.dtype != np.int64 or not ctl.flags.c_contiguous or ctl.ndim != 1:
+            raise TypeError("ctl is a 1-d C-contiguous int64 array")
+        if run_base + 2 * run_words > ctl.shape[0]:
+            raise IndexError("ctl is too short for two run blocks")
+        self.ctl_array = ctl
+        self.ctl = <int64_t *>cnp.PyArray_DATA(ctl)
+        self.base, self.words = run_base, run_words
+        self.cursor, self.limit, self.arrived, self.shift = cursor, limit, arrived, run_shift
+
+    cdef inline int64_t *_word(self, int64_t run, Py_ssize_t which):
+        return self.ctl + self.base + (run % 2) * self.words + which
+
+    def claim(self, int64_t run, bint arrival=False):
+        """The next value of the run's CURSOR (or ARRIVED), or -1 once the
+        run ended: then nothing is taken."""
+        cdef int64_t *w = self._word(run, self.arrived if arrival else self.cursor)
+        cdef int64_t *cursor = self._word(run, self.cursor)
+        cdef int64_t v
+        while True:
+            v = __atomic_load_n64(w, __ATOMIC_ACQUIRE)
+            if (v >> self.shift) != run:
+                return -1
+            if arrival and (__atomic_load_n64(cursor, __ATOMIC_ACQUIRE) >> self.shift) != run:
+                return -1
+            if __atomic_compare_exchange_n64(w, &v, v + 1, False, __ATOMIC_SEQ_CST,
+                                             __ATOMIC_SEQ_CST):
+                return v & ((<int64_t>1 << self.shift) - 1)
+
+    def below_limit(self, int64_t run, int64_t unit):
+        return unit < __atomic_load_n64(self._word(run, self.limit), __ATOMIC_ACQUIRE)

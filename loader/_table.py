@@ -1,5 +1,6 @@
 """The batch table: slabs the collator has laid out, which workers fill row
-by row themselves.  See NOTE [ Direct row writes ] below.
+by row themselves.  See NOTE [ Direct row writes ] below; the workers' side
+of it is compiled (RowWriter in _rowwriter.pxi).
 
 NOTE [ Direct row writes ]
 ==========================
@@ -62,7 +63,6 @@ from __future__ import annotations
 import numpy as np
 
 import shmq
-from loader._layout import CollateError, LayoutCache, signature_and_leaves
 
 STAMP, OFFSET, ROWS, DIGEST0, DIGEST1, FILLED, TOKEN, SEQ = range(8)
 WORDS = 8  # per entry: one 64-byte line, so entries never share a cache line
@@ -190,77 +190,3 @@ class BatchTable:
                 return -1
             if shmq.atomic_cas(w, i, old, old + 1):
                 return count_of(old) + 1
-
-
-# What a worker's placement did (RowWriter.place).
-WRITTEN, SENT, DROPPED, ENDED = range(4)
-
-
-class RowWriter:
-    """Worker side of NOTE [ Direct row writes ]: place one sample in its
-    row, writing it directly whenever the batch's layout is its own."""
-
-    def __init__(self, table: BatchTable, arena: np.ndarray, hazards: np.ndarray, worker_id: int,
-                 channel):
-        self.table, self.arena, self.hazards, self.me = table, arena, hazards, worker_id
-        self.channel = channel  # sends messages and waits for entry changes (_worker.Channel)
-        self.layouts = LayoutCache()
-
-    def place(self, run: int, batch: int, row: int, rows: int, pos: int, sample,
-              batched: bool = True) -> int:
-        """Place sample in row `row` of batch `batch` (which has `rows`
-        rows).  Returns WRITTEN, SENT (the collator has it), DROPPED (the
-        batch was refused) or ENDED (the run ended meanwhile).  Raises
-        CollateError for a sample no batch could take."""
-        sig, leaves = signature_and_leaves(sample)
-        layout = self.layouts.get(sig, rows, batched)
-        w, base, t = self.table.words, self.table.base(run, batch), self.table
-        want = stamp(run, batch)
-        asked = None  # the SEQ at which a LayoutRequest was sent
-        while True:
-            seq = shmq.atomic_load(w, base + SEQ)
-            if seq & 1:  # the collator is changing it
-                if not self.channel.wait_for_entry(run, base, seq):
-                    return ENDED
-                continue
-            filled = shmq.atomic_load(w, base + FILLED)
-            published = shmq.atomic_load(w, base + STAMP) == want
-            digest = (int(w[base + DIGEST0]), int(w[base + DIGEST1]))
-            offset, token = int(w[base + OFFSET]), int(w[base + TOKEN])
-            if shmq.atomic_load(w, base + SEQ) != seq:
-                continue  # changed while we read it
-            if not published:
-                if asked is None:  # once: the collator remembers the batch
-                    self.channel.request_layout(run, batch, row, sig, -1, rows, batched)
-                    asked = seq
-                if not self.channel.wait_for_entry(run, base, seq):
-                    return ENDED
-                continue
-            if flags_of(filled) & REFUSED:
-                return DROPPED
-            version = version_of(filled)
-            if digest == layout.digest:
-                shmq.atomic_add(self.hazards, self.me, token)  # SYNC POINT: seq_cst, then re-check
-                try:
-                    if shmq.atomic_load(w, base + SEQ) != seq:
-                        continue  # changed meanwhile: look again
-                    values = layout.write_row(self.arena[offset:offset + layout.nbytes], row, leaves)
-                    if values:
-                        self.channel.row_values(run, batch, row, layout.values_key, values)
-                    counted = t.count(run, batch, version)
-                finally:
-                    shmq.atomic_store(self.hazards, self.me, 0)
-                if counted < 0:
-                    continue  # the batch was laid out again: write it there
-                if counted == rows:
-                    self.channel.filled(run, batch)
-                return WRITTEN
-            if not flags_of(filled) & CONFIRMED and count_of(filled) == 0:
-                if asked != seq:
-                    self.channel.request_layout(run, batch, row, sig, version, rows, batched)
-                    asked = seq
-                if not self.channel.wait_for_entry(run, base, seq):
-                    return ENDED
-                continue
-            self.channel.sample_row(run, batch, row, pos, sample, version)
-            return SENT

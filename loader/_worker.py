@@ -16,7 +16,8 @@ from loader import _control as C
 from loader import _protocol as P
 from loader._layout import CollateError
 from loader._shared import LoaderConfig, SharedState
-from loader._table import ENDED, SEQ, RowWriter
+from loader._native import ENDED, RowWriter, RunCounters
+from loader._table import SEQ
 
 _worker_info = None
 
@@ -104,6 +105,8 @@ class Worker:
         self.control = shared.control
         self.channel = Channel(shared, worker_id, cfg.parent_pid)
         self.writer = RowWriter(shared.table, shared.arena, shared.hazards, worker_id, self.channel)
+        self.counters = RunCounters(shared.control.ctl, C.RUN_BASE, C.RUN_WORDS, C.CURSOR, C.LIMIT,
+                                    C.ARRIVED, C.RUN_SHIFT)
         self.init_pending = cfg.worker_init_fn is not None
 
     def run(self) -> None:
@@ -159,73 +162,84 @@ class Worker:
 
     def _wait_to_load(self, run: int, unit: int) -> bool:
         """Until unit is below main's limit (prefetch); False if the run ended."""
-        c = self.control
-        if unit < c.limit(run):
+        c, counters = self.control, self.counters
+        if counters.below_limit(run, unit):
             return True
-        ready = lambda: unit < c.limit(run) or not c.live(run) or c.stopped  # noqa: E731
+        ready = lambda: counters.below_limit(run, unit) or not c.live(run) or c.stopped  # noqa: E731
         while not c.limit_bell.wait(ready, P.IDLE_SLICE_S):
             exit_if_orphaned(self.cfg.parent_pid)
-        return unit < c.limit(run) and c.live(run) and not c.stopped
-
-    def _claim(self, run: int, units: int) -> int:
-        """The next unit to load, -1 when there is none (all claimed, or
-        the run ended).  A unit past the end is never waited for."""
-        unit = self.control.claim(run)
-        if unit < 0 or unit >= units or not self._wait_to_load(run, unit):
-            return -1
-        return unit
-
-    def _slot(self, run: int, unit: int, kept: int):
-        """(batch, row, rows of that batch) of a unit, or None if the run
-        ended.  In first-ready mode the k-th unit ready goes to place k."""
-        B = self.cfg.batch_size
-        if not self.cfg.in_order:
-            unit = self.control.claim(run, C.ARRIVED)
-            if unit < 0:
-                return None
-        if self.cfg.per_batch:
-            return unit, 0, 1
-        batch, row = divmod(unit, B)
-        return batch, row, min(B, kept - batch * B)
+        return counters.below_limit(run, unit) and c.live(run) and not c.stopped
 
     def _map_run(self, run: int, order) -> None:
-        c, cfg, B = self.control, self.cfg, self.cfg.batch_size
+        if self.cfg.per_batch:
+            self._batch_run(run, order)
+        else:
+            self._sample_run(run, order)
+
+    def _sample_run(self, run: int, order) -> None:
+        """Default collate: claim a position, load it, place it in its row."""
+        c, cfg, counters, place = self.control, self.cfg, self.counters, self.writer.place
+        dataset, B, in_order = cfg.dataset, cfg.batch_size, cfg.in_order
         units, kept = c.read(run, C.UNITS), c.read(run, C.KEPT)
-        index_of = (lambda p: p) if order is None else (lambda p: int(order[p]))  # noqa: E731
-        while (unit := self._claim(run, units)) >= 0:
-            positions = range(unit * B, min(kept, unit * B + B)) if cfg.per_batch else (unit,)
-            batch = (unit if cfg.per_batch else unit // B) if cfg.in_order else -1
+        while True:
+            pos = counters.claim(run)
+            if pos < 0 or pos >= units:  # a unit past the end is never waited for
+                return
+            if not counters.below_limit(run, pos) and not self._wait_to_load(run, pos):
+                return
+            index = pos if order is None else int(order[pos])
+            try:
+                sample = dataset[index]
+            except Exception as e:
+                self.channel.failed(run, pos // B if in_order else -1, pos, index, e)
+                continue
+            slot = pos if in_order else counters.claim(run, True)  # first-ready: arrival order
+            if slot < 0:
+                return
+            batch, row = divmod(slot, B)
+            try:
+                if place(run, batch, row, min(B, kept - batch * B), pos, sample) == ENDED:
+                    return
+            except CollateError as e:
+                self.channel.failed(run, batch if in_order else -1, pos, index, e,
+                                    f"while placing the sample at index {index} in its batch")
+
+    def _batch_run(self, run: int, order) -> None:
+        """A collate_fn: claim a batch, load its samples, collate them here
+        (as PyTorch's workers do), place the output as the batch."""
+        c, cfg, counters = self.control, self.cfg, self.counters
+        B, in_order = cfg.batch_size, cfg.in_order
+        units, kept = c.read(run, C.UNITS), c.read(run, C.KEPT)
+        while True:
+            unit = counters.claim(run)
+            if unit < 0 or unit >= units or not self._wait_to_load(run, unit):
+                return
+            batch = unit if in_order else -1
             samples = []
-            for p in positions:
+            for pos in range(unit * B, min(kept, unit * B + B)):
+                index = pos if order is None else int(order[pos])
                 try:
-                    samples.append(cfg.dataset[index_of(p)])
+                    samples.append(cfg.dataset[index])
                 except Exception as e:
-                    self.channel.failed(run, batch, p, index_of(p), e)
+                    self.channel.failed(run, batch, pos, index, e)
                     break
             else:
-                if not self._place(run, unit, kept, samples, batch, index_of(positions[0])):
+                try:
+                    output = cfg.collate_fn(samples)
+                except Exception as e:
+                    self.channel.failed(run, batch, -1, -1, e, "in collate_fn")
+                    continue
+                slot = unit if in_order else counters.claim(run, True)
+                if slot < 0 or not self._place_output(run, slot, output):
                     return
 
-    def _place(self, run, unit, kept, samples, failed_batch, first_index) -> bool:
-        """Collate (per batch) and place; False once the run ended."""
-        cfg = self.cfg
+    def _place_output(self, run: int, slot: int, output) -> bool:
+        """Place a collate_fn's output as batch `slot`; False once the run ended."""
         try:
-            sample = cfg.collate_fn(samples) if cfg.per_batch else samples[0]
-        except Exception as e:
-            self.channel.failed(run, failed_batch, -1, -1, e, "in collate_fn")
-            return True
-        slot = self._slot(run, unit, kept)
-        if slot is None:
-            return False
-        batch, row, rows = slot
-        try:
-            return self.writer.place(run, batch, row, rows, unit, sample,
-                                     batched=not cfg.per_batch) != ENDED
+            return self.writer.place(run, slot, 0, 1, -1, output, batched=False) != ENDED
         except CollateError as e:
-            at = f"the sample at index {first_index}" if not cfg.per_batch else f"batch {batch}"
-            self.channel.failed(run, failed_batch, -1 if cfg.per_batch else unit,
-                                -1 if cfg.per_batch else first_index, e,
-                                f"while placing {at} in its batch")
+            self.channel.failed(run, slot if self.cfg.in_order else -1, -1, -1, e,
+                                f"while placing the collate_fn output of batch {slot}")
             return True
 
     def _iterable_run(self, run: int) -> None:
@@ -250,19 +264,22 @@ class Worker:
             self.channel.failed(run, -1, -1, -1, e, "while iterating the dataset")
 
     def _iterable_place(self, run, samples) -> bool:
+        """Place the next sample (or collated batch) of a stream in arrival
+        order; False once the run ended."""
         cfg, B = self.cfg, self.cfg.batch_size
-        arrival = self.control.claim(run, C.ARRIVED)
+        arrival = self.counters.claim(run, True)
         if arrival < 0 or not self._wait_to_load(run, arrival):
             return False
+        if cfg.per_batch:
+            try:
+                output = cfg.collate_fn(samples)
+            except Exception as e:
+                self.channel.failed(run, -1, -1, -1, e, "in collate_fn")
+                return True
+            return self._place_output(run, arrival, output)
+        batch, row = divmod(arrival, B)
         try:
-            sample = cfg.collate_fn(samples) if cfg.per_batch else samples[0]
-        except Exception as e:
-            self.channel.failed(run, -1, -1, -1, e, "in collate_fn")
-            return True
-        batch, row, rows = (arrival, 0, 1) if cfg.per_batch else (*divmod(arrival, B), B)
-        try:
-            return self.writer.place(run, batch, row, rows, arrival, sample,
-                                     batched=not cfg.per_batch) != ENDED
+            return self.writer.place(run, batch, row, B, arrival, samples[0]) != ENDED
         except CollateError as e:
             self.channel.failed(run, -1, -1, -1, e, "while placing a sample in its batch")
             return True
