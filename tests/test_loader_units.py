@@ -1,0 +1,370 @@
+"""Unit tests of the loader's parts, in one process: the slab allocator
+and leases, the batch table's protocol, run words and claims, bells, and
+layouts.  The multiprocess behaviour is in test_loader*.py."""
+
+import gc
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from loader import _control as C
+from loader import _layout as L
+from loader import _native
+from loader import _table as T
+from loader._slabs import Leases, SlabAllocator
+
+import shmq
+
+
+# --- slab allocator and leases ----------------------------------------------------------
+
+def allocator(nbytes=1 << 16, workers=2):
+    arena = shmq.shared_array(nbytes, np.uint8)
+    released = shmq.shared_array(1 << 16, np.int64)
+    hazards = shmq.shared_array(workers, np.int64)
+    return SlabAllocator(arena, released, hazards, slabs_in_flight=4), released, hazards
+
+
+def test_allocation_is_first_fit_aligned_and_refuses_when_full():
+    a, released, _ = allocator(4096)
+    s1 = a.allocate(100)
+    s2 = a.allocate(1000)
+    assert (s1.offset, s1.nbytes) == (0, 128) and (s2.offset, s2.nbytes) == (128, 1024)
+    assert a.held_bytes == 1152
+    assert a.allocate(4096) is None           # does not fit what is left
+    s3 = a.allocate(4096 - 1152)
+    assert s3.offset == 1152 and a.allocate(1) is None
+    assert len({s1.lease, s2.lease, s3.lease}) == 3
+
+
+def test_a_released_lease_is_reclaimed_only_for_its_own_generation():
+    a, released, _ = allocator(1024)
+    s = a.allocate(1024)
+    assert a.allocate(64) is None
+    released[s.lease] = s.generation - 1     # a stale release of an earlier use
+    assert a.allocate(64) is None
+    shmq.atomic_store(released, s.lease, s.generation)
+    again = a.allocate(64)
+    assert again is not None and again.offset == 0  # the lowest offset: warm pages first
+    assert again.token != s.token                   # a new generation, a new hazard token
+
+
+def test_freed_neighbours_merge():
+    a, released, _ = allocator(3 * 1024)
+    slabs = [a.allocate(1024) for _ in range(3)]
+    for s in (slabs[0], slabs[2], slabs[1]):
+        a.release(s.lease)
+    assert a.free == [(0, 3 * 1024)]
+    assert a.allocate(3 * 1024).offset == 0
+
+
+def test_a_retired_slab_waits_for_every_hazard_naming_it():
+    a, released, hazards = allocator(1024)
+    s = a.allocate(1024)
+    hazards[1] = s.token                      # worker 1 may still be writing into it
+    a.retire(s.lease)
+    assert a.allocate(64) is None
+    hazards[1] = 0
+    assert a.allocate(64) is not None
+
+
+def test_warm_up_covers_the_slabs_in_flight_only():
+    a, _, _ = allocator(64 << 20)
+    assert not a.warming                      # nothing known yet: nothing to fault in
+    a.allocate(1 << 20)
+    assert a.warming and a._warm_target() == 4 << 20
+    while a.warming:
+        a.warm_up()
+    assert a.warm == 4 << 20
+
+
+def test_leases_release_when_the_last_view_dies_and_discard_after_close():
+    arena = shmq.shared_array(1 << 20, np.uint8)
+    released = shmq.shared_array(16, np.int64)
+    rings = []
+    leases = Leases(arena, released, lambda: rings.append(1))
+    from loader._slabs import Slab
+    s = Slab(3, 7, 8192, 4096)
+    v = leases.view(s)
+    batch = v[:16].view(np.float32)           # an array of the batch keeps the slab alive
+    del v
+    gc.collect()
+    assert released[3] == 0 and 3 in leases.held
+    del batch
+    gc.collect()
+    assert released[3] == 7 and rings == [1] and 3 not in leases.held
+    # after close, a dropped batch's pages go back instead
+    arena[:] = 1
+    t = Slab(4, 1, 3 * 4096, 8192)
+    w = leases.view(t)
+    leases.close()
+    assert arena[:4096].max() == 0 and arena[3 * 4096] == 1  # free pages discarded, held kept
+    del w
+    gc.collect()
+    assert arena[3 * 4096:5 * 4096].max() == 0 and released[4] == 0
+
+
+# --- the batch table ----------------------------------------------------------------------
+
+def layout_of(sample, rows=4, batched=True):
+    return L.Layout(L.signature(sample), rows, batched)
+
+
+def test_publish_and_unpublish_move_seq_through_an_odd_window():
+    t = T.BatchTable(4)
+    lay = layout_of(np.zeros(3))
+    base = t.base(run=3, batch=5)
+    assert t.entry(3, 5) == 4 + 5 % 4 and t.entry(4, 5) == 5 % 4  # two parities
+    t.publish(3, 5, 128, 77, lay, version=2, flags=T.CONFIRMED, count=1)
+    w = t.words
+    assert w[base + T.SEQ] == 2
+    assert w[base + T.STAMP] == T.stamp(3, 5) and w[base + T.OFFSET] == 128
+    assert (w[base + T.DIGEST0], w[base + T.DIGEST1]) == lay.digest and w[base + T.TOKEN] == 77
+    f = t.filled_word(3, 5)
+    assert T.version_of(f) == 2 and T.flags_of(f) == T.CONFIRMED and T.count_of(f) == 1
+    t.unpublish(3, 5)
+    assert w[base + T.STAMP] == 0 and w[base + T.SEQ] == 4
+
+
+def test_counts_succeed_only_in_the_current_version():
+    t = T.BatchTable(4)
+    lay = layout_of(np.zeros(3))
+    t.publish(1, 0, 0, 1, lay, version=0, flags=0)
+    assert t.count(1, 0, 0) == 1 and t.count(1, 0, 0) == 2
+    assert t.freeze(1, 0) == 2                # version + 1, count kept, unpublished
+    assert t.count(1, 0, 0) == -1             # a writer of the replaced slab must start over
+    f = t.filled_word(1, 0)
+    assert T.version_of(f) == 1 and T.count_of(f) == 2
+    assert t.words[t.base(1, 0) + T.STAMP] == 0
+
+
+def test_replace_if_uncounted():
+    t = T.BatchTable(4)
+    lay = layout_of(np.zeros(3))
+    t.publish(1, 0, 0, 1, lay, version=0, flags=0)
+    assert t.replace_if_uncounted(1, 0) is True
+    f = t.filled_word(1, 0)
+    assert T.version_of(f) == 1 and T.flags_of(f) == T.CONFIRMED and T.count_of(f) == 0
+    t.publish(1, 0, 0, 1, lay, version=1, flags=0)
+    t.count(1, 0, 1)
+    assert t.replace_if_uncounted(1, 0) is False  # a row is counted: the layout stands
+    f = t.filled_word(1, 0)
+    assert T.version_of(f) == 1 and T.flags_of(f) == T.CONFIRMED and T.count_of(f) == 1
+    t.add_flags(1, 0, T.REFUSED)
+    assert T.flags_of(t.filled_word(1, 0)) == T.CONFIRMED | T.REFUSED
+
+
+def test_the_compiled_writer_uses_the_tables_word_layout():
+    k = _native.TABLE_CONSTANTS
+    assert (k["STAMP"], k["OFFSET"], k["DIGEST0"], k["DIGEST1"], k["FILLED"], k["TOKEN"], k["SEQ"],
+            k["WORDS"]) == (T.STAMP, T.OFFSET, T.DIGEST0, T.DIGEST1, T.FILLED, T.TOKEN, T.SEQ, T.WORDS)
+    assert (k["CONFIRMED"], k["REFUSED"]) == (T.CONFIRMED, T.REFUSED)
+
+
+class Recorder:
+    """A worker's channel that records what the writer sends."""
+
+    def __init__(self):
+        self.sent = []
+
+    def request_layout(self, *a):
+        self.sent.append(("layout", a))
+
+    def row_values(self, *a):
+        self.sent.append(("values", a))
+
+    def filled(self, *a):
+        self.sent.append(("filled", a))
+
+    def sample_row(self, *a):
+        self.sent.append(("row", a))
+
+    def wait_for_entry(self, run, base, seq):
+        self.sent.append(("wait", seq))
+        return False  # as if the run ended
+
+
+def writer(rows=2):
+    t = T.BatchTable(4)
+    arena = shmq.shared_array(1 << 16, np.uint8)
+    hazards = shmq.shared_array(2, np.int64)
+    ch = Recorder()
+    return t, arena, hazards, ch, _native.RowWriter(t, arena, hazards, 1, ch)
+
+
+def test_the_writer_asks_for_a_layout_once_then_writes_rows_and_says_filled():
+    t, arena, hazards, ch, w = writer()
+    sample = {"x": np.arange(3, dtype=np.int16), "name": "a"}
+    assert w.place(1, 0, 0, 2, 10, sample) == _native.ENDED  # nothing published
+    (kind, args), (wait, _) = ch.sent
+    assert kind == "layout" and wait == "wait"
+    run, batch, row, sig, version, rows, batched = args
+    assert (run, batch, row, version, rows, batched) == (1, 0, 0, -1, 2, True)
+    assert sig == L.signature(sample)
+    lay = L.Layout(sig, 2)
+    t.publish(1, 0, 4096, 99, lay, 0, T.CONFIRMED)
+    ch.sent.clear()
+    assert w.place(1, 0, 1, 2, 11, {"x": np.array([7, 8, 9], np.int16), "name": "b"}) == _native.WRITTEN
+    assert w.place(1, 0, 0, 2, 10, sample) == _native.WRITTEN
+    assert [k for k, _ in ch.sent] == ["values", "values", "filled"]
+    assert ch.sent[0][1] == (1, 0, 1, lay.values_key, ["b"]) and ch.sent[2][1] == (1, 0)
+    views = lay.views(arena[4096:4096 + lay.nbytes])
+    assert views[0].tolist() == [[0, 1, 2], [7, 8, 9]]
+    assert T.count_of(t.filled_word(1, 0)) == 2 and hazards.tolist() == [0, 0]
+
+
+def test_a_provisional_layout_that_differs_is_asked_to_change_then_the_row_is_sent_whole():
+    t, arena, hazards, ch, w = writer()
+    guess = L.Layout(L.signature(np.zeros(3)), 2)
+    t.publish(1, 0, 0, 5, guess, 0, 0)        # a guess from earlier batches
+    sample = np.zeros(4)
+    assert w.place(1, 0, 0, 2, 3, sample) == _native.ENDED
+    assert ch.sent[0][0] == "layout" and ch.sent[0][1][4] == 0  # about version 0
+    t.add_flags(1, 0, T.CONFIRMED)           # the collator: a row was counted meanwhile
+    ch.sent.clear()
+    assert w.place(1, 0, 0, 2, 3, sample) == _native.SENT
+    kind, (run, batch, row, pos, sent, version) = ch.sent[0]
+    assert kind == "row" and (run, batch, row, pos, version) == (1, 0, 0, 3, 0) and sent is sample
+
+
+def test_a_refused_batch_drops_rows_and_a_number_that_does_not_fit_is_a_collate_error():
+    t, arena, hazards, ch, w = writer()
+    lay = L.Layout(L.signature(5), 2)
+    t.publish(1, 0, 0, 5, lay, 0, T.CONFIRMED)
+    with pytest.raises(L.CollateError, match="leaf 0 .*cannot be stored as int64"):
+        w.place(1, 0, 0, 2, 0, 2 ** 70)
+    assert hazards.tolist() == [0, 0] and T.count_of(t.filled_word(1, 0)) == 0
+    t.add_flags(1, 0, T.REFUSED)
+    assert w.place(1, 0, 1, 2, 1, 3) == _native.DROPPED
+
+
+@pytest.mark.parametrize("sample", [
+    np.arange(6.0).reshape(2, 3)[:, ::2],                     # strided: the reference path
+    (np.float32(1.5), np.int8(-2), True, 7, 2.5, 1 + 2j),     # numbers and numpy scalars
+    {"a": [np.uint8(3), None, b"x"], "b": np.array(4, np.int32)},
+])
+def test_the_compiled_writer_stores_exactly_what_the_reference_path_stores(sample):
+    t, arena, hazards, ch, w = writer()
+    sig, leaves = L.signature_and_leaves(sample)
+    lay = L.Layout(sig, 2)
+    t.publish(1, 0, 0, 5, lay, 0, T.CONFIRMED)
+    assert w.place(1, 0, 1, 2, 0, sample) == _native.WRITTEN
+    reference = np.zeros(lay.nbytes, np.uint8)
+    lay.write_row(reference, 1, leaves)
+    np.testing.assert_array_equal(arena[:lay.nbytes], reference)
+
+
+def test_torch_tensors_are_written_through_the_reference_path():
+    torch = pytest.importorskip("torch")
+    t, arena, hazards, ch, w = writer()
+    sample = {"t": torch.arange(4, dtype=torch.float32), "s": torch.tensor(3)}
+    sig, leaves = L.signature_and_leaves(sample)
+    assert sig[1] == ((L.ARRAY, "<f4", (4,)), (L.ARRAY, "<i8", ()))  # a 0-d tensor stays 0-d
+    lay = L.Layout(sig, 2)
+    t.publish(1, 0, 0, 5, lay, 0, T.CONFIRMED)
+    assert w.place(1, 0, 0, 2, 0, sample) == _native.WRITTEN
+    views = lay.views(arena[:lay.nbytes])
+    assert views[0][0].tolist() == [0, 1, 2, 3] and views[1][0] == 3
+
+
+# --- run words and bells ------------------------------------------------------------------
+
+def test_runs_are_claimed_by_tagged_cas_and_end_with_one_store():
+    c = C.Control()
+    counters = _native.RunCounters(c.ctl, C.RUN_BASE, C.RUN_WORDS, C.CURSOR, C.LIMIT, C.ARRIVED,
+                                   C.RUN_SHIFT)
+    c.start_run(1, epoch=1, size=10, kept=8, units=8, order=C.ORDER_PERMUTATION, order_seed=5,
+                limit=3)
+    assert c.latest_run() == 1 and c.live(1)
+    assert [c.read(1, w) for w in (C.EPOCH, C.SIZE, C.KEPT, C.UNITS, C.ORDER, C.ORDER_SEED)] == \
+        [1, 10, 8, 8, C.ORDER_PERMUTATION, 5]
+    assert [counters.claim(1) for _ in range(3)] == [0, 1, 2]
+    assert counters.claim(1, True) == 0 and c.claimed(1) == 3
+    assert counters.below_limit(1, 2) and not counters.below_limit(1, 3)
+    c.set_limit(1, 4)
+    assert counters.below_limit(1, 3)
+    c.start_run(2, 2, 10, 10, 10, C.ORDER_RANGE, 0, 3)  # the other parity: both live
+    assert counters.claim(2) == 0 and c.live(1)
+    c.end_run(1)
+    assert counters.claim(1) == -1 and counters.claim(1, True) == -1 and not c.live(1)
+    assert c.claimed(1) == -1 and counters.claim(2) == 1
+    c.stop()
+    assert c.stopped
+
+
+def test_a_claim_of_an_old_run_fails_once_its_block_is_reused():
+    c = C.Control()
+    counters = _native.RunCounters(c.ctl, C.RUN_BASE, C.RUN_WORDS, C.CURSOR, C.LIMIT, C.ARRIVED,
+                                   C.RUN_SHIFT)
+    c.start_run(1, 1, 5, 5, 5, C.ORDER_RANGE, 0, 5)
+    c.start_run(3, 3, 5, 5, 5, C.ORDER_RANGE, 0, 5)     # run 1's block, reused
+    assert counters.claim(1) == -1 and counters.claim(3) == 0
+
+
+def test_a_bell_wakes_a_sleeper_and_never_loses_a_ring():
+    words = shmq.shared_array(2, np.int32)
+    bell = _native.Bell(words, 0)
+    flag = []
+    assert bell.wait(lambda: True, 5.0) is True      # ready at once: no sleep
+    t0 = time.monotonic()
+    assert bell.wait(lambda: False, 0.05) is False   # a bounded sleep
+    assert time.monotonic() - t0 < 2
+    bell.ring()                                      # nobody sleeps: nothing to do
+    assert words[0] == 0
+    threading.Timer(0.2, lambda: (flag.append(1), bell.ring())).start()
+    t0 = time.monotonic()
+    assert bell.wait(lambda: bool(flag), 10.0) is True
+    assert time.monotonic() - t0 < 5 and words[1] == 0   # woken, not timed out
+    with pytest.raises(TypeError):
+        _native.Bell(shmq.shared_array(2, np.int64), 0)
+    with pytest.raises(IndexError):
+        _native.Bell(words, 1)
+
+
+# --- layouts ------------------------------------------------------------------------------
+
+def test_layout_offsets_are_aligned_and_values_are_kept_apart():
+    sig = L.signature({"a": np.zeros((2, 3), np.float32), "b": "text", "c": 1})
+    lay = L.Layout(sig, rows=5)
+    assert lay.offsets == [0, 128, 128]             # 5*24 bytes -> 128; "b" takes no room
+    assert lay.row_nbytes == [24, 0, 8] and lay.nbytes == 192
+    assert lay.value_leaves == [1]
+    spec = lay.spec(3, {0: ["x"], 1: ["y"], 2: ["z"]})
+    assert spec == {"a": L.ArrayLeaf(0, "<f4", (3, 2, 3)), "b": L.Value(["x", "y", "z"]),
+                    "c": L.ArrayLeaf(128, "<i8", (3,))}
+
+
+def test_unbatched_layouts_keep_numbers_as_values_and_no_leading_axis():
+    sig = L.signature({"x": np.zeros((2, 2), np.int8), "n": 7})
+    lay = L.Layout(sig, rows=1, batched=False)
+    assert lay.value_leaves == [1]
+    assert lay.spec(1, {0: [7]}) == {"x": L.ArrayLeaf(0, "|i1", (2, 2)), "n": L.Value(7)}
+
+
+def test_digests_name_signature_rows_and_batching_exactly():
+    a, b = L.signature(-1), L.signature(-2)
+    assert L.Layout(a, 4).digest == L.Layout(b, 4).digest       # values do not matter
+    assert L.Layout(a, 4).digest != L.Layout(a, 5).digest
+    assert L.Layout(a, 1).digest != L.Layout(a, 1, batched=False).digest
+    assert L.Layout(L.signature(np.zeros(2, "<f4")), 4).digest != \
+        L.Layout(L.signature(np.zeros(2, "<f8")), 4).digest
+
+
+def test_promotion_and_castability():
+    i, f = L.signature({"y": 1}), L.signature({"y": 1.5})
+    wide = L.promoted(i, f)
+    assert wide == f and L.promoted(f, i) == f
+    assert L.castable(i, L.Layout(f, 2)) and not L.castable(f, L.Layout(i, 2))
+    assert L.promoted(L.signature(np.zeros(2)), L.signature(np.zeros(3))) is None
+    assert L.promoted(L.signature(np.array(["a"])), L.signature(np.array([1.0]))) is None
+    assert L.promoted(L.signature((1,)), L.signature([1])) is None
+    assert "structure" in L.describe_difference(L.signature((1,)), L.signature([1]))
+
+
+def test_object_arrays_and_ndarray_subclasses_are_refused():
+    with pytest.raises(L.CollateError, match="Python objects"):
+        L.signature(np.array([None, 1]))
+    with pytest.raises(L.CollateError, match="subclass"):
+        L.signature(np.ma.masked_array([1, 2]))
