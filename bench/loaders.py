@@ -1,8 +1,8 @@
 """ShmLoader side by side with PyTorch's DataLoader (tensor path and a
-numpy collate) and Grain's DataLoader: workloads W1-W4 of BENCHMARKS.md,
+numpy collate) and Grain's DataLoader: workloads W1-W4 and W7 of docs/benchmarks.md,
 in one run on one machine.
 
-    python bench/loaders.py [--workloads W1,W2,W3,W4] [--batches 12] [--w3-batches 8]
+    python bench/loaders.py [--workloads W1,W2,W3,W4,W7] [--batches 12] [--w3-batches 8]
 
 Grain is measured when it is installed (the [bench] extra installs it).
 Its DataLoader starts its worker processes for each pass, so its epochs
@@ -24,6 +24,9 @@ memory, one core), and the peak memory of the whole process tree: PSS
 W3: the same samples plus a 3.125 ms sleep each, a 50 ms "train step" per
 batch, 2/4/8 workers; mean time per batch of the second epoch against the
 ideal max(step, 128 x 3.125 ms / workers).
+W7: (100,) float32 samples, batch 32, 8 workers, a training loop that takes
+1 s per batch: the CPU the loader's processes use meanwhile (all of them,
+user + system, from /proc), as a percentage of one core.
 """
 
 from __future__ import annotations
@@ -305,21 +308,89 @@ def run_w3(batches):
                   f"{mean * 1e3:>8.0f} ms {mean / ideal:>8.2f}x", flush=True)
 
 
+class W7Samples:
+    def __init__(self, as_torch=False):
+        self.as_torch = as_torch
+
+    def __len__(self):
+        return 10 ** 6
+
+    def __getitem__(self, i):
+        a = np.full(100, i, np.float32)
+        if self.as_torch:
+            import torch
+
+            return torch.from_numpy(a)
+        return a
+
+
+def _cpu_seconds(pids):
+    """CPU time of these processes, every thread, from /proc/<pid>/task/*/schedstat
+    (nanoseconds on a CPU: clock-tick counts are too coarse for an idle loader)."""
+    total = 0
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, IndexError, ValueError):
+                pass
+    return total / 1e9
+
+
+def run_w7(steps):
+    print(f"\nW7 idle: (100,) float32, batch 32, 8 workers, a 1 s training step, {steps} steps: "
+          f"CPU of the loader's processes while the loop trains")
+    print(f"{'loader':<24} {'% of one core':>14} {'ShmLoader uses':>15}")
+    rows = {}
+    for kind in ("ShmLoader", "PyTorch tensor path"):
+        if kind == "ShmLoader":
+            loader = ShmLoader(W7Samples(), batch_size=32, num_workers=8)
+        else:
+            import torch.utils.data as tud
+
+            loader = tud.DataLoader(W7Samples(as_torch=True), batch_size=32, num_workers=8,
+                                    persistent_workers=True, prefetch_factor=2)
+        try:
+            it = iter(loader)
+            next(it)
+            time.sleep(1.0)  # prefetch full: from here on the loader only waits
+            kids = _tree(os.getpid())[1:]
+            c0, t0 = _cpu_seconds(kids), time.perf_counter()
+            for _ in range(steps):
+                next(it)
+                time.sleep(1.0)  # the training step
+            used = (_cpu_seconds(kids) - c0) / (time.perf_counter() - t0)
+        finally:
+            del it
+            close(loader)
+        rows[kind] = used
+    for kind, used in rows.items():
+        ratio = rows["ShmLoader"] / used if used else float("inf")
+        print(f"{kind:<24} {100 * used:>13.2f}% {ratio:>14.2f}x")
+
+
 WORKLOADS = {
     "W1": lambda args: run_w1(args.batches, args.warmup),
     "W2": lambda args: run_small("W2 tiny (10, 150) float64", W2, BATCH, 60),
     "W3": lambda args: run_w3(args.w3_batches),
     "W4": lambda args: run_small("W4 dict {x: (3, 64, 64) uint8, y, path}", W4, 64, 60),
+    "W7": lambda args: run_w7(args.w7_steps),
 }
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="W1,W2,W3,W4",
+    parser.add_argument("--workloads", default="W1,W2,W3,W4,W7",
                         help="comma-separated, of " + ", ".join(WORKLOADS))
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--w3-batches", type=int, default=8)
+    parser.add_argument("--w7-steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2, help="W1 epochs before the timed one")
     args = parser.parse_args(argv)
     chosen = [w.strip().upper() for w in args.workloads.split(",")]
