@@ -151,17 +151,3 @@ class Control:
         """Units of a live run claimed so far (-1 once it ended)."""
         v = shmq.atomic_load(self.ctl, word(run, CURSOR))
         return v & ((1 << RUN_SHIFT) - 1) if v >> RUN_SHIFT == run else -1
-
-    def claim(self, run: int, which: int = CURSOR) -> int:
-        """The next value of the run's tagged counter `which` (CURSOR or
-        ARRIVED), or -1 once the run has ended: then nothing is taken."""
-        c, i = self.ctl, word(run, which)
-        while True:
-            v = shmq.atomic_load(c, i)
-            if v >> RUN_SHIFT != run or (which == ARRIVED and not self.live(run)):
-                return -1
-            if shmq.atomic_cas(c, i, v, v + 1):
-                return v & ((1 << RUN_SHIFT) - 1)
-
-    def limit(self, run: int) -> int:
-        return shmq.atomic_load(self.ctl, word(run, LIMIT))

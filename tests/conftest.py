@@ -70,11 +70,15 @@ def descendants(root: int | None = None) -> dict[int, str]:
 _started_pids: set[int] = set()
 
 
-def _segment_pid(entry: str) -> int | None:
+def segment_pid(entry: str) -> int | None:
+    """The creator pid a /dev/shm entry's name carries, if any."""
     for part in entry[len(segment.PREFIX):].split("-"):
         if part.isdigit():
             return int(part)
     return None
+
+
+_segment_pid = segment_pid  # the name tests/killkit.py imports
 
 
 @pytest.fixture(autouse=True)
@@ -86,7 +90,7 @@ def shm_guard():
 
     def leaked_by_us():
         ours = tree | set(descendants()) | _started_pids
-        return {e for e in our_shm_entries() - before if _segment_pid(e) in ours}
+        return {e for e in our_shm_entries() - before if segment_pid(e) in ours}
 
     leaked = leaked_by_us()
     while leaked and time.monotonic() < deadline:
