@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from conftest import _segment_pid, our_shm_entries, wait_until
+from conftest import our_shm_entries, wait_until
 
 SEED = int(os.environ.get("SHMQ_STRESS_SEED", random.randrange(1 << 30)))
 
@@ -71,10 +71,18 @@ def live(pids, sid: int | None = None) -> dict[int, str]:
     return left
 
 
+def creator_pid(entry: str) -> int | None:
+    """The creator's pid in a shmq entry's name (shmq-[kind-]<pid>-<random>)."""
+    for part in entry.split("shmq-", 1)[-1].split("-"):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
 def shm_entries_of(pids) -> set[str]:
     """Our /dev/shm entries (shmq segments, sem.*) created by one of pids."""
     pids = set(pids)
-    return {e for e in our_shm_entries() if _segment_pid(e) in pids}
+    return {e for e in our_shm_entries() if creator_pid(e) in pids}
 
 
 def kill_pids(pids) -> None:

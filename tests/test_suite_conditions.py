@@ -1,0 +1,262 @@
+"""R26: the test suite passes however a newcomer starts it: from a
+background job (`nohup pytest &`, where SIGINT is ignored and inherited so),
+and while another shmq program runs on the same machine.
+
+Each test runs a selection of the suite in a child pytest (never this
+file: no recursion) and reads its JUnit XML for exact outcomes.
+"""
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from killkit import Program
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def run_pytest(tmp_path, *selection: str, sigint_ignored: bool = False,
+               timeout: float = 150) -> tuple[dict[str, str], str, int]:
+    """Run `python -m pytest -q -p no:cacheprovider <selection>` from the
+    project root: (test id -> passed / failed / error / skipped / xfailed,
+    its output, its exit code)."""
+    report = tmp_path / "junit.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           f"--junitxml={report}", "-o", "junit_family=xunit2", *selection]
+    assert not any("test_suite_conditions" in part for part in selection)  # no recursion
+    p = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, start_new_session=True,
+                         preexec_fn=_ignore_sigint if sigint_ignored else None)
+    try:
+        if sigint_ignored:  # as a background job: SIGINT ignored in the child pytest itself
+            with open(f"/proc/{p.pid}/status") as f:
+                ignored = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn"))
+            assert ignored & (1 << (signal.SIGINT - 1))
+        out, _ = p.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    text = out.decode(errors="replace")
+    outcomes = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        kids = {child.tag: child for child in case}
+        if "failure" in kids:
+            outcomes[name] = "failed"
+        elif "error" in kids:
+            outcomes[name] = "error"
+        elif "skipped" in kids:
+            kind = kids["skipped"].get("type", "")
+            outcomes[name] = "xfailed" if "xfail" in kind else "skipped"
+        else:
+            outcomes[name] = "passed"
+    return outcomes, text, p.returncode
+
+
+# --- started from a background job ---------------------------------------------------------
+
+CTRL_C_TESTS = [
+    "tests.test_multiprocess::test_ctrl_c_interrupts_a_blocking_call[get]",
+    "tests.test_multiprocess::test_ctrl_c_interrupts_a_blocking_call[put]",
+    "tests.test_sync::test_ctrl_c_interrupts_a_wait_without_a_limit",
+    "tests.test_loader::test_ctrl_c_while_iterating",
+    *[f"tests.test_loader_kill::test_ctrl_c_to_main_at_a_random_moment[{phase}-quick]"
+      for phase in ("start", "mid", "ahead", "close")],
+    "tests.test_loader_kill::test_ctrl_c_during_start_up_of_eight_workers[quick]",
+]
+
+
+def test_ctrl_c_tests_pass_when_the_suite_runs_with_sigint_ignored(tmp_path):
+    """Every test that sends SIGINT, run by a pytest that inherited SIGINT
+    ignored (`nohup python -m pytest ... &`): their programs restore the
+    default handler themselves, so each still sees its KeyboardInterrupt."""
+    outcomes, out, code = run_pytest(
+        tmp_path, "-k", "ctrl_c", "tests/test_multiprocess.py", "tests/test_sync.py",
+        "tests/test_loader.py", "tests/test_loader_kill.py", sigint_ignored=True)
+    assert code == 0, out[-5000:]
+    passed = {name for name, outcome in outcomes.items() if outcome == "passed"}
+    assert set(CTRL_C_TESTS) <= passed, (sorted(outcomes.items()), out[-3000:])
+    # the rest are strict xfails of test_loader_kill.py (known failures)
+    assert all(outcome == "passed" or (outcome == "xfailed" and "test_loader_kill" in name)
+               for name, outcome in outcomes.items()), outcomes
+
+
+# --- another shmq program on the machine ---------------------------------------------------
+
+HOLDER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import shmq
+    q = shmq.Queue(1 << 16)
+    q.put(np.arange(5))
+    print(q.name, flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+    print("intact" if q.get(timeout=5).tolist() == [0, 1, 2, 3, 4] else "changed", flush=True)
+    q.close()
+""")
+
+CHURN = textwrap.dedent("""
+    import select, sys, time
+    import numpy as np
+    import shmq
+    old, made = None, 0
+    print("churning", flush=True)
+    while not select.select([sys.stdin], [], [], 0)[0]:  # until the test closes our stdin
+        q = shmq.Queue(1 << 16)  # a named segment appears...
+        q.put(np.arange(3))
+        assert q.get(timeout=5).tolist() == [0, 1, 2]
+        if old is not None:
+            old.close()          # ...and the previous one goes
+        old, made = q, made + 1
+        time.sleep(0.002)
+    old.close()
+    print("made", made, flush=True)
+""")
+
+
+class Neighbours:
+    """An unrelated shmq program holding a named queue open, and one that
+    keeps creating and closing named queues; both end when their stdin
+    closes, each removing what it made."""
+
+    def __init__(self):
+        self.holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        self.churn = subprocess.Popen([sys.executable, "-c", CHURN], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        self.name = self._line(self.holder)
+        assert self.name.startswith("/shmq-"), self.name
+        assert self._line(self.churn) == "churning"
+
+    @staticmethod
+    def _line(p, timeout=30) -> str:
+        ready, _, _ = select.select([p.stdout], [], [], timeout)
+        assert ready, "no output from the neighbour program"
+        return p.stdout.readline().strip()
+
+    def stop(self) -> tuple[str, str]:
+        said = []
+        for p in (self.holder, self.churn):
+            p.stdin.close()
+            said.append(self._line(p))
+            assert p.wait(30) == 0
+        return tuple(said)
+
+    def kill(self):
+        for p in (self.holder, self.churn):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            for stream in (p.stdin, p.stdout):
+                try:
+                    stream.close()
+                except (OSError, ValueError):
+                    pass
+        for pid in (self.holder.pid, self.churn.pid):  # what a killed neighbour left
+            for entry in os.listdir("/dev/shm"):
+                if entry.startswith("shmq-") and f"-{pid}-" in f"-{entry[5:]}":
+                    os.unlink(os.path.join("/dev/shm", entry))
+
+
+SHARED_MACHINE_TESTS = [
+    "tests/test_queue.py",
+    "tests/test_segments.py",           # stale-segment sweeping must spare the neighbours
+    "tests/test_multiprocess.py::test_mpsc_four_producers",
+    "tests/test_multiprocess.py::test_spsc_independent_process_attaches_by_name",
+    "tests/test_loader.py::test_in_order_exact_batches_over_epochs",
+    "tests/test_loader.py::test_create_iterate_drop_loop_does_not_grow",
+    "tests/test_loader.py::test_main_killed_children_exit_within_two_seconds",
+    *[f"tests/test_loader_kill.py::test_main_killed_at_a_random_moment_leaves_nothing"
+      f"[{phase}-SIGKILL-main-quick]" for phase in ("start", "mid", "ahead", "close")],
+]
+
+
+# Tests that compare the whole of /dev/shm: known to fail beside another shmq
+# program (the xfails below), so not part of this selection.
+WHOLE_DEV_SHM = ["tests/test_segments.py::test_shm_full_is_reported_up_front_and_leaves_nothing",
+                 "tests/test_segments.py::test_shm_full_when_reservation_fails"]
+
+
+def test_suite_passes_while_another_shmq_program_runs(tmp_path):
+    """R26: shmq and loader tests, with their /dev/shm guard, beside an
+    unrelated shmq program that holds a named queue and one that creates
+    and closes named queues all the time: the guard blames no test for
+    their segments, stale-segment cleaning never touches their live ones,
+    and the held queue keeps its message."""
+    neighbours = Neighbours()
+    try:
+        outcomes, out, code = run_pytest(tmp_path, *SHARED_MACHINE_TESTS,
+                                         *[f"--deselect={t}" for t in WHOLE_DEV_SHM])
+        assert code == 0, out[-5000:]
+        assert set(outcomes.values()) == {"passed"}, outcomes
+        files = {name.split("::")[0] for name in outcomes}
+        assert files == {"tests.test_queue", "tests.test_segments", "tests.test_multiprocess",
+                         "tests.test_loader", "tests.test_loader_kill"}, files
+        assert "tests.test_segments::test_stale_segments_are_found_and_removed_and_live_ones_kept" \
+            in outcomes
+        assert os.path.exists("/dev/shm" + neighbours.name)  # still there: its creator lives
+        holder_said, churn_said = neighbours.stop()
+        assert holder_said == "intact"
+        assert churn_said.startswith("made ") and int(churn_said.split()[1]) > 100, churn_said
+        assert not os.path.exists("/dev/shm" + neighbours.name)  # its creator removed it
+    finally:
+        neighbours.kill()
+
+
+@pytest.mark.xfail(strict=True, reason="test_anonymous.py compares every shmq-* entry of "
+                                       "/dev/shm before and after, so another program's "
+                                       "segments fail it")
+def test_a_test_comparing_all_of_dev_shm_passes_beside_another_shmq_program(tmp_path):
+    """R26: test_anonymous.py::
+    test_forked_children_share_it_and_nothing_appears_in_dev_shm asserts
+    that the shmq-* entries of /dev/shm as a whole are unchanged
+    (`our_entries() == before`) instead of judging only the entries its own
+    process tree made (the pid in the name, as conftest's shm_guard and
+    now test_loader.py's /dev/shm test do).  Expected: it passes while
+    another shmq program creates and closes queues.  Observed: it fails,
+    naming the other program's segments (shmq-<its pid>-...)."""
+    neighbours = Neighbours()
+    try:
+        outcomes, out, code = run_pytest(
+            tmp_path,
+            "tests/test_anonymous.py::test_forked_children_share_it_and_nothing_appears_in_dev_shm")
+        neighbours.stop()
+        assert code == 0 and set(outcomes.values()) == {"passed"}, (outcomes, out[-3000:])
+    finally:
+        neighbours.kill()
+
+
+@pytest.mark.xfail(strict=True, reason="test_segments.py's ShmFull tests compare all of "
+                                       "/dev/shm before and after, so another program's "
+                                       "segments fail them")
+def test_the_shm_full_tests_pass_beside_another_shmq_program(tmp_path):
+    """R26: test_segments.py::test_shm_full_is_reported_up_front_and_leaves_nothing
+    and ::test_shm_full_when_reservation_fails assert
+    `set(os.listdir(segment.SHM_DIR)) == before`: any entry another program
+    creates or removes meanwhile fails them.  Their window is short (about
+    a millisecond), so each is run 40 times beside a program that creates
+    and closes a named queue every few ms.  Expected: all pass.  Observed:
+    about one run in six fails, naming the other program's segment."""
+    neighbours = Neighbours()
+    try:
+        outcomes, out, code = run_pytest(tmp_path, "--keep-duplicates",
+                                         *["tests/test_segments.py"] * 40, "-k", "shm_full")
+        neighbours.stop()
+        assert code == 0 and set(outcomes.values()) == {"passed"}, (outcomes, out[-3000:])
+    finally:
+        neighbours.kill()
