@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -122,6 +123,7 @@ def no_leftover_processes():
                 if p not in before and not _is_multiprocessing_helper(p)}
 
     yield
+    gc.collect()  # finalizers that stop processes (a loader in a reference cycle) run now
     deadline = time.monotonic() + LEAK_GRACE_S
     left = left_by_test()
     while left and time.monotonic() < deadline:
