@@ -174,6 +174,26 @@ def test_main_killed_at_a_random_moment_leaves_nothing(phase, sig, target, count
             prog.cleanup()
 
 
+# Failures of the random Ctrl-C tests that are known bugs, each pinned by a
+# strict xfail below: when one shows, the test is reported as xfailed (so
+# the suite stays green) instead of hiding anything else.
+KNOWN_CTRL_C_BUGS = {
+    "Exception ignored in: <finalize object":
+        "known bug: a Ctrl-C during a slab finalizer is swallowed "
+        "(test_ctrl_c_while_a_batch_is_released_interrupts_the_loop)",
+    "Exception ignored in: <function Queue.__del__":
+        "known bug: a Ctrl-C inside shmq.Queue() makes its __del__ raise AttributeError "
+        "(test_ctrl_c_inside_queue_creation_says_nothing_more)",
+}
+
+
+def _xfail_if_known(prog: Program) -> None:
+    err = prog.stderr()
+    for signature, reason in KNOWN_CTRL_C_BUGS.items():
+        if signature in err:
+            pytest.xfail(f"{reason}; stderr: {err[-1500:]}")
+
+
 def _assert_interrupted_cleanly(prog: Program, phase: str, rep: int) -> None:
     out, err = prog.stdout(), prog.stderr()
     if "interrupted" in out:
@@ -203,6 +223,8 @@ def test_ctrl_c_to_main_at_a_random_moment(phase, count):
         prog, sent = _signal_at_random_moment(rng, phase, signal.SIGINT, group=True)
         try:
             code = prog.wait(5)
+            if code is None or prog.stderr():
+                _xfail_if_known(prog)
             assert code is not None, (f"rep {rep}: still running 5 s after Ctrl-C; stdout "
                                       f"{prog.stdout()[-5:]}; stderr {prog.stderr()[-2000:]}")
             _assert_interrupted_cleanly(prog, phase, rep)
@@ -253,6 +275,8 @@ def test_ctrl_c_during_start_up_of_eight_workers(count):
             time.sleep(rng.uniform(0, 0.3))   # 1-3 start-ups of 8 workers
             prog.signal(signal.SIGINT, group=rep % 2 == 0)
             code = prog.wait(5)
+            if code is None or prog.stderr():
+                _xfail_if_known(prog)
             assert code is not None, (f"rep {rep}: SIGINT lost: still running 5 s later, "
                                       f"{sum(line.startswith('epoch') for line in prog.stdout())} "
                                       f"epochs; stderr: {prog.stderr()[-2000:]}")
@@ -995,5 +1019,104 @@ def test_close_again_after_ctrl_c_in_close_reaps_every_child():
         out = prog.stdout()
         assert out[0] == "interrupted", (out, prog.stderr())
         assert out[2] == "children", out
+    finally:
+        prog.cleanup()
+
+
+CTRL_C_IN_FINALIZER = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from loader import ShmLoader
+
+    class DS:
+        def __len__(self):
+            return 10 ** 6
+        def __getitem__(self, i):
+            return np.full(4, i)
+
+    loader = ShmLoader(DS(), batch_size=8, num_workers=2)
+    it = iter(loader)
+    next(it)
+    ring, sent = loader._leases.on_release, []
+    def on_release():  # a Ctrl-C that arrives while a batch's slab is released
+        if not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGINT))
+        ring()
+    loader._leases.on_release = on_release
+    steps = 0
+    try:
+        for b in it:  # the previous batch dies here: its finalizer runs
+            steps += 1
+            if steps == 200:
+                break
+        print("not interrupted", steps, flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", steps, flush=True)
+    loader.close()
+""")
+
+
+@pytest.mark.xfail(strict=True, reason="a Ctrl-C that arrives while a batch's slab finalizer "
+                                       "runs is swallowed ('Exception ignored in: <finalize "
+                                       "object>'): the training loop goes on")
+def test_ctrl_c_while_a_batch_is_released_interrupts_the_loop():
+    """R7: found by test_ctrl_c_to_main_at_a_random_moment[ahead] (seed
+    567455326): 'still running 5 s after Ctrl-C', stderr 'Exception ignored
+    in: <finalize object ...> ... _slabs.py, in _release, self.on_release()
+    ... KeyboardInterrupt'.  Made deterministic here: the SIGINT arrives
+    while the finalizer of the previous batch's slab runs (the moment the
+    training loop drops a batch, every step).  Expected: KeyboardInterrupt
+    in the loop.  Observed: the handler runs inside the finalizer's Python
+    frames (weakref.finalize.__call__, Leases._release); Python prints the
+    exception as unraisable and drops it, and the loop runs its 200 steps.
+    The fork hooks were compiled for this very reason (_fork.pxi); the slab
+    finalizer is Python."""
+    prog = _run_to_end(CTRL_C_IN_FINALIZER, timeout=30)
+    try:
+        out = prog.stdout()
+        assert len(out) == 1 and out[0].startswith("interrupted ") and int(out[0].split()[1]) < 5, \
+            (out, prog.stderr()[-2000:])
+        assert prog.stderr() == ""
+    finally:
+        prog.cleanup()
+
+
+CTRL_C_IN_QUEUE = textwrap.dedent("""
+    import gc, os, signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import shmq
+    from shmq import queue
+
+    site = queue._creation_site
+    def creation_site():  # a Ctrl-C that arrives while Queue() records where it was made
+        os.kill(os.getpid(), signal.SIGINT)
+        return site()
+    queue._creation_site = creation_site
+    try:
+        shmq.Queue(4096, anonymous=True)
+        print("created", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    gc.collect()
+    print("done", flush=True)
+""")
+
+
+@pytest.mark.xfail(strict=True, reason="a KeyboardInterrupt inside shmq.Queue() (after _ring, "
+                                       "before _site) makes Queue.__del__ raise AttributeError")
+def test_ctrl_c_inside_queue_creation_says_nothing_more():
+    """Found by test_ctrl_c_to_main_at_a_random_moment (start-up): stderr
+    'Exception ignored in: <function Queue.__del__> ... AttributeError:
+    'Queue' object has no attribute '_site''.  Made deterministic: the
+    SIGINT arrives while Queue._setup runs (after `self._ring = ring`,
+    before `self._site = ...`).  Expected: KeyboardInterrupt, and nothing on
+    stderr (the half-made handle closed quietly).  Observed: __del__ finds
+    an open ring and formats its ResourceWarning with self._site, which was
+    never set: AttributeError, printed as unraisable."""
+    prog = _run_to_end(CTRL_C_IN_QUEUE, timeout=30)
+    try:
+        assert prog.stdout() == ["interrupted", "done"], prog.stdout()
+        assert prog.stderr() == "", prog.stderr()
     finally:
         prog.cleanup()
