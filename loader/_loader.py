@@ -21,9 +21,9 @@ from loader import _control as C
 from loader import _protocol as P
 from loader._collator import collator_main
 from loader._layout import materialize
-from loader._procs import LoaderStartError, fork_children, wait_all
+from loader._procs import LoaderStartError, fork_children, start_error, wait_all
 from loader._shared import LoaderConfig, SharedState
-from loader._slabs import Leases
+from loader._native import LeaseBook
 from loader._worker import worker_main
 
 __all__ = ["ShmLoader", "WorkerError", "LoaderTimeout", "LoaderStartError"]
@@ -152,7 +152,10 @@ class ShmLoader:
             iterable=self.iterable, collate_fn=self.collate_fn,
             worker_init_fn=self.worker_init_fn, seed=self.seed,
             memory_cap_bytes=self.memory_cap_bytes, parent_pid=os.getpid())
-        shared = SharedState(cfg)
+        try:
+            shared = SharedState(cfg)
+        except BaseException as e:
+            raise start_error(e, "create its shared memory") from e
         try:
             specs = [(f"worker {i}", worker_main, (cfg, shared, i)) for i in range(self.num_workers)]
             specs.append(("the collator", collator_main, (cfg, shared)))
@@ -161,8 +164,8 @@ class ShmLoader:
             shared.close()
             raise
         self._cfg, self._shared = cfg, shared
-        self._leases = Leases(shared.arena, shared.released, shared.control.collator_bell.ring)
-        self._runs_at_start = self._runs
+        self._leases = LeaseBook(shared.arena, shared.released, shared.control.collator_bell)
+        self._next_child_check = 0.0
 
     def _check_children(self):
         dead = [c for c in self._procs if c.exitcode is not None]
@@ -183,35 +186,39 @@ class ShmLoader:
                           f"process is still running") from cause
 
     def _shutdown(self):
-        """See NOTE [ ShmLoader processes and shutdown ] in _protocol.py."""
-        if not self._procs:
+        """See NOTE [ ShmLoader processes and shutdown ] in _protocol.py.
+        Interrupted (a Ctrl-C while it waits for the children), it is done
+        by the next call: close() again, __del__ or interpreter exit."""
+        shared = self._shared
+        if shared is None:
             return
-        control = self._shared.control
-        for run in (self._runs - 1, self._runs):
-            if run > 0:
-                control.end_run(run)
-        control.stop()
-        if not wait_all(self._procs, P.JOIN_TIMEOUT_S):
+        if self._procs:
+            control = shared.control
+            for run in (self._runs - 1, self._runs):
+                if run > 0:
+                    control.end_run(run)
+            control.stop()
+            if not wait_all(self._procs, P.JOIN_TIMEOUT_S):
+                for c in self._procs:
+                    c.kill()
+                wait_all(self._procs, P.JOIN_TIMEOUT_S)
             for c in self._procs:
-                c.kill()
-            wait_all(self._procs, P.JOIN_TIMEOUT_S)
-        for c in self._procs:
-            c.exitcode  # reaped
-            c.close()
-        self._procs = []
-        self._shared.close()
+                c.exitcode  # reaped
+                c.close()
+            self._procs = []
+        shared.close()
         self._leases.close()  # the arena's pages no batch you hold uses go back now
+        self._shared = None
         self._inboxes.clear()
         self._unended.clear()
         self._current = self._ahead = None
 
     def close(self):
-        """Stop the workers and the collator.  Batches you hold stay valid."""
-        if self._closed:
-            return
+        """Stop the workers and the collator.  Batches you hold stay valid.
+        Safe to call again, e.g. after a Ctrl-C interrupted it."""
         self._closed = True
         if os.getpid() != self._owner_pid:
-            self._procs = []  # a forked copy: the processes are its parent's
+            self._procs, self._shared = [], None  # a forked copy: its parent's processes
             return
         self._shutdown()
 
@@ -222,7 +229,7 @@ class ShmLoader:
         self.close()
 
     def __del__(self):
-        if getattr(self, "_procs", None) and os.getpid() == self._owner_pid:
+        if getattr(self, "_shared", None) is not None and os.getpid() == self._owner_pid:
             self.close()
 
     # --- receiving --------------------------------------------------------------------
@@ -243,8 +250,14 @@ class ShmLoader:
                 continue
             except (shmq.PeerLost, shmq.Closed) as e:
                 self._report_dead_children(e)
-            if control.ctl[C.OUTBOX]:
+            if shmq.atomic_load(control.ctl, C.OUTBOX):
                 control.collator_bell.ring()  # it has messages our full ring could not take
+            now = time.monotonic()
+            if now >= self._next_child_check:
+                # Batches may never stop coming while a worker is dead (in
+                # first-ready mode the others fill them): look anyway.
+                self._next_child_check = now + P.WAIT_SLICE_S
+                self._check_children()
             return msg
 
     def _worker_stacks(self) -> str:
@@ -365,7 +378,7 @@ class ShmLoader:
         if self._closed:
             raise ValueError("this ShmLoader is closed; create a new one")
         self._check_owner()
-        if not self._procs:
+        if self._shared is None:
             self._start()
         self._epoch += 1
         return self._epoch_batches(self._epoch)
@@ -425,19 +438,27 @@ class ShmLoader:
                                       f"{total} and without an error for it")
             finished = True
         finally:
-            if os.getpid() != self._owner_pid:
-                return  # a forked copy of this generator, finalized in the child: not its run
-            if self._current is run and not finished:
-                for msg in pending.values():  # received but never handed out
-                    self._give_back(msg)
-                self._end(run)
-                self._current = None
-            elif self._current is run:
-                self._inboxes.pop(run.id, None)
-            if not self.persistent_workers and self._procs:
-                self._shutdown()
+            if os.getpid() == self._owner_pid:  # not a forked copy finalized in a child
+                self._finish_iterator(run, pending, finished)
+
+    def _finish_iterator(self, run: _Run, pending: dict, finished: bool) -> None:
+        """An epoch's iterator ends (exhausted, broken out of, dropped)."""
+        if self._current is run and not finished:
+            for msg in pending.values():  # received but never handed out
+                self._give_back(msg)
+            self._end(run)
+            self._current = None
+        elif self._current is run:
+            self._inboxes.pop(run.id, None)
+        if not self.persistent_workers:
+            self._shutdown()
 
     def _check_current(self, epoch):
+        """An iterator is resumed: it must still be the loader's current one,
+        in the process that owns the loader."""
+        self._check_owner()
+        if self._closed:
+            raise ValueError("this ShmLoader is closed; create a new one")
         if self._epoch != epoch:
             raise RuntimeError("this ShmLoader iterator was superseded: iter(loader) was called "
                                "again, which starts a new epoch; use one iterator at a time")
@@ -454,7 +475,9 @@ class ShmLoader:
                           f"{msg.error.text}")
 
     def _batch(self, msg: P.BatchReady):
-        return materialize(msg.spec, self._leases.view(msg.slab), self.output == "torch")
+        s = msg.slab
+        slab = self._leases.view(s.lease, s.generation, s.offset, s.nbytes)
+        return materialize(msg.spec, slab, self.output == "torch")
 
 
 def _close_all():

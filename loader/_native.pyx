@@ -91,6 +91,9 @@ cdef class Bell:
         self.sleepers = self.seq + 1
 
     def ring(self):
+        self.ring_c()
+
+    cdef void ring_c(self) noexcept nogil:
         # SYNC POINT: the seq_cst read-modify-write pairs with the sleeper's
         # announcement in wait() (Dekker): either it sees our change or we
         # see it and wake it.
@@ -115,6 +118,7 @@ cdef class Bell:
 
 
 include "_rowwriter.pxi"
+include "_leases.pxi"
 
 
 cdef class RunCounters:

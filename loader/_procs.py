@@ -11,6 +11,7 @@ import select
 import signal
 import tempfile
 import threading
+import time
 import traceback
 import warnings
 
@@ -103,25 +104,39 @@ def fork_children(specs) -> list[Child]:
     children: list[Child] = []
     try:
         for role, target, args in specs:
-            children.append(_fork(role, target, args))
+            _fork(role, target, args, children)
     except BaseException as e:
         for c in children:
             c.kill()
-        wait_all(children, 5.0)
+        wait_all([c for c in children if c.pidfd is not None], 5.0)
         for c in children:
-            c.exitcode
+            if c.exitcode is None and c.pidfd is None:
+                # Its pidfd_open failed (out of fds): nothing to wait on with
+                # a bound, but a SIGKILLed child ends at once.
+                os.waitpid(c.pid, 0)
             c.close()
-        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE, errno.EAGAIN,
-                                                  errno.ENOMEM):
-            raise LoaderStartError(
-                f"ShmLoader could not start its processes ({len(children)} of {len(specs)} "
-                f"started, then: {e}); each needs 2 file descriptors and a process slot. Raise "
-                f"the limits (`ulimit -n`, `ulimit -u`) or use fewer workers") from e
-        raise
+        raise start_error(e, f"start its processes ({len(children)} of {len(specs)} started)")
     return children
 
 
-def _fork(role, target, args) -> Child:
+def start_error(exc: BaseException, doing: str) -> BaseException:
+    """What to raise when starting failed with exc: a LoaderStartError
+    naming the limits for what a limit causes, else exc itself."""
+    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.EAGAIN,
+                                                  errno.ENOMEM):
+        err = LoaderStartError(
+            f"ShmLoader could not {doing}: {exc}. It needs a few file descriptors for its "
+            f"shared memory, and 2 and a process slot per worker. Raise the limits "
+            f"(`ulimit -n`, `ulimit -u`) or use fewer workers")
+        err.__cause__ = exc
+        return err
+    return exc
+
+
+def _fork(role, target, args, children: list[Child]) -> None:
+    """Fork one child and append it to children before anything can raise
+    in this process (a Ctrl-C held back across the fork is raised when the
+    signal mask is restored: the caller must know the child by then)."""
     report = tempfile.TemporaryFile()
     parent = os.getpid()
     # Blocked across the fork: a Ctrl-C arriving now is delivered after it,
@@ -139,22 +154,22 @@ def _fork(role, target, args) -> Child:
             pid = os.fork()
         if pid == 0:
             _child_main(role, parent, target, args, report, old_mask)  # never returns
+        child = Child(role, pid, None, report)
+        children.append(child)
+        try:
+            child.pidfd = os.pidfd_open(pid)
+        except OSError as e:  # the caller kills and reaps the children it knows
+            if e.errno == errno.ENOSYS:
+                raise LoaderStartError("ShmLoader needs Linux 5.3 or later (pidfd_open) to wait "
+                                       "for its processes without polling") from e
+            raise
     except BaseException:
-        report.close()
+        if pid < 0:
+            report.close()
         raise
     finally:
         if pid != 0:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError as e:
-        if e.errno != errno.ENOSYS:  # kernels before 5.3 have none: waitpid only
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            report.close()
-            raise
-        pidfd = None
-    return Child(role, pid, pidfd, report)
 
 
 def _child_main(role, parent, target, args, report, mask):
@@ -180,21 +195,15 @@ def _child_main(role, parent, target, args, report, mask):
 def wait_all(children, timeout: float) -> bool:
     """Wait until every child has exited, up to timeout seconds (on their
     pidfds: no polling).  True if they all did."""
-    import time
-
     deadline = time.monotonic() + timeout
     pending = [c for c in children if c.exitcode is None]
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        fds = [c.pidfd for c in pending if c.pidfd is not None]
-        if fds:
-            poller = select.poll()
-            for fd in fds:
-                poller.register(fd, select.POLLIN)
-            poller.poll(min(left, 0.5) * 1000)
-        else:  # no pidfds (old kernel): a short wait, then look again
-            time.sleep(min(left, 0.01))
+        poller = select.poll()
+        for c in pending:
+            poller.register(c.pidfd, select.POLLIN)
+        poller.poll(left * 1000)
         pending = [c for c in pending if c.exitcode is None]
     return True

@@ -20,10 +20,12 @@ anonymous queues in memfds) and created before the fork: nothing has a
 name, so no crash of any process can leave anything in /dev/shm.
 
 Slab leases: the collator allocates a slab per batch from the arena under
-(lease, generation).  Main wraps the slab in a view that every batch array
-keeps alive; when the last one dies, a finalizer stores the generation into
-released[lease] and rings the collator's bell.  The collator reuses a slab
-only after seeing that store.
+(lease, generation).  Main views the slab through an array whose base
+object (a SlabLease, _leases.pxi) every batch array keeps alive; when the
+last one dies, compiled code stores the generation into released[lease]
+(release) and rings the collator's bell, running no Python bytecode, so a
+Ctrl-C there is not lost.  The collator reuses a slab only after its
+acquire load sees that store.
 
 The collator never blocks its loop: it takes messages without waiting,
 sleeps only on its bell, and keeps what main's ring cannot take in an

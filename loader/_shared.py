@@ -66,7 +66,8 @@ class SharedState:
         self.rings: list[shmq.Queue] = []
         try:
             # A user sampler's order for each run parity (NOTE [ Runs ]).
-            self.order_fds = [os.memfd_create("shmloader-order", os.MFD_CLOEXEC) for _ in range(2)]
+            for _ in range(2):
+                self.order_fds.append(os.memfd_create("shmloader-order", os.MFD_CLOEXEC))
             self.rings.append(shmq.Queue(TO_COLLATOR_BYTES, multi_producer=True, anonymous=True))
             self.rings.append(shmq.Queue(TO_MAIN_BYTES, anonymous=True))
         except BaseException:

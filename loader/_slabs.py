@@ -1,4 +1,5 @@
-"""Batch memory: the collator's slab allocator and main's leased views.
+"""Batch memory: the collator's slab allocator.  Main's side, the leases
+of the slabs it hands to the user, is compiled (LeaseBook in _leases.pxi).
 
 See NOTE [ ShmLoader processes and shutdown ] in _protocol.py for how a
 slab travels from the collator to the user and back, and NOTE [ Direct row
@@ -7,8 +8,6 @@ writes ] in _table.py for why a retired slab waits for the hazards.
 
 from __future__ import annotations
 
-import mmap
-import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -17,7 +16,6 @@ import shmq
 from loader._layout import align
 
 MAX_LEASES = 1 << 16
-PAGE = mmap.PAGESIZE
 
 
 class Slab(NamedTuple):
@@ -112,11 +110,15 @@ class SlabAllocator:
     def reclaim(self) -> bool:
         """Free every slab main has released, and every retired slab no
         worker's hazard names any more; True if any."""
-        done = [s for s in self.live.values() if self.released[s.lease] == s.generation]
+        load, released = shmq.atomic_load, self.released
+        # SYNC POINT: acquire loads; main's release store of the generation
+        # (LeaseBook.release) pairs with them: its reads of the slab are over.
+        done = [s for s in self.live.values() if load(released, s.lease) == s.generation]
         for s in done:
             self.release(s.lease)
         if self.limbo:
-            in_use = set(self.hazards.tolist())
+            # SYNC POINT: workers' hazard stores (NOTE [ Direct row writes ]).
+            in_use = {load(self.hazards, i) for i in range(len(self.hazards))}
             kept = [s for s in self.limbo if s.token in in_use]
             for s in self.limbo:
                 if s.token not in in_use:
@@ -149,59 +151,3 @@ class SlabAllocator:
             else:
                 merged.append((o, n))
         self.free = merged
-
-
-class _SlabView(np.ndarray):
-    """The uint8 view of one leased slab.  Its own type stops numpy from
-    collapsing the .base chain of the batch arrays past it, so every array
-    of a batch keeps its slab alive, and the slab's finalizer runs only
-    when the last of them is gone."""
-
-
-class Leases:
-    """Main's side of the slabs: the batches handed to the user.  When the
-    last array of a batch dies, its lease is released (one aligned int64
-    store: safe from any thread, no lock) and the collator is told.  After
-    close(), a released slab's pages are given back at once."""
-
-    def __init__(self, arena: np.ndarray, released: np.ndarray, on_release):
-        self.arena, self.released, self.on_release = arena, released, on_release
-        self.held: dict[int, Slab] = {}   # lease -> slab the user may still hold
-        self.closed = False
-
-    def view(self, slab: Slab) -> _SlabView:
-        v = self.arena[slab.offset:slab.offset + slab.nbytes].view(_SlabView)
-        self.held[slab.lease] = slab
-        weakref.finalize(v, self._release, slab)
-        return v
-
-    def _release(self, slab: Slab) -> None:
-        self.held.pop(slab.lease, None)
-        if self.closed:
-            # Its pages, including those it shared with slabs freed earlier.
-            lo = slab.offset - slab.offset % PAGE
-            hi = min(self.arena.nbytes, -(-(slab.offset + slab.nbytes) // PAGE) * PAGE)
-            for lo, hi in self._free_pages([(lo, hi)]):
-                shmq.discard_pages(self.arena[lo:hi])
-            return
-        shmq.atomic_store(self.released, slab.lease, slab.generation)
-        self.on_release()
-
-    def close(self) -> None:
-        """Give back every page of the arena that no held batch uses."""
-        self.closed = True
-        for lo, hi in self._free_pages([(0, self.arena.nbytes)]):
-            shmq.discard_pages(self.arena[lo:hi])
-
-    def _free_pages(self, ranges):
-        """The parts of ranges that no held slab overlaps."""
-        taken = sorted((s.offset, s.offset + s.nbytes) for s in self.held.values())
-        for lo, hi in ranges:
-            for tlo, thi in taken:
-                if thi <= lo or tlo >= hi:
-                    continue
-                if tlo > lo:
-                    yield lo, tlo
-                lo = max(lo, thi)
-            if hi > lo:
-                yield lo, hi

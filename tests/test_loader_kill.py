@@ -178,9 +178,6 @@ def test_main_killed_at_a_random_moment_leaves_nothing(phase, sig, target, count
 # strict xfail below: when one shows, the test is reported as xfailed (so
 # the suite stays green) instead of hiding anything else.
 KNOWN_CTRL_C_BUGS = {
-    "Exception ignored in: <finalize object":
-        "known bug: a Ctrl-C during a slab finalizer is swallowed "
-        "(test_ctrl_c_while_a_batch_is_released_interrupts_the_loop)",
     "Exception ignored in: <function Queue.__del__":
         "known bug: a Ctrl-C inside shmq.Queue() makes its __del__ raise AttributeError "
         "(test_ctrl_c_inside_queue_creation_says_nothing_more)",
@@ -432,13 +429,11 @@ def test_close_right_after_a_child_died_and_before_main_noticed():
     it.close()
 
 
-@pytest.mark.xfail(strict=True, reason="next() on an iterator of a closed loader raises a raw "
-                                       "KeyError from _next_of (the run's inbox is gone)")
 def test_an_iterator_of_a_closed_loader_says_it_is_closed():
     """After close() (here: after a child died, the moment a user closes and
     moves on), the epoch's iterator is resumed.  Expected: the error iter()
     gives for a closed loader (ValueError: this ShmLoader is closed).
-    Observed: KeyError: 1 from `self._inboxes[run]` in _next_of: _shutdown
+    Before the fix: KeyError: 1 from `self._inboxes[run]` in _next_of: _shutdown
     cleared the inboxes and _epoch_batches does not check _closed when it is
     resumed."""
     loader = ShmLoader(Numbers(1000), batch_size=8, num_workers=2)
@@ -450,14 +445,11 @@ def test_an_iterator_of_a_closed_loader_says_it_is_closed():
         next(it)
 
 
-@pytest.mark.xfail(strict=True, reason="first-ready mode: a dead worker is noticed only when "
-                                       "main waits 0.1 s for a message; the other workers keep "
-                                       "it from ever waiting, so the death is not reported")
 def test_first_ready_mode_reports_a_dead_worker_within_two_seconds():
     """in_order=False: one of three workers is SIGKILLed while main
     iterates; the two others keep batches coming.  Expected: WorkerError
     naming it within 2 s (as in in-order mode, where the batch it held
-    never completes).  Observed: no error; batches keep coming (its claimed
+    never completes).  Before the fix: no error; batches keep coming (its claimed
     sample is silently missing) until the epoch's end, here 10**6 samples
     away."""
     # A training step of 20 ms and 64 batches prefetched (1.3 s of steps):
@@ -624,14 +616,11 @@ RESUME = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="a forked child resuming the parent's iterator is not "
-                                       "refused: it yields the parent's buffered batches and "
-                                       "stores the run's LIMIT, and the parent's epoch hangs")
 def test_forked_child_resuming_the_parents_iterator_gets_runtime_error():
     """R21: a child forked mid-epoch calls next() on the parent's iterator
     (the one its parent is using).  Expected: RuntimeError (as iter(loader)
     gives), and the parent's epoch unaffected: 125 batches, every sample
-    once in order.  Observed: the child gets a batch the parent had buffered
+    once in order.  Before the fix: the child gets a batch the parent had buffered
     (batch 1, whose slab the parent has reused meanwhile: it starts at
     another sample than 16) and stores LIMIT = (2 + prefetch) x 16 into the
     run's shared control words, below the parent's position: the workers
@@ -783,23 +772,19 @@ def test_start_at_every_fd_limit_leaves_no_child_and_close_works():
     assert any(r["outcome"][0] == "LoaderStartError" for r in results.values())
 
 
-@pytest.mark.xfail(strict=True, reason="with no fd free, SharedState's memfd_create raises a raw "
-                                       "OSError(EMFILE) that does not name `ulimit -n`")
 def test_start_failure_with_no_fd_free_names_ulimit():
     """R17 at the edge: every descriptor below the limit is in use (a
     process that leaks fds).  Expected: LoaderStartError naming `ulimit -n`,
-    nothing left.  Observed: OSError: [Errno 24] Too many open files, raised
+    nothing left.  Before the fix: OSError: [Errno 24] Too many open files, raised
     by os.memfd_create (or the rings' memfds) in SharedState.__init__
     (_shared.py), which _start calls outside fork_children's EMFILE
     handling; the same with 1 or 2 fds free."""
     _assert_start_error(_start_failure("none-free")["0"])
 
 
-@pytest.mark.xfail(strict=True, reason="SharedState leaks the first order memfd when the second "
-                                       "memfd_create fails (the list is never assigned)")
 def test_a_start_failure_at_any_fd_limit_leaves_no_fd_open():
     """R17 swept: after a failed start, the process has exactly the fds it
-    had before.  Observed: with 1 fd free, one more fd is open afterwards,
+    had before.  Before the fix: with 1 fd free, one more fd is open afterwards,
     for good.  Cause: SharedState.__init__ does `self.order_fds =
     [os.memfd_create(...) for _ in range(2)]`; when the second call fails
     the list is never assigned, so `self.close()` in its except clause
@@ -937,15 +922,12 @@ CTRL_C_IN_FORK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="a Ctrl-C pending across fork() is raised by "
-                                       "pthread_sigmask in _fork's finally, before the child "
-                                       "is recorded: fork_children does not kill it")
 def test_ctrl_c_during_a_fork_leaves_no_child_behind():
     """A Ctrl-C arriving while a child is forked (made deterministic: the
     program SIGINTs itself inside the 3rd fork, while SIGINT is blocked).
     Expected: KeyboardInterrupt from iter(), the 2 children already started
     killed and reaped, and the one being forked too: no child left.
-    Observed: one child left running (state S) for as long as the process
+    Before the fix: one child left running (state S) for as long as the process
     lives.  Cause: in _procs._fork the parent's `finally:
     signal.pthread_sigmask(SIG_SETMASK, old_mask)` unblocks SIGINT, and
     CPython's pthread_sigmask runs the handler at once: KeyboardInterrupt
@@ -1002,14 +984,11 @@ CTRL_C_IN_CLOSE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="close() interrupted by Ctrl-C marks the loader closed "
-                                       "first: a second close() returns at once and nothing "
-                                       "reaps the children")
 def test_close_again_after_ctrl_c_in_close_reaps_every_child():
     """Ctrl-C while close() waits for a worker still inside dataset[i] (a
     natural moment to press it: close takes up to JOIN_TIMEOUT_S).
     Expected: KeyboardInterrupt, then a second close() finishes the
-    shutdown: every child stopped and reaped.  Observed: the second close()
+    shutdown: every child stopped and reaped.  Before the fix: the second close()
     returns at once (`_closed` was set before `_shutdown` ran) and the 3
     children stay: zombies, and the worker in dataset[40] until its sample
     ends, for the life of the process.  __del__ and the atexit handler skip
@@ -1038,12 +1017,8 @@ CTRL_C_IN_FINALIZER = textwrap.dedent("""
     loader = ShmLoader(DS(), batch_size=8, num_workers=2)
     it = iter(loader)
     next(it)
-    ring, sent = loader._leases.on_release, []
-    def on_release():  # a Ctrl-C that arrives while a batch's slab is released
-        if not sent:
-            sent.append(os.kill(os.getpid(), signal.SIGINT))
-        ring()
-    loader._leases.on_release = on_release
+    from loader import _native
+    _native._raise_sigint_on_release(1)  # a Ctrl-C arrives while a batch's slab is released
     steps = 0
     try:
         for b in it:  # the previous batch dies here: its finalizer runs
@@ -1057,21 +1032,15 @@ CTRL_C_IN_FINALIZER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="a Ctrl-C that arrives while a batch's slab finalizer "
-                                       "runs is swallowed ('Exception ignored in: <finalize "
-                                       "object>'): the training loop goes on")
 def test_ctrl_c_while_a_batch_is_released_interrupts_the_loop():
     """R7: found by test_ctrl_c_to_main_at_a_random_moment[ahead] (seed
-    567455326): 'still running 5 s after Ctrl-C', stderr 'Exception ignored
-    in: <finalize object ...> ... _slabs.py, in _release, self.on_release()
-    ... KeyboardInterrupt'.  Made deterministic here: the SIGINT arrives
-    while the finalizer of the previous batch's slab runs (the moment the
-    training loop drops a batch, every step).  Expected: KeyboardInterrupt
-    in the loop.  Observed: the handler runs inside the finalizer's Python
-    frames (weakref.finalize.__call__, Leases._release); Python prints the
-    exception as unraisable and drops it, and the loop runs its 200 steps.
-    The fork hooks were compiled for this very reason (_fork.pxi); the slab
-    finalizer is Python."""
+    567455326): a SIGINT that arrived while a batch's slab finalizer (then
+    Python: weakref.finalize) ran was printed as 'Exception ignored in:
+    <finalize object>' and dropped, and the training loop went on.  The
+    release is compiled now (LeaseBook in _leases.pxi) and runs no Python
+    bytecode: here the SIGINT is raised from inside it (a compiled test
+    hook), the moment the training loop drops the previous batch, and
+    KeyboardInterrupt must reach the loop at once, with nothing on stderr."""
     prog = _run_to_end(CTRL_C_IN_FINALIZER, timeout=30)
     try:
         out = prog.stdout()

@@ -13,7 +13,8 @@ from loader import _control as C
 from loader import _layout as L
 from loader import _native
 from loader import _table as T
-from loader._slabs import Leases, SlabAllocator
+from loader._native import Bell, LeaseBook
+from loader._slabs import SlabAllocator
 
 import shmq
 
@@ -83,27 +84,33 @@ def test_warm_up_covers_the_slabs_in_flight_only():
 def test_leases_release_when_the_last_view_dies_and_discard_after_close():
     arena = shmq.shared_array(1 << 20, np.uint8)
     released = shmq.shared_array(16, np.int64)
-    rings = []
-    leases = Leases(arena, released, lambda: rings.append(1))
-    from loader._slabs import Slab
-    s = Slab(3, 7, 8192, 4096)
-    v = leases.view(s)
-    batch = v[:16].view(np.float32)           # an array of the batch keeps the slab alive
+    bells = shmq.shared_array(2, np.int32)
+    bell = Bell(bells, 0)
+    bells[1] = 1                               # a sleeper: ring() bumps the sequence
+    book = LeaseBook(arena, released, bell)
+    v = book.view(3, 7, 8192, 4096)
+    batch = v[:16].view(np.float32)            # an array of the batch keeps the slab alive
     del v
     gc.collect()
-    assert released[3] == 0 and 3 in leases.held
+    assert released[3] == 0 and book.held == {3: (8192, 4096)} and bells[0] == 0
     del batch
-    gc.collect()
-    assert released[3] == 7 and rings == [1] and 3 not in leases.held
-    # after close, a dropped batch's pages go back instead
+    assert released[3] == 7 and bells[0] == 1 and book.held == {}  # at once: no GC needed
+    with pytest.raises(ValueError, match="not inside the arena"):
+        book.view(5, 1, (1 << 20) - 64, 128)
+    # after close, a dropped batch's pages go back instead, once no other
+    # held slab shares them
     arena[:] = 1
-    t = Slab(4, 1, 3 * 4096, 8192)
-    w = leases.view(t)
-    leases.close()
-    assert arena[:4096].max() == 0 and arena[3 * 4096] == 1  # free pages discarded, held kept
+    w = book.view(4, 1, 3 * 4096, 8192)        # pages 3-4
+    x = book.view(6, 1, 5 * 4096 - 64, 128)    # the end of page 4 and the start of page 5
+    book.close()
+    assert arena[:3 * 4096].max() == 0 and arena[6 * 4096:].max() == 0  # free pages discarded
+    assert arena[3 * 4096:6 * 4096].min() == 1                         # held ones kept
     del w
-    gc.collect()
-    assert arena[3 * 4096:5 * 4096].max() == 0 and released[4] == 0
+    assert arena[3 * 4096:4 * 4096].max() == 0 and arena[4 * 4096:6 * 4096].min() == 1
+    del x
+    assert arena.max() == 0 and released[4] == 0 and released[6] == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        book.view(7, 1, 0, 64)
 
 
 # --- the batch table ----------------------------------------------------------------------
