@@ -7,9 +7,10 @@
 Linux only; workers are forked.
 """
 
+from loader._layout import CollateError
 from loader._loader import LoaderTimeout, ShmLoader, WorkerError
 from loader._procs import LoaderStartError
 from loader._worker import WorkerInfo, get_worker_info
 
 __all__ = ["ShmLoader", "get_worker_info", "WorkerInfo", "WorkerError", "LoaderTimeout",
-           "LoaderStartError"]
+           "LoaderStartError", "CollateError"]
