@@ -22,6 +22,7 @@ every other leaf by a Value.  Main turns it into views (materialize).
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import pickle
 import sys
@@ -262,10 +263,24 @@ def _dtype_name(code: str) -> str:
     return "bfloat16" if code == BFLOAT16 else str(np.dtype(code))
 
 
+class _DigestPickler(pickle.Pickler):
+    """Pickles a signature for its digest.  A container type defined inside
+    a function cannot be pickled by name; it is named by its qualified
+    name and identity instead (it can only be met in one process, or in
+    processes forked after it was made)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, type) and "<locals>" in obj.__qualname__:
+            return str, (f"{obj.__module__}.{obj.__qualname__}#{id(obj)}",)
+        return NotImplemented
+
+
 def _digest(obj) -> tuple[int, int]:
     """128 bits naming obj in every process: pickling is exact where
     hash() is not (hash(-1) == hash(-2))."""
-    d = hashlib.blake2b(pickle.dumps(obj), digest_size=16).digest()
+    buf = io.BytesIO()
+    _DigestPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    d = hashlib.blake2b(buf.getvalue(), digest_size=16).digest()
     return tuple(int(w) for w in np.frombuffer(d, np.int64))
 
 

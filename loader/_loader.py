@@ -25,6 +25,7 @@ from loader._collator import collator_main
 from loader._inline import InlineEpoch
 from loader._layout import materialize
 from loader._native import LeaseBook, derived_seeds
+from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import LoaderStartError, fork_children, start_error, wait_all
 from loader._shared import LoaderConfig, SharedState
 from loader._worker import worker_main
@@ -181,6 +182,8 @@ class ShmLoader:
         self._owner_pid = os.getpid()
         self._procs: list = []
         self._shared = None
+        self._pinned = None
+        self._drawn_base_seed = None  # torch's rules: drawn once with persistent workers
         self._closed = False
         self._stats = None
         self._rank, self._world = (0, 1)
@@ -238,7 +241,8 @@ class ShmLoader:
             in_order=self.in_order, iterable=self.iterable, collate_fn=self.collate_fn,
             worker_init_fn=self.worker_init_fn, seed=self.seed, reproducible=self.reproducible,
             torch_seeding=self._torch_rules, memory_cap_bytes=self.memory_cap_bytes,
-            parent_pid=os.getpid(), rank=self._rank, world=self._world)
+            parent_pid=os.getpid(), rank=self._rank, world=self._world,
+            static_batches=self._torch_rules and self.in_order and not self.iterable)
         try:
             shared = SharedState(cfg)
         except BaseException as e:
@@ -252,6 +256,7 @@ class ShmLoader:
             raise
         self._cfg, self._shared = cfg, shared
         self._leases = LeaseBook(shared.arena, shared.released, shared.control.collator_bell)
+        self._pinned = PinnedChunks(shared.arena) if self.pin_memory and cuda_available() else None
         self._next_child_check = 0.0
 
     def _check_children(self):
@@ -294,6 +299,9 @@ class ShmLoader:
                 c.close()
             self._procs = []
         shared.close()
+        if self._pinned is not None:
+            self._pinned.close()
+            self._pinned = None
         self._leases.close()  # the arena's pages no batch you hold uses go back now
         self._shared = None
         self._inboxes.clear()
@@ -392,11 +400,17 @@ class ShmLoader:
 
     def _base_seed(self, epoch: int) -> int:
         """The seed workers take for an epoch (see seed_worker): drawn from
-        the generator as torch's DataLoader draws it, else from the seed."""
+        the generator as torch's DataLoader draws it (once per iterator it
+        makes: each epoch, or once with persistent workers), else from the
+        seed."""
         if self._torch_rules or self.generator is not None:
+            if self._drawn_base_seed is not None and self.persistent_workers and self.num_workers:
+                return self._drawn_base_seed
             import torch
 
-            return int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+            seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+            self._drawn_base_seed = seed
+            return seed
         return int(derived_seeds(self.seed & ((1 << 64) - 1), epoch, 0, 0)[0])
 
     def _plan(self, epoch: int) -> _Plan:
@@ -415,9 +429,11 @@ class ShmLoader:
             shipped = np.fromiter((int(i) for i in self.sampler), dtype=np.int64)
             kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
         elif self.shuffle and self.generator is not None:
-            import torch
+            from torch.utils.data import RandomSampler
 
-            shipped = torch.randperm(self._dataset_len(), generator=self.generator).numpy()
+            # torch's own sampler: exactly the order torch gives for this generator
+            n = self._dataset_len()
+            shipped = np.fromiter(RandomSampler(range(n), generator=self.generator), np.int64, n)
             shipped = O.shard(shipped, self._rank, self._world)
             kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
         else:
@@ -433,7 +449,9 @@ class ShmLoader:
             nbatches = -(-kept // self.batch_size)
             if shipped is not None:
                 shipped = shipped[:kept]
-        units = nbatches if self.collate_fn is not None or self.batch_size is None else kept
+        claims_batches = self.collate_fn is not None or self.batch_size is None or (
+            self._torch_rules and self.in_order)
+        units = nbatches if claims_batches else kept
         return _Plan(epoch, size, kept, units, nbatches, kind, order_seed, shipped, offsets,
                      base_seed)
 
@@ -484,9 +502,11 @@ class ShmLoader:
     def _runs_ahead(self) -> bool:
         """Can the next epoch start before this one ends?  Not when the
         next order is the user's to make (a sampler, which may wait for
-        set_epoch(); an iterable dataset), nor without persistent workers."""
+        set_epoch(); an iterable dataset), nor without persistent workers,
+        nor for DataLoader (torch draws its seeds at iter(), maybe after
+        the user reseeded the generator)."""
         return (self.persistent_workers and self.sampler is None and self.batch_sampler is None
-                and not self.iterable)
+                and not self.iterable and not self._torch_rules)
 
     def _run_for(self, epoch) -> _Run:
         """The run for `epoch`: the one started ahead if len(dataset) has not
@@ -509,6 +529,10 @@ class ShmLoader:
             raise ValueError("this ShmLoader is closed; create a new one")
         self._check_owner()
         self._epoch += 1
+        if self.pin_memory and not self._torch_rules and not cuda_available():
+            warnings.warn("ShmLoader: pin_memory=True, but CUDA is not available: batches are not "
+                          "pinned (pin_memory=False says the same without this warning)",
+                          UserWarning, stacklevel=2)
         if self.num_workers == 0:
             return InlineEpoch(self, self._epoch).batches()
         if self._shared is None:
@@ -682,6 +706,8 @@ class ShmLoader:
 
     def _batch(self, msg: P.BatchReady):
         s = msg.slab
+        if self._pinned is not None:
+            self._pinned.pin(s.offset, s.nbytes)
         slab = self._leases.view(s.lease, s.generation, s.offset, s.nbytes)
         return materialize(msg.spec, slab, self.output, self._torch_rules)
 

@@ -41,12 +41,18 @@ class LoaderConfig:
     parent_pid: int
     rank: int = 0                # distributed=True: this process's share of each epoch
     world: int = 1
+    static_batches: bool = False  # worker w loads batches w, w + W, ... (torch's assignment)
 
     @property
     def per_batch(self) -> bool:
         """Workers load and collate whole batches (a collate_fn, as torch
         runs it, or batch_size=None) instead of placing samples in rows."""
         return self.collate_fn is not None or self.batch_size is None
+
+    @property
+    def claims_batches(self) -> bool:
+        """A run's units are batches, not positions."""
+        return self.per_batch or self.static_batches
 
     @property
     def rows_per_batch(self) -> int:

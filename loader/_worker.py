@@ -208,7 +208,9 @@ class Worker:
             return self._stream_run(run)
         epoch = self.control.read(run, C.EPOCH)
         order, batches = self._order(run)
-        if self.cfg.per_batch:
+        if self.cfg.static_batches:
+            self._static_run(run, epoch, order, batches)
+        elif self.cfg.per_batch:
             self._batch_run(run, epoch, order, batches)
         else:
             self._sample_run(run, epoch, order, batches)
@@ -300,6 +302,40 @@ class Worker:
                 slot = unit if cfg.in_order else counters.claim(run, True)
                 if slot < 0 or not self._place_output(run, slot, output):
                     return
+
+    def _static_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
+        """DataLoader in order: this worker loads batches id, id + W, id + 2W...
+        in turn, as torch assigns them, so that what a dataset draws from the
+        generators torch seeded per worker lands in the same samples."""
+        cfg = self.cfg
+        step = max(cfg.num_workers, 1)
+        for batch in range(self.id, batches.count, step):
+            if not self._wait_to_load(run, batch):
+                return
+            start, stop = batches.span(batch)
+            samples = []
+            for row, pos in enumerate(range(start, stop)):
+                index = pos if order is None else int(order[pos])
+                try:
+                    sample = self._load(epoch, index)
+                except Exception as e:
+                    self.channel.failed(run, batch, pos, index, e, f"in worker {self.id}")
+                    break
+                if cfg.per_batch:
+                    samples.append(sample)
+                    continue
+                try:
+                    if self.writer.place(run, batch, row, stop - start, pos, sample) == ENDED:
+                        return
+                except CollateError as e:
+                    self.channel.failed(run, batch, pos, index, e,
+                                        f"in worker {self.id}, placing sample {index} in its batch")
+                    break
+            else:
+                if cfg.per_batch:
+                    output = self._collate(run, batch, samples)
+                    if output is not _FAILED and not self._place_output(run, batch, output):
+                        return
 
     def _collate(self, run: int, batch: int, samples: list):
         if self.cfg.collate_fn is None:  # batch_size=None: the sample is the batch
