@@ -117,19 +117,22 @@ class Control:
     # --- main --------------------------------------------------------------
 
     def start_run(self, run: int, epoch: int, size: int, kept: int, units: int, nbatches: int,
-                  order: int, order_seed: int, shipped: int, base_seed: int, limit: int) -> None:
+                  order: int, order_seed: int, shipped: int, base_seed: int, limit,
+                  ) -> None:
         """Fill the run's block, then publish it.  The block's previous run
         (run - 2) must have ended: see NOTE [ Runs ].  For an iterable
-        dataset, `limit` is every worker's."""
+        dataset, `limit` is each worker's (a list)."""
         c = self.ctl
+        per_worker = isinstance(limit, (list, tuple))
         for which, value in ((ID, run), (EPOCH, epoch), (SIZE, size), (KEPT, kept),
                              (UNITS, units), (NBATCHES, nbatches), (ORDER, order),
                              (ORDER_SEED, order_seed), (SHIPPED, shipped),
-                             (BASE_SEED, base_seed), (LIMIT, limit),
+                             (BASE_SEED, base_seed), (LIMIT, -1 if per_worker else limit),
                              (ARRIVED, tagged(run))):
             c[word(run, which)] = value
-        first = (run % 2) * max(self.num_workers, 1)
-        self.limits[first:first + max(self.num_workers, 1)] = limit
+        if per_worker:
+            first = (run % 2) * max(self.num_workers, 1)
+            self.limits[first:first + len(limit)] = limit
         shmq.atomic_store(c, word(run, CURSOR), tagged(run))
         shmq.atomic_store(c, LATEST_RUN, run)  # SYNC POINT: last; pairs with latest_run()
         self.run_bell.ring()
