@@ -14,7 +14,8 @@ blocks on a send, whatever the children are doing.
   ctl[LATEST_RUN] ──► run block (run % 2): ID EPOCH SIZE KEPT UNITS NBATCHES ORDER ORDER_SEED
                                              SHIPPED BASE_SEED CURSOR LIMIT ARRIVED
 
-- SIZE, KEPT: positions in this rank's order of the epoch, and those it
+- SIZE: the dataset's length, from which a computed order is made (or
+  the shipped order's length); KEPT: positions of this rank's order it
   delivers (drop_last drops a short last batch); -1 for an iterable
   dataset.
 - UNITS: what the workers claim one by one: positions of the order

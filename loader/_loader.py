@@ -57,7 +57,8 @@ class _KeyErrorMessage(str):
 class _Plan(NamedTuple):
     """What main decided about one pass: see NOTE [ Runs ]."""
     epoch: int
-    size: int                  # positions in this rank's order; -1 iterable
+    size: int                  # the dataset's length (a computed order), or the shipped
+                               # order's; -1 iterable
     kept: int                  # positions delivered
     units: int                 # what workers claim
     nbatches: int              # -1 iterable
@@ -160,6 +161,13 @@ class ShmLoader:
         if self.iterable and (sampler is not None or batch_sampler is not None or shuffle):
             raise ValueError("an iterable dataset orders its own samples: sampler, batch_sampler "
                              "and shuffle apply to map-style datasets (with __getitem__) only")
+        if not isinstance(distributed, bool):
+            ok = (isinstance(distributed, tuple) and len(distributed) == 2
+                  and all(isinstance(v, int) for v in distributed)
+                  and 0 <= distributed[0] < distributed[1])
+            if not ok:
+                raise ValueError(f"distributed must be True, False or (rank, world_size) with "
+                                 f"0 <= rank < world_size, got {distributed!r}")
         if distributed and (sampler is not None or batch_sampler is not None):
             raise ValueError("distributed=True shards the loader's own order across ranks; with "
                              "a sampler, shard in the sampler (torch's DistributedSampler)")
@@ -215,8 +223,7 @@ class ShmLoader:
         if self.batch_sampler is not None:
             return len(self.batch_sampler)
         n = len(self.sampler) if self.sampler is not None else self._dataset_len()
-        if self.distributed:
-            n = O.shard_size(n, distributed_rank()[1])
+        n = O.shard_size(n, self._ranks()[1])
         if self.batch_size is None:
             return n
         return -(-O.kept_of(n, self.batch_size, self.drop_last) // self.batch_size)
@@ -237,9 +244,15 @@ class ShmLoader:
                 f"this ShmLoader belongs to process {self._owner_pid}; a process forked from it "
                 f"(this is {os.getpid()}) cannot use it: create a new ShmLoader here")
 
-    def _start(self):
+    def _ranks(self) -> tuple[int, int]:
+        """(rank, world size) this loader shards epochs for."""
+        if self.distributed is True:
+            return distributed_rank()
         if self.distributed:
-            self._rank, self._world = distributed_rank()
+            return self.distributed
+        return 0, 1
+
+    def _start(self):
         cfg = LoaderConfig(
             dataset=self.dataset, batch_size=None if self.batch_size is None else self._rows,
             num_workers=self.num_workers, prefetch=self.prefetch, drop_last=self.drop_last,
@@ -459,6 +472,10 @@ class ShmLoader:
 
     def _plan_drawn(self, epoch: int, resume: dict | None) -> _Plan:
         if resume is not None:
+            if (resume["rank"], resume["world"]) != (self._rank, self._world):
+                raise ValueError(f"this state is of rank {resume['rank']} of {resume['world']}; "
+                                 f"this loader is rank {self._rank} of {self._world}: each rank "
+                                 f"resumes from its own state")
             self._set_rng_states(resume["rng"])
             if resume.get("base_seed") is not None:
                 self._drawn_base_seed = resume["base_seed"]
@@ -489,14 +506,17 @@ class ShmLoader:
             shipped = O.shard(shipped, self._rank, self._world)
             kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
         else:
+            # computed by the workers from the dataset's length (SIZE), then
+            # cut into this rank's share
             kind = O.ORDER_PERMUTATION if self.shuffle else O.ORDER_RANGE
             order_seed = self.seed if self.shuffle else 0
-            size = O.shard_size(self._dataset_len(), self._world)
+            size = self._dataset_len()
+        share = size if kind == O.ORDER_SHIPPED else O.shard_size(size, self._world)
         if offsets is not None:
-            kept = size
+            kept = share
         else:
-            kept = size if self.batch_size is None else O.kept_of(size, self.batch_size,
-                                                                  self.drop_last)
+            kept = share if self.batch_size is None else O.kept_of(share, self.batch_size,
+                                                                   self.drop_last)
             if shipped is not None:
                 shipped = shipped[:kept]
         done = remap = None
@@ -587,7 +607,7 @@ class ShmLoader:
         self._end(self._current)  # an iterator this one supersedes
         self._current = None
         if ahead is not None and resume is None and ahead.plan.epoch == epoch and \
-                ahead.plan.size == O.shard_size(self._dataset_len(), self._world):
+                ahead.plan.size == self._dataset_len():
             self._current = ahead
             return ahead
         self._end(ahead)
@@ -600,6 +620,8 @@ class ShmLoader:
         if self._closed:
             raise ValueError("this ShmLoader is closed; create a new one")
         self._check_owner()
+        if self._shared is None:  # (re)starting: the ranks are taken now (torchrun may have
+            self._rank, self._world = self._ranks()  # initialised its process group since)
         resume, self._resume = self._resume, None
         if resume is not None:
             self._epoch = resume["epoch"] - 1  # the epoch the state is in
