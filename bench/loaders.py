@@ -109,8 +109,11 @@ def grain_available():
     return True
 
 
-def kinds():
-    return ["ShmLoader", "PyTorch tensor path", "PyTorch numpy collate"] + (
+def kinds(extra=False):
+    """The loaders compared; extra: also ShmLoader with reproducible=True
+    (per-sample seeding) and loader.DataLoader (the torch drop-in)."""
+    ours = ["ShmLoader"] + (["ShmLoader, reproducible", "loader.DataLoader"] if extra else [])
+    return ours + ["PyTorch tensor path", "PyTorch numpy collate"] + (
         ["Grain"] if grain_available() else [])
 
 
@@ -123,15 +126,33 @@ def make(kind, dataset_kwargs, workers, dataset=W1, batch_size=BATCH):
                                        shuffle=False, num_epochs=1, seed=0)
         return pygrain.DataLoader(data_source=source, sampler=sampler, worker_count=workers,
                                   operations=[pygrain.Batch(batch_size=batch_size)])
-    if kind == "ShmLoader":
+    if kind.startswith("ShmLoader"):
         return ShmLoader(dataset(**dataset_kwargs), batch_size=batch_size, num_workers=workers,
-                         memory_cap_bytes=4 << 30)
+                         memory_cap_bytes=4 << 30, seed=0,
+                         reproducible=kind == "ShmLoader, reproducible")
     import torch.utils.data as tud
 
+    if kind == "loader.DataLoader":
+        from loader import DataLoader
+
+        return DataLoader(dataset(as_torch=True, **dataset_kwargs), batch_size=batch_size,
+                          num_workers=workers, persistent_workers=True, prefetch_factor=2)
     as_torch = kind == "PyTorch tensor path"
     return tud.DataLoader(dataset(as_torch=as_torch, **dataset_kwargs), batch_size=batch_size,
                           num_workers=workers, persistent_workers=True, prefetch_factor=2,
                           collate_fn=None if as_torch else numpy_collate)
+
+
+def seeding_cost_us(repeats=20000):
+    """What reproducible=True adds per sample, in one process: seeding
+    random, numpy's global generator and torch's from (seed, epoch, index)."""
+    from loader._worker import SampleSeeder
+
+    seeder = SampleSeeder(0)
+    t0 = time.perf_counter()
+    for i in range(repeats):
+        seeder(1, 0, i)
+    return (time.perf_counter() - t0) / repeats * 1e6
 
 
 def nbytes(batch):
@@ -265,7 +286,7 @@ def run_w1(batches, warmup):
 def run_small(name, dataset, batch_size, batches):
     """W2 / W4: batches per second on a warm (second) epoch."""
     rows = {}
-    for kind in kinds():
+    for kind in kinds(extra=True):
         loader = make(kind, {"batches": batches}, 2, dataset, batch_size)
         try:
             epoch_w1(loader)
@@ -277,6 +298,11 @@ def run_small(name, dataset, batch_size, batches):
     print(f"{'loader':<24} {'batch/s':>9} {'main CPU/batch':>15} {'ShmLoader is':>13}")
     for kind, (bps, cpu) in rows.items():
         print(f"{kind:<24} {bps:>9.1f} {cpu:>12.2f} ms {rows['ShmLoader'][0] / bps:>12.2f}x")
+    torch_bps = rows["PyTorch tensor path"][0]
+    print(f"loader.DataLoader is {rows['loader.DataLoader'][0] / torch_bps:.2f}x PyTorch's "
+          f"DataLoader; reproducible=True costs "
+          f"{1 - rows['ShmLoader, reproducible'][0] / rows['ShmLoader'][0]:.0%} of ShmLoader's "
+          f"batches/s here ({seeding_cost_us():.1f} us of seeding per sample, in one process)")
 
 
 def run_w3(batches):

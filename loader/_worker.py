@@ -4,6 +4,7 @@ _control.py for how runs are started and ended without messages."""
 
 from __future__ import annotations
 
+import _random
 import os
 import random
 import sys
@@ -89,11 +90,16 @@ class SampleSeeder:
         self.seed = seed & _U64
         torch = sys.modules.get("torch")
         self.torch_gen = torch.default_generator if torch is not None else None
+        # random.seed(int) is the C seed plus gauss_next = None (random.py);
+        # calling them directly saves a Python frame per sample.
+        self.random, self.seed_random = random._inst, _random.Random.seed
+        self.numpy = np.random.mtrand._rand
 
     def __call__(self, epoch: int, stream: int, item: int) -> None:
         s_random, s_numpy, s_torch = derived_seeds(self.seed, epoch & _U64, stream, item & _U64)
-        random.seed(s_random)
-        np.random.seed(s_numpy)
+        self.seed_random(self.random, s_random)
+        self.random.gauss_next = None
+        self.numpy.seed(s_numpy)
         if self.torch_gen is not None:
             self.torch_gen.manual_seed(s_torch)
 
