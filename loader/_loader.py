@@ -196,6 +196,7 @@ class ShmLoader:
         self._pinned = None
         self._drawn_base_seed = None  # torch's rules: drawn once with persistent workers
         self._resume = None           # a state to resume at the next iter()
+        self._steps_epoch = None      # (epoch, its iterator) that steps() goes on with
         self._progress = self._progress_plan = None  # of the epoch state_dict() describes
         self._closed = False
         self._stats = None
@@ -638,6 +639,34 @@ class ShmLoader:
             return self._stream_batches(self._epoch, resume)
         return self._epoch_batches(self._epoch, resume)
 
+    def steps(self, n: int | None = None):
+        """Yield n batches (None: for ever), going from one epoch into the
+        next with no pause (the next epoch's first batches are loaded
+        before the current one ends) and advancing the epoch, and so its
+        shuffle and seeds, at each boundary.  steps() called again goes on
+        where the last call stopped, mid-epoch included; state_dict() and
+        load_state_dict() work between and within calls."""
+        if n is not None:
+            _positive_int("n", n, 0)
+        count = 0
+        while n is None or count < n:
+            current = self._steps_epoch
+            if current is None or current[0] != self._epoch or self._resume is not None:
+                it = iter(self)  # the next epoch (or the one a loaded state is in)
+                current = self._steps_epoch = (self._epoch, it)
+            got = False
+            for batch in current[1]:
+                got = True
+                count += 1
+                yield batch
+                if n is not None and count >= n:
+                    return  # the epoch's iterator stays suspended here for the next call
+            self._steps_epoch = None
+            if not got and current[0] == self._epoch:
+                raise ValueError("ShmLoader.steps(): an epoch yielded no batch (an empty dataset, "
+                                 "or drop_last with fewer samples than a batch); there is nothing "
+                                 "to step through")
+
     def _epoch_batches(self, epoch, resume):
         """A map-style epoch: batches in order (or as they are ready)."""
         run = self._run_for(epoch, resume)
@@ -871,6 +900,7 @@ class ShmLoader:
             if state["seed"] != self.seed:
                 self._shutdown()  # the workers know the old seed: new ones start at iter()
         self._current = self._ahead = None
+        self._steps_epoch = None
         self.seed = state["seed"]
         if state["complete"]:
             self._epoch, self._resume = state["epoch"], None
