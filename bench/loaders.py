@@ -400,19 +400,81 @@ def run_w7(steps):
         print(f"{kind:<24} {100 * used:>13.2f}% {ratio:>14.2f}x")
 
 
+class TorchFiles:
+    """PyTorch's way over the same files: np.load in dataset[i]."""
+
+    def __init__(self, files):
+        self.files = files
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, i):
+        import torch
+
+        return torch.from_numpy(np.load(self.files[i]))
+
+
+def run_w8(file_mb, nfiles, workers_list):
+    """W8: a directory of .npy files read by FileDataset, MB/s into the loop
+    (page cache warm: a warm-up epoch first), beside PyTorch's DataLoader
+    calling np.load in dataset[i]."""
+    import shutil
+    import tempfile
+
+    from loader import FileDataset
+
+    tmp = tempfile.mkdtemp(prefix="w8-")
+    try:
+        shape = (file_mb * (1 << 20) // 4 // 1024, 1024)
+        for i in range(nfiles):
+            np.save(os.path.join(tmp, f"s{i:05d}.npy"), np.full(shape, i, np.float32))
+        files = sorted(os.path.join(tmp, f) for f in os.listdir(tmp))
+        total_mb = nfiles * file_mb
+        print(f"\nW8 files: {nfiles} .npy files of {file_mb} MB ({total_mb / 1024:.1f} GB), "
+              f"batch 32, page cache warm, third epoch (two to warm up: page cache, slabs)")
+        print(f"{'loader':<28} {'workers':>7} {'MB/s':>8} {'main CPU/batch':>15} "
+              f"{'ShmLoader is':>13}")
+        import torch.utils.data as tud
+
+        for workers in workers_list:
+            rows = {}
+            for kind in ("ShmLoader + FileDataset", "PyTorch DataLoader + np.load"):
+                if kind.startswith("ShmLoader"):
+                    loader = ShmLoader(FileDataset(os.path.join(tmp, "*.npy")), batch_size=32,
+                                       num_workers=workers, output="torch")
+                else:
+                    loader = tud.DataLoader(TorchFiles(files), batch_size=32, num_workers=workers,
+                                            persistent_workers=True, prefetch_factor=2)
+                try:
+                    epoch_w1(loader)
+                    epoch_w1(loader)
+                    wall, cpu, first, total, count = epoch_w1(loader)
+                finally:
+                    close(loader)
+                rows[kind] = (total / wall / 1e6, cpu / count * 1e3)
+            ours = rows["ShmLoader + FileDataset"][0]
+            for kind, (mbs, cpu) in rows.items():
+                print(f"{kind:<28} {workers:>7} {mbs:>8.0f} {cpu:>12.2f} ms {ours / mbs:>12.2f}x",
+                      flush=True)
+    finally:
+        shutil.rmtree(tmp)
+
+
 WORKLOADS = {
     "W1": lambda args: run_w1(args.batches, args.warmup),
     "W2": lambda args: run_small("W2 tiny (10, 150) float64", W2, BATCH, 60),
     "W3": lambda args: run_w3(args.w3_batches),
     "W4": lambda args: run_small("W4 dict {x: (3, 64, 64) uint8, y, path}", W4, 64, 60),
     "W7": lambda args: run_w7(args.w7_steps),
+    "W8": lambda args: run_w8(4, 256, (2, 4)),  # 1 GB of files
 }
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="W1,W2,W3,W4,W7",
+    parser.add_argument("--workloads", default="W1,W2,W3,W4,W7,W8",
                         help="comma-separated, of " + ", ".join(WORKLOADS))
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--w3-batches", type=int, default=8)

@@ -69,6 +69,7 @@ class _Plan(NamedTuple):
     base_seed: int
     rng: dict                  # generator states at the epoch's start (state_dict)
     progress: object           # MapProgress or StreamProgress of the run
+    snapshot: object = None    # the dataset's snapshot of the epoch (FileDataset: its files)
 
 
 class _Run(NamedTuple):
@@ -460,16 +461,26 @@ class ShmLoader:
         if "sampler" in states:
             self.sampler.generator.set_state(tensor(states["sampler"]))
 
-    def _plan(self, epoch: int, resume: dict | None = None) -> _Plan:
+    def _snapshot(self):
+        """The dataset's own view of the epoch starting (see SNAPSHOT in
+        NOTE [ Runs ]), or None."""
+        take = getattr(self.dataset, "epoch_snapshot", None)
+        return take() if callable(take) else None
+
+    def _plan(self, epoch: int, resume: dict | None = None, snapshot=None) -> _Plan:
         """Decide epoch's pass: which indices in which order (see NOTE
         [ Runs ]); with `resume`, only what the state says is left of it
         (NOTE [ Resuming an epoch ])."""
+        if snapshot is None:
+            snapshot = self._snapshot()
         if resume is None or "global" not in resume["rng"]:
-            return self._plan_drawn(epoch, resume)
-        import torch
+            plan = self._plan_drawn(epoch, resume)
+        else:
+            import torch
 
-        with torch.random.fork_rng(devices=[]):  # the user's global generator is left alone
-            return self._plan_drawn(epoch, resume)
+            with torch.random.fork_rng(devices=[]):  # the user's global generator is left alone
+                plan = self._plan_drawn(epoch, resume)
+        return plan._replace(snapshot=snapshot)
 
     def _plan_drawn(self, epoch: int, resume: dict | None) -> _Plan:
         if resume is not None:
@@ -558,15 +569,17 @@ class ShmLoader:
             return upto
         return run.batches.span(upto - 1)[1] if upto > 0 else 0
 
-    def _start_run(self, epoch, resume: dict | None = None) -> _Run:
+    def _start_run(self, epoch, resume: dict | None = None, snapshot=None) -> _Run:
         """Start a pass over the data for `epoch` (see NOTE [ Runs ])."""
         run_id = self._runs + 1
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while run_id - 2 in self._unended:  # its block is about to be reused
             self._route(self._receive(deadline))
-        plan = self._plan(epoch, resume)
+        plan = self._plan(epoch, resume, snapshot)
         if plan.shipped is not None:
             self._shared.write_order(run_id, plan.shipped, plan.offsets)
+        if plan.snapshot is not None:
+            self._shared.write_snapshot(run_id, plan.snapshot)
         batches = None if self.iterable else O.Batches(plan.kept, self._rows, plan.offsets)
         run = _Run(run_id, plan, batches)
         self._runs = run_id
@@ -574,7 +587,8 @@ class ShmLoader:
         self._inboxes[run_id] = collections.deque()
         self._shared.control.start_run(
             run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
-            plan.order_seed, int(plan.offsets is not None), plan.base_seed, self._limit(run, 0))
+            plan.order_seed, int(plan.offsets is not None), plan.base_seed, self._limit(run, 0),
+            int(plan.snapshot is not None))
         return run
 
     def _end(self, run: _Run | None) -> None:
@@ -607,12 +621,13 @@ class ShmLoader:
         ahead, self._ahead = self._ahead, None
         self._end(self._current)  # an iterator this one supersedes
         self._current = None
+        snapshot = self._snapshot()  # the dataset as this epoch starts
         if ahead is not None and resume is None and ahead.plan.epoch == epoch and \
-                ahead.plan.size == self._dataset_len():
+                ahead.plan.size == self._dataset_len() and ahead.plan.snapshot == snapshot:
             self._current = ahead
             return ahead
         self._end(ahead)
-        self._current = self._start_run(epoch, resume)
+        self._current = self._start_run(epoch, resume, snapshot)
         return self._current
 
     # --- iteration ----------------------------------------------------------------------

@@ -16,7 +16,6 @@ import shmq
 from loader import _control as C
 from loader import _order as O
 from loader import _protocol as P
-from loader._layout import CollateError
 from loader._native import ENDED, RowWriter, RunCounters, derived_seeds
 from loader._shared import LoaderConfig, SharedState
 from loader._table import SEQ
@@ -211,6 +210,8 @@ class Worker:
             self._start(run)
         if self.broken:
             return -1, -1, 0
+        if self.control.read(run, C.SNAPSHOT):  # the epoch's view of the dataset (FileDataset)
+            self.cfg.dataset.restore_snapshot(self.shared.read_snapshot(run))
         if self.cfg.iterable:
             return self._stream_run(run)
         epoch = self.control.read(run, C.EPOCH)
@@ -278,7 +279,7 @@ class Worker:
             try:
                 if place(run, batch, row, batches.rows(batch), pos, sample) == ENDED:
                     return
-            except CollateError as e:
+            except Exception as e:  # a CollateError, or a file read failing (FileDataset)
                 self.channel.failed(run, batch if in_order else -1, pos, index, e,
                                     f"in worker {self.id}, placing sample {index} in its batch")
 
@@ -334,7 +335,7 @@ class Worker:
                 try:
                     if self.writer.place(run, batch, row, stop - start, pos, sample) == ENDED:
                         return
-                except CollateError as e:
+                except Exception as e:  # a CollateError, or a file read failing (FileDataset)
                     self.channel.failed(run, batch, pos, index, e,
                                         f"in worker {self.id}, placing sample {index} in its batch")
                     break
@@ -358,7 +359,7 @@ class Worker:
         number in the worker's stream); False once the run ended."""
         try:
             return self.writer.place(run, slot, 0, 1, tag, output, batched=False) != ENDED
-        except CollateError as e:
+        except Exception as e:  # a CollateError, or a file read failing
             self.channel.failed(run, slot if self.cfg.in_order else -1, -1, -1, e,
                                 f"in worker {self.id}, placing the output of batch {slot}")
             return True
@@ -428,7 +429,7 @@ class Worker:
             try:
                 if self.writer.place(run, batch, row, B, seq - 1, sample) == ENDED:
                     return ended
-            except CollateError as e:
+            except Exception as e:  # a CollateError, or a file read failing (FileDataset)
                 self.channel.failed(run, batch if cfg.in_order else -1, -1, -1, e,
                                     f"in worker {w}, placing a sample in its batch")
             row += 1
