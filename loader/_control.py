@@ -36,9 +36,9 @@ blocks on a send, whatever the children are doing.
   one per iterator; a worker process seeds itself from the first run it
   sees (see seed_worker in _worker.py).
 - SNAPSHOT: 1 when the dataset gave main a snapshot of itself for the
-  epoch (dataset.epoch_snapshot(): FileDataset's file list), written
-  into the run's snapshot file; each worker hands it to
-  dataset.restore_snapshot() before loading the run.
+  epoch, written into the run's snapshot file; each worker hands it to
+  dataset.restore_snapshot() before loading the run (NOTE [ Datasets that
+  change with the epoch ] in _epochs.py).
 - CURSOR: (run << 32) | next unit, claimed by compare-and-swap.  A worker
   still busy in an ended run can never take a unit of a newer one, and
   ending a run is one store of an untagged value.

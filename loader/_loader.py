@@ -22,6 +22,7 @@ from loader import _control as C
 from loader import _order as O
 from loader import _protocol as P
 from loader._collator import collator_main
+from loader._epochs import EpochInfo
 from loader._inline import InlineEpoch
 from loader._layout import materialize
 from loader._native import LeaseBook, derived_seeds
@@ -461,18 +462,20 @@ class ShmLoader:
         if "sampler" in states:
             self.sampler.generator.set_state(tensor(states["sampler"]))
 
-    def _snapshot(self):
-        """The dataset's own view of the epoch starting (see SNAPSHOT in
-        NOTE [ Runs ]), or None."""
+    def _snapshot(self, epoch: int):
+        """The dataset's own view of the epoch starting, or None: see NOTE
+        [ Datasets that change with the epoch ] in _epochs.py."""
         take = getattr(self.dataset, "epoch_snapshot", None)
-        return take() if callable(take) else None
+        if not callable(take):
+            return None
+        return take(EpochInfo(epoch, self.seed, self._rank, self._world))
 
     def _plan(self, epoch: int, resume: dict | None = None, snapshot=None) -> _Plan:
         """Decide epoch's pass: which indices in which order (see NOTE
         [ Runs ]); with `resume`, only what the state says is left of it
         (NOTE [ Resuming an epoch ])."""
         if snapshot is None:
-            snapshot = self._snapshot()
+            snapshot = self._snapshot(epoch)
         if resume is None or "global" not in resume["rng"]:
             plan = self._plan_drawn(epoch, resume)
         else:
@@ -621,7 +624,7 @@ class ShmLoader:
         ahead, self._ahead = self._ahead, None
         self._end(self._current)  # an iterator this one supersedes
         self._current = None
-        snapshot = self._snapshot()  # the dataset as this epoch starts
+        snapshot = self._snapshot(epoch)  # the dataset as this epoch starts
         if ahead is not None and resume is None and ahead.plan.epoch == epoch and \
                 ahead.plan.size == self._dataset_len() and ahead.plan.snapshot == snapshot:
             self._current = ahead
