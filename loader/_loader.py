@@ -131,7 +131,7 @@ class ShmLoader:
                  num_workers=2, collate_fn=None, drop_last=False, in_order=True, prefetch=None,
                  persistent_workers=True, worker_init_fn=None, seed=None, generator=None,
                  reproducible=None, timeout=None, output="numpy", pin_memory=False,
-                 memory_cap_bytes=None, distributed=False):
+                 memory_cap_bytes=None, distributed=False, shuffle_buffer=None):
         if batch_size is not None:
             _positive_int("batch_size", batch_size)
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
@@ -160,6 +160,14 @@ class ShmLoader:
                 raise TypeError(f"generator must be a torch.Generator, got "
                                 f"{type(generator).__name__}")
         self.iterable = is_iterable_dataset(dataset)
+        if shuffle_buffer is not None:
+            _positive_int("shuffle_buffer", shuffle_buffer)
+            if not self.iterable:
+                raise ValueError("shuffle_buffer shuffles a stream (an iterable dataset); a "
+                                 "map-style dataset is shuffled by shuffle=True")
+            if collate_fn is not None or batch_size is None:
+                raise ValueError("shuffle_buffer places samples in random rows of pending "
+                                 "batches: it needs the default collate and a batch_size")
         if self.iterable and (sampler is not None or batch_sampler is not None or shuffle):
             raise ValueError("an iterable dataset orders its own samples: sampler, batch_sampler "
                              "and shuffle apply to map-style datasets (with __getitem__) only")
@@ -182,6 +190,7 @@ class ShmLoader:
             persistent_workers, worker_init_fn, timeout)
         self.output, self.pin_memory, self.distributed = output, pin_memory, distributed
         self.generator = generator
+        self.shuffle_buffer = shuffle_buffer or 0
         self.seed = seed if seed is not None else secrets.randbits(63)
         self.reproducible = (seed is not None) if reproducible is None else bool(reproducible)
         self.memory_cap_bytes = memory_cap_bytes or _default_memory_cap()
@@ -263,7 +272,8 @@ class ShmLoader:
             worker_init_fn=self.worker_init_fn, seed=self.seed, reproducible=self.reproducible,
             torch_seeding=self._torch_rules, memory_cap_bytes=self.memory_cap_bytes,
             parent_pid=os.getpid(), rank=self._rank, world=self._world,
-            static_batches=self._torch_rules and self.in_order and not self.iterable)
+            static_batches=self._torch_rules and self.in_order and not self.iterable,
+            shuffle_buffer=self.shuffle_buffer)
         try:
             shared = SharedState(cfg)
         except BaseException as e:
@@ -497,11 +507,12 @@ class ShmLoader:
         rng = self._rng_states()
         base_seed = self._base_seed(epoch)
         if self.iterable:
-            skipped = None if resume is None else resume["stream"]
-            shipped = None if skipped is None else np.asarray(skipped, np.int64)
-            return _Plan(epoch, -1, -1, -1, -1, O.ORDER_RANGE if shipped is None else
-                         O.ORDER_SHIPPED, 0, shipped, None, base_seed, rng,
-                         StreamProgress(max(self.num_workers, 1), self._rows, skipped))
+            progress = StreamProgress(max(self.num_workers, 1), self._rows,
+                                      None if resume is None else resume["stream"])
+            shipped = None if resume is None else progress.skips()
+            return _Plan(epoch, -1, -1 if shipped is None else len(shipped), -1, -1,
+                         O.ORDER_RANGE if shipped is None else O.ORDER_SHIPPED, 0, shipped, None,
+                         base_seed, rng, progress)
         shipped = offsets = None
         if self.batch_sampler is not None:
             batches = [np.asarray(list(b), np.int64).reshape(-1) for b in self.batch_sampler]
@@ -566,7 +577,8 @@ class ShmLoader:
         """Units workers may load once `yielded` batches were yielded: those
         of the next `prefetch` batches.  (Iterable runs: per worker.)"""
         if run.batches is None:  # each stream's next batches (a resumed one starts further)
-            return [s // self._rows + self._cfg.worker_prefetch for s in run.plan.progress.skipped]
+            ahead = self._cfg.worker_prefetch + self._cfg.shuffle_batches
+            return [j + ahead for j in run.plan.progress.first_batches()]
         upto = min(yielded + self.prefetch, run.plan.nbatches)
         if run.plan.units == run.plan.nbatches:  # workers claim whole batches
             return upto
@@ -753,9 +765,9 @@ class ShmLoader:
         progress = self._track(run.plan)
         control = self._shared.control
         workers = max(self.num_workers, 1)
-        pending, errors, ends = {}, {}, {}   # ends: worker -> its batch count
+        pending, errors, ends = {}, {}, {}   # ends: worker -> (its batch count, those dropped)
         # a resumed epoch goes on where the round-robin was (NOTE [ Resuming an epoch ])
-        next_id = min(s // self._rows * workers + w for w, s in enumerate(progress.skipped))
+        next_id = min(j * workers + w for w, j in enumerate(progress.first_batches()))
         ended = finished = False
         try:
             while True:
@@ -764,9 +776,10 @@ class ShmLoader:
                         if next_id in errors:
                             self._raise_failed(errors.pop(next_id))
                         w, j = next_id % workers, next_id // workers
-                        if w in ends and j >= ends[w]:  # that stream is over: skip its ids
+                        if w in ends and (j >= ends[w][0] or j in ends[w][1]):
+                            # a batch that stream will never fill: skip it
                             if len(ends) == workers and next_id > max(
-                                    (k - 1) * workers + v for v, k in ends.items()):
+                                    (k - 1) * workers + v for v, (k, _) in ends.items()):
                                 break  # every stream is over
                             next_id += 1
                             continue
@@ -775,11 +788,15 @@ class ShmLoader:
                         key = next(iter(pending), None)
                     if key is None:
                         break
-                    batch = self._batch(pending.pop(key))
+                    msg = pending.pop(key)
+                    batch = self._batch(msg)
                     if self.in_order:
                         next_id += 1
                     control.raise_worker_limit(run.id, key % workers)
-                    progress.mark(key % workers)
+                    if self._cfg.per_batch:
+                        progress.mark_batch(key % workers)
+                    else:
+                        progress.mark_tags(key % workers, self._tags(msg))
                     yield batch
                     self._check_current(epoch)
                 if ended and not pending:
@@ -797,7 +814,7 @@ class ShmLoader:
                     else:
                         self._raise_failed(msg)
                 elif kind is P.StreamEnded:
-                    ends[msg.worker] = msg.batches
+                    ends[msg.worker] = (msg.batches, set(msg.dropped))
                 elif kind is P.RunEnded:
                     ended = True
                     self._record_stats(epoch, msg)
@@ -894,7 +911,7 @@ class ShmLoader:
             state["map"] = progress.state()
             state["complete"] = progress.complete()
         else:
-            state["stream"] = progress.consumed()
+            state["stream"] = progress.state()
             state["complete"] = progress.complete
         return state
 

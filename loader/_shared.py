@@ -43,6 +43,7 @@ class LoaderConfig:
     rank: int = 0                # distributed=True: this process's share of each epoch
     world: int = 1
     static_batches: bool = False  # worker w loads batches w, w + W, ... (torch's assignment)
+    shuffle_buffer: int = 0       # iterable datasets: samples mixed in each worker's window
 
     @property
     def per_batch(self) -> bool:
@@ -65,13 +66,24 @@ class LoaderConfig:
         return max(1, -(-self.prefetch // max(self.num_workers, 1)))
 
     @property
+    def shuffle_batches(self) -> int:
+        """shuffle_buffer: the batches of each worker's window (its share of
+        the buffer, in batches)."""
+        if not self.shuffle_buffer:
+            return 0
+        share = -(-self.shuffle_buffer // max(self.num_workers, 1))
+        return max(1, -(-share // self.rows_per_batch))
+
+    @property
     def publish_window(self) -> int:
         """How many batches past those sent the collator lays out ahead:
         workers load units below main's limit, `prefetch` batches past what
         it has yielded, plus one claim each that waits; two more batches
         of slack let the next be ready as the window moves.  (Iterable
         datasets: per worker, past that worker's batches sent.)"""
-        return (self.worker_prefetch if self.iterable else self.prefetch) + 2
+        if self.iterable:
+            return self.worker_prefetch + self.shuffle_batches + 2
+        return self.prefetch + 2
 
     @property
     def table_per_run(self) -> int:
@@ -80,7 +92,8 @@ class LoaderConfig:
         share an entry across workers, and large enough for the batches in
         flight (see NOTE [ Runs ])."""
         w = max(self.num_workers, 1)
-        return w * max(-(-64 // w), -(-2 * self.publish_window // w), self.worker_prefetch + 3)
+        return w * max(-(-64 // w), -(-2 * self.publish_window // w),
+                       self.worker_prefetch + self.shuffle_batches + 3)
 
 
 class SharedState:

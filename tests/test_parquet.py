@@ -114,3 +114,13 @@ def test_a_missing_pattern_says_so(tmp_path):
                    num_workers=2) as loader:
         with pytest.raises(FileNotFoundError, match="no file matches"):
             list(loader)
+
+
+def test_a_shuffle_buffer_mixes_rows_across_row_groups(tmp_path):
+    total = write_files(tmp_path)
+    with ShmLoader(ParquetDataset(str(tmp_path / "*.parquet"), shuffle=False), batch_size=8,
+                   num_workers=2, shuffle_buffer=64, seed=2) as loader:
+        ids = check_rows(loader)
+    assert sorted(ids) == list(range(total))
+    groups = [i // 10 for i in ids[:8]]  # the first batch draws on several row groups
+    assert len(set(groups)) > 1 and ids != sorted(ids)
