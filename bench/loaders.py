@@ -158,6 +158,8 @@ def seeding_cost_us(repeats=20000):
 def nbytes(batch):
     if isinstance(batch, dict):
         return sum(nbytes(v) for k, v in batch.items() if k != "path")
+    if isinstance(batch, np.generic):
+        return batch.nbytes
     return batch.nbytes if isinstance(batch, np.ndarray) else batch.numel() * batch.element_size()
 
 
@@ -461,6 +463,94 @@ def run_w8(file_mb, nfiles, workers_list):
         shutil.rmtree(tmp)
 
 
+class TorchParquetStream:
+    """What a PyTorch user writes for Parquet: an IterableDataset reading
+    its workers' share of the row groups with pyarrow, rows as dicts, a
+    shuffle buffer per worker (a list; a random row out for each row in)."""
+
+    def __init__(self, files, buffer):
+        self.files, self.buffer = files, buffer
+
+    def __iter__(self):
+        import random
+
+        import pyarrow.parquet as pq
+        import torch.utils.data as tud
+
+        info = tud.get_worker_info()
+        w, k = (0, 1) if info is None else (info.id, info.num_workers)
+        groups = [(f, g) for f in self.files for g in range(pq.ParquetFile(f).num_row_groups)]
+        rng, buf = random.Random(w), []
+        for f, g in groups[w::k]:
+            t = pq.ParquetFile(f).read_row_group(g)
+            x = t.column("x").combine_chunks().flatten().to_numpy().reshape(t.num_rows, -1)
+            ids, labels = t.column("id").to_numpy(), t.column("label").to_numpy()
+            for r in range(t.num_rows):
+                row = {"x": x[r], "id": ids[r], "label": labels[r]}
+                if len(buf) < self.buffer:
+                    buf.append(row)
+                    continue
+                i = rng.randrange(len(buf))
+                buf[i], row = row, buf[i]
+                yield row
+        rng.shuffle(buf)
+        yield from buf
+
+
+def run_w9(rows, files, batch_size, buffer):
+    """W9: Parquet rows (a 64-float fixed-size list, an id and a label per
+    row) read with a shuffle buffer, 2 workers: ShmLoader + ParquetDataset
+    beside pyarrow + PyTorch's DataLoader, rows/s into the loop."""
+    import shutil
+    import tempfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch.utils.data as tud
+
+    from loader import ParquetDataset
+
+    tmp = tempfile.mkdtemp(prefix="w9-")
+    try:
+        per = rows // files
+        for f in range(files):
+            ids = np.arange(f * per, (f + 1) * per)
+            x = pa.FixedSizeListArray.from_arrays(pa.array(
+                np.repeat(ids, 64).astype(np.float32)), 64)
+            pq.write_table(pa.table({"x": x, "id": pa.array(ids), "label": pa.array(ids % 1000)}),
+                           os.path.join(tmp, f"part{f}.parquet"), row_group_size=8192)
+        paths = sorted(os.path.join(tmp, p) for p in os.listdir(tmp))
+        print(f"\nW9 parquet: {rows} rows ({rows * 272 / 1e6:.0f} MB) in {files} files, row groups "
+              f"of 8192, batch {batch_size}, shuffle buffer {buffer}, 2 workers, second epoch")
+        print(f"{'loader':<34} {'rows/s':>10} {'MB/s':>8} {'main CPU/batch':>15} {'ShmLoader is':>13}")
+        results = {}
+        for kind in ("ShmLoader + ParquetDataset", "pyarrow + PyTorch DataLoader"):
+            if kind.startswith("ShmLoader"):
+                # reproducible=False: nothing here draws random numbers per row (the
+                # shuffle buffer is seeded all the same)
+                loader = ShmLoader(ParquetDataset(paths), batch_size=batch_size, num_workers=2,
+                                   shuffle_buffer=buffer, seed=0, reproducible=False,
+                                   output="torch")
+            else:
+                class Stream(TorchParquetStream, tud.IterableDataset):
+                    __iter__ = TorchParquetStream.__iter__
+
+                loader = tud.DataLoader(Stream(paths, buffer // 2),
+                                        batch_size=batch_size, num_workers=2,
+                                        persistent_workers=True, prefetch_factor=2)
+            try:
+                epoch_w1(loader)
+                wall, cpu, first, total, count = epoch_w1(loader)
+            finally:
+                close(loader)
+            results[kind] = (rows / wall, total / wall / 1e6, cpu / count * 1e3)
+        ours = results["ShmLoader + ParquetDataset"][0]
+        for kind, (rps, mbs, cpu) in results.items():
+            print(f"{kind:<34} {rps:>10.0f} {mbs:>8.0f} {cpu:>12.2f} ms {ours / rps:>12.2f}x")
+    finally:
+        shutil.rmtree(tmp)
+
+
 WORKLOADS = {
     "W1": lambda args: run_w1(args.batches, args.warmup),
     "W2": lambda args: run_small("W2 tiny (10, 150) float64", W2, BATCH, 60),
@@ -468,13 +558,14 @@ WORKLOADS = {
     "W4": lambda args: run_small("W4 dict {x: (3, 64, 64) uint8, y, path}", W4, 64, 60),
     "W7": lambda args: run_w7(args.w7_steps),
     "W8": lambda args: run_w8(4, 256, (2, 4)),  # 1 GB of files
+    "W9": lambda args: run_w9(400_000, 4, 256, 8192),
 }
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="W1,W2,W3,W4,W7,W8",
+    parser.add_argument("--workloads", default="W1,W2,W3,W4,W7,W8,W9",
                         help="comma-separated, of " + ", ".join(WORKLOADS))
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--w3-batches", type=int, default=8)
@@ -489,6 +580,8 @@ def main(argv=None):
     # Once torch is imported its idle thread pool exists; ShmLoader's fork
     # warning is right in general but says nothing about this benchmark.
     warnings.filterwarnings("ignore", message="ShmLoader forks")
+    # W9's PyTorch peer collates pyarrow's read-only arrays; torch says so once per worker
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     print(f"{machine()}; peers: {', '.join(kinds()[1:])}")
     for w in chosen:
         WORKLOADS[w](args)

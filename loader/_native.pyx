@@ -187,3 +187,114 @@ def derived_seeds(uint64_t seed, uint64_t epoch, uint64_t stream, uint64_t item)
     return (<int64_t>(_splitmix64(h ^ 1) >> 1),
             <uint32_t>(_splitmix64(h ^ 2) >> 32),
             <int64_t>(_splitmix64(h ^ 3) >> 1))
+
+
+# --- a stream's rows (ShmLoader iterable datasets) ---------------------------------
+
+from libc.stdlib cimport malloc
+
+
+cdef class StreamSlots:
+    """Where a stream's next sample goes: (batch number, row).
+
+    In order (depth 0): batch j's rows 0..rows-1, then j + 1's.
+
+    With a shuffle buffer (depth > 0): a random free row of a window of
+    this worker's pending batches, so batches complete as random mixes of
+    the stream and no sample is copied twice: the window is the shuffle
+    buffer, and it lives in the slabs.  The window spans `depth` batch
+    numbers from its lowest incomplete batch: a batch opens when the
+    lowest completes, never further, so the batches in flight stay within
+    the batch table's reach and main (which takes a stream's batches in
+    order) is never kept waiting by a batch the worker stopped filling.
+    The draws come from SplitMix64 seeded with `seed` (from the loader's
+    seed, the epoch and the worker), so the batches depend on the stream
+    alone, not on timing.
+
+    `room(j)` is called before batch j opens; it waits for main's limit
+    and returns False if the run ended."""
+
+    cdef int64_t rows, depth, current, next_j, row
+    cdef object room
+    cdef int64_t *free          # slots j * rows + r, unordered
+    cdef Py_ssize_t nfree, cap
+    cdef int32_t *left          # rows still free in batch j, at j % depth
+    cdef uint64_t state
+    cdef readonly int64_t opened
+
+    def __cinit__(self):
+        self.free = NULL
+        self.left = NULL
+
+    def __dealloc__(self):
+        free(self.free)
+        free(self.left)
+
+    def __init__(self, int64_t first, int64_t rows, int64_t depth, uint64_t seed, room):
+        self.rows, self.depth, self.room = rows, depth, room
+        self.current = self.next_j = first
+        self.row = rows  # in order: the first call opens batch `first`
+        self.state = seed
+        self.nfree = 0
+        if depth:
+            self.cap = depth * rows
+            self.free = <int64_t *>malloc(self.cap * sizeof(int64_t))
+            self.left = <int32_t *>calloc(depth, sizeof(int32_t))
+            if self.free == NULL or self.left == NULL:
+                raise MemoryError()
+
+    cdef inline uint64_t _draw(self) noexcept nogil:
+        self.state += 0x9E3779B97F4A7C15ULL
+        cdef uint64_t z = self.state
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL
+        return z ^ (z >> 31)
+
+    def next(self):
+        """(batch number, row) for the next sample, or None if the run ended."""
+        cdef Py_ssize_t k, r
+        cdef int64_t slot, j
+        if not self.depth:
+            if self.row == self.rows:
+                if not self.room(self.next_j):
+                    return None
+                self.current, self.row = self.next_j, 0
+                self.next_j += 1
+            self.row += 1
+            return self.current, self.row - 1
+        while self.next_j < self.current + self.depth:
+            if not self.room(self.next_j):
+                return None
+            j = self.next_j
+            self.left[j % self.depth] = <int32_t>self.rows
+            for r in range(self.rows):
+                self.free[self.nfree] = j * self.rows + r
+                self.nfree += 1
+            self.next_j += 1
+        k = <Py_ssize_t>(self._draw() % <uint64_t>self.nfree)
+        slot = self.free[k]
+        self.nfree -= 1
+        self.free[k] = self.free[self.nfree]
+        j = slot // self.rows
+        self.left[j % self.depth] -= 1
+        if self.left[j % self.depth] == 0 and j == self.current:
+            # the lowest completed: the window moves up to the next incomplete
+            while self.current < self.next_j and self.left[self.current % self.depth] == 0:
+                self.current += 1
+        return j, slot - j * self.rows
+
+    @property
+    def current(self):
+        """The lowest batch number still being filled."""
+        return self.current
+
+    def written(self) -> int:
+        """Rows written into batches not yet full: what a stream's end
+        leaves (in order, its short last batch; shuffled, rows to close up)."""
+        cdef int64_t j, n = 0
+        if not self.depth:
+            return self.row if self.row < self.rows else 0
+        for j in range(self.current, self.next_j):
+            if self.left[j % self.depth]:
+                n += self.rows - self.left[j % self.depth]
+        return n

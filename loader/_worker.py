@@ -16,7 +16,7 @@ import shmq
 from loader import _control as C
 from loader import _order as O
 from loader import _protocol as P
-from loader._native import ENDED, RowWriter, RunCounters, derived_seeds
+from loader._native import ENDED, RowWriter, RunCounters, StreamSlots, derived_seeds
 from loader._progress import stream_skips
 from loader._shared import LoaderConfig, SharedState
 from loader._table import SEQ
@@ -392,13 +392,9 @@ class Worker:
         if c.read(run, C.ORDER) == O.ORDER_SHIPPED:
             words, _ = self.shared.read_order(run, c.read(run, C.KEPT), 0, False)
             j0, done_below, done_past = stream_skips(words, N, w)
-        if cfg.per_batch:
-            slots = None
-        elif cfg.shuffle_batches:
-            slots = ShuffleWindow(self, run, j0, B, cfg.shuffle_batches,
-                                  derived_seeds(cfg.seed & _U64, epoch, w + 1, 1 << 62)[0])
-        else:
-            slots = InOrderSlots(self, run, j0, B)
+        slots = None if cfg.per_batch else StreamSlots(
+            j0, B, cfg.shuffle_batches, derived_seeds(cfg.seed & _U64, epoch, w + 1, 1 << 62)[0],
+            lambda j: self._wait_for_room(run, j))
         j, pending, seq = j0, [], 0   # per_batch: batch j's samples so far
         ended = (-1, 0)
         try:
@@ -447,7 +443,12 @@ class Worker:
                                                                                     pending):
                     return ended
             return ended
-        return slots.at_end()
+        written = slots.written()
+        if not written:
+            return ended
+        if cfg.shuffle_batches:
+            return -2, 0                          # the collator closes up the holes
+        return slots.current * N + w, written     # the short last batch
 
     def _place_stream_batch(self, run: int, j: int, samples: list) -> bool:
         """Place this worker's j-th batch of a stream (collated here)."""
@@ -457,71 +458,6 @@ class Worker:
 
 
 _FAILED = object()  # a collate_fn raised (and it was reported)
-
-
-class InOrderSlots:
-    """Rows of a stream's batches, filled in order: batch j's rows, then
-    j + 1's (waiting for main's limit before each new batch)."""
-
-    def __init__(self, worker: Worker, run: int, j0: int, rows: int):
-        self.worker, self.run, self.rows = worker, run, rows
-        self.current, self.row = j0, 0
-
-    def next(self):
-        """(batch number, row) for the next sample; None if the run ended."""
-        if self.row == self.rows:
-            self.current, self.row = self.current + 1, 0
-        if self.row == 0 and not self.worker._wait_for_room(self.run, self.current):
-            return None
-        self.row += 1
-        return self.current, self.row - 1
-
-    def at_end(self):
-        if 0 < self.row < self.rows:
-            return self.current * max(self.worker.cfg.num_workers, 1) + self.worker.id, self.row
-        return -1, 0
-
-
-class ShuffleWindow:
-    """shuffle_buffer: each sample goes to a random free row of a window of
-    this worker's pending batches (`depth` of them), so batches complete
-    as random mixes of the stream, with no second copy of any sample: the
-    window is the shuffle buffer, and it lives in the slabs.  The window
-    spans `depth` batch numbers from its lowest incomplete batch: a batch
-    opens when the lowest completes, never further, so the batches in
-    flight stay within the batch table's reach and main (which takes a
-    stream's batches in order) is never kept waiting by a batch the worker
-    has stopped filling.  With the draws of a generator seeded by (seed,
-    epoch, worker), the batches depend on the stream alone, not on
-    timing."""
-
-    def __init__(self, worker: Worker, run: int, j0: int, rows: int, depth: int, seed: int):
-        self.worker, self.run, self.rows, self.depth = worker, run, rows, depth
-        self.rng = random.Random(seed)
-        self.open: dict[int, int] = {}   # batch number -> rows still free
-        self.free: list[tuple[int, int]] = []
-        self.current = self.next_j = j0  # lowest open batch; the next to open
-
-    def next(self):
-        while self.next_j < self.current + self.depth:
-            if not self.worker._wait_for_room(self.run, self.next_j):
-                return None
-            self.open[self.next_j] = self.rows
-            self.free += [(self.next_j, r) for r in range(self.rows)]
-            self.next_j += 1
-        k = self.rng.randrange(len(self.free))
-        slot = self.free[k]
-        self.free[k] = self.free[-1]
-        self.free.pop()
-        j = slot[0]
-        self.open[j] -= 1
-        if not self.open[j]:
-            del self.open[j]
-        self.current = min(self.open, default=self.next_j)
-        return slot
-
-    def at_end(self):
-        return (-2, 0) if self.open else (-1, 0)
 
 
 def worker_main(cfg: LoaderConfig, shared: SharedState, worker_id: int) -> None:
