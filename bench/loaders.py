@@ -551,6 +551,59 @@ def run_w9(rows, files, batch_size, buffer):
         shutil.rmtree(tmp)
 
 
+class Compressed:
+    """W10: each sample is zlib-decompressed (zlib releases the GIL), 4 MB
+    out, as a decoder would."""
+
+    def __init__(self, n, as_torch=False):
+        import zlib
+
+        self.n, self.as_torch = n, as_torch
+        raw = (np.arange(1 << 20, dtype=np.uint32) % 251).astype(np.uint32).tobytes()
+        self.blob = zlib.compress(raw, 1)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import zlib
+
+        a = np.frombuffer(zlib.decompress(self.blob), np.uint32)
+        if self.as_torch:
+            import torch
+
+            return torch.from_numpy(a.copy())
+        return a
+
+
+def run_w10(samples, workers):
+    """W10: GIL-releasing work per sample, thread workers beside process
+    workers (and PyTorch's DataLoader), samples/s and peak PSS."""
+    import torch.utils.data as tud
+
+    print(f"\nW10 GIL-free: zlib-decompress 4 MB per sample, {samples} samples, batch 16, "
+          f"{workers} workers, second epoch")
+    print(f"{'loader':<30} {'samples/s':>10} {'GB/s':>6} {'peak PSS':>9} {'threads are':>12}")
+    rows = {}
+    for kind in ("ShmLoader, thread workers", "ShmLoader, process workers", "PyTorch tensor path"):
+        if kind.startswith("ShmLoader"):
+            loader = ShmLoader(Compressed(samples), batch_size=16, num_workers=workers,
+                               worker_mode="thread" if "thread" in kind else "process")
+        else:
+            loader = tud.DataLoader(Compressed(samples, as_torch=True), batch_size=16,
+                                    num_workers=workers, persistent_workers=True)
+        try:
+            epoch_w1(loader)
+            with PeakMemory() as peak:
+                wall, cpu, first, total, count = epoch_w1(loader)
+        finally:
+            close(loader)
+        rows[kind] = (samples / wall, total / wall / 1e9, peak.pss / 1e9)
+    ours = rows["ShmLoader, thread workers"][0]
+    for kind, (sps, gbs, pss) in rows.items():
+        print(f"{kind:<30} {sps:>10.0f} {gbs:>6.2f} {pss:>6.2f} GB {ours / sps:>11.2f}x")
+
+
 WORKLOADS = {
     "W1": lambda args: run_w1(args.batches, args.warmup),
     "W2": lambda args: run_small("W2 tiny (10, 150) float64", W2, BATCH, 60),
@@ -559,13 +612,14 @@ WORKLOADS = {
     "W7": lambda args: run_w7(args.w7_steps),
     "W8": lambda args: run_w8(4, 256, (2, 4)),  # 1 GB of files
     "W9": lambda args: run_w9(400_000, 4, 256, 8192),
+    "W10": lambda args: run_w10(512, 4),
 }
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="W1,W2,W3,W4,W7,W8,W9",
+    parser.add_argument("--workloads", default="W1,W2,W3,W4,W7,W8,W9,W10",
                         help="comma-separated, of " + ", ".join(WORKLOADS))
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--w3-batches", type=int, default=8)

@@ -30,6 +30,7 @@ from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import LoaderStartError, fork_children, start_error, wait_all
 from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
 from loader._shared import LoaderConfig, SharedState
+from loader._threads import start_threads
 from loader._worker import worker_main
 
 __all__ = ["ShmLoader", "WorkerError", "LoaderTimeout", "LoaderStartError"]
@@ -131,12 +132,15 @@ class ShmLoader:
                  num_workers=2, collate_fn=None, drop_last=False, in_order=True, prefetch=None,
                  persistent_workers=True, worker_init_fn=None, seed=None, generator=None,
                  reproducible=None, timeout=None, output="numpy", pin_memory=False,
-                 memory_cap_bytes=None, distributed=False, shuffle_buffer=None):
+                 memory_cap_bytes=None, distributed=False, shuffle_buffer=None,
+                 worker_mode="process"):
         if batch_size is not None:
             _positive_int("batch_size", batch_size)
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0 (0 loads in the main process), "
                              f"got {num_workers!r}")
+        if worker_mode not in ("process", "thread"):
+            raise ValueError(f"worker_mode must be 'process' or 'thread', got {worker_mode!r}")
         if output not in ("numpy", "torch", "keep"):
             raise ValueError(f"output must be 'numpy', 'torch' or 'keep' (each leaf as the "
                              f"dataset or collate_fn gave it), got {output!r}")
@@ -191,6 +195,7 @@ class ShmLoader:
         self.output, self.pin_memory, self.distributed = output, pin_memory, distributed
         self.generator = generator
         self.shuffle_buffer = shuffle_buffer or 0
+        self.worker_mode = worker_mode
         self.seed = seed if seed is not None else secrets.randbits(63)
         self.reproducible = (seed is not None) if reproducible is None else bool(reproducible)
         self.memory_cap_bytes = memory_cap_bytes or _default_memory_cap()
@@ -271,7 +276,8 @@ class ShmLoader:
             in_order=self.in_order, iterable=self.iterable, collate_fn=self.collate_fn,
             worker_init_fn=self.worker_init_fn, seed=self.seed, reproducible=self.reproducible,
             torch_seeding=self._torch_rules, memory_cap_bytes=self.memory_cap_bytes,
-            parent_pid=os.getpid(), rank=self._rank, world=self._world,
+            parent_pid=0 if self._threads else os.getpid(), rank=self._rank, world=self._world,
+            threads=self._threads,
             static_batches=self._torch_rules and self.in_order and not self.iterable,
             shuffle_buffer=self.shuffle_buffer)
         try:
@@ -281,7 +287,7 @@ class ShmLoader:
         try:
             specs = [(f"worker {i}", worker_main, (cfg, shared, i)) for i in range(self.num_workers)]
             specs.append(("the collator", collator_main, (cfg, shared)))
-            self._procs = fork_children(specs)
+            self._procs = start_threads(specs) if self._threads else fork_children(specs)
         except BaseException:
             shared.close()
             raise
@@ -386,10 +392,16 @@ class ShmLoader:
                 self._check_children()
             return msg
 
+    @property
+    def _threads(self) -> bool:
+        return self.worker_mode == "thread"
+
     def _worker_stacks(self) -> str:
         """Each worker's Python stacks, written by faulthandler on SIGUSR1
         (it works even while the worker is stuck inside a C call)."""
         workers = [c for c in self._procs if c.role != "the collator"]
+        if self._threads:
+            return "\n".join(f"--- {c.role} (thread {c.pid}) ---\n{c.stacks()}" for c in workers)
         for c in workers:
             c.report.seek(0)
             c.report.truncate()

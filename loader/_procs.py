@@ -194,8 +194,10 @@ def _child_main(role, parent, target, args, report, mask):
 
 def wait_all(children, timeout: float) -> bool:
     """Wait until every child has exited, up to timeout seconds (on their
-    pidfds: no polling).  True if they all did."""
+    pidfds: no polling; threads are joined).  True if they all did."""
     deadline = time.monotonic() + timeout
+    if children and not isinstance(children[0], Child):  # threads (_threads.py)
+        return all(c.join(max(0.0, deadline - time.monotonic())) for c in children)
     pending = [c for c in children if c.exitcode is None]
     while pending:
         left = deadline - time.monotonic()

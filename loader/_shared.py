@@ -15,6 +15,7 @@ import shmq
 from loader._control import Control
 from loader._slabs import MAX_LEASES
 from loader._table import BatchTable
+from loader._threads import ThreadRing
 
 # Ring capacities.  Samples never travel through a ring (NOTE [ Direct row
 # writes ]): only layouts, non-numeric leaves, and samples of a batch whose
@@ -44,6 +45,7 @@ class LoaderConfig:
     world: int = 1
     static_batches: bool = False  # worker w loads batches w, w + W, ... (torch's assignment)
     shuffle_buffer: int = 0       # iterable datasets: samples mixed in each worker's window
+    threads: bool = False         # worker_mode="thread": workers and collator are threads
 
     @property
     def per_batch(self) -> bool:
@@ -115,8 +117,12 @@ class SharedState:
             for _ in range(2):
                 self.order_fds.append(os.memfd_create("shmloader-order", os.MFD_CLOEXEC))
                 self.snapshot_fds.append(os.memfd_create("shmloader-snapshot", os.MFD_CLOEXEC))
-            self.rings.append(shmq.Queue(TO_COLLATOR_BYTES, multi_producer=True, anonymous=True))
-            self.rings.append(shmq.Queue(TO_MAIN_BYTES, anonymous=True))
+            if cfg.threads:  # in one process: queues with the rings' interface
+                self.rings += [ThreadRing(), ThreadRing()]
+            else:
+                self.rings.append(shmq.Queue(TO_COLLATOR_BYTES, multi_producer=True,
+                                             anonymous=True))
+                self.rings.append(shmq.Queue(TO_MAIN_BYTES, anonymous=True))
         except BaseException:
             self.close()
             raise

@@ -8,6 +8,7 @@ import _random
 import os
 import random
 import sys
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,8 @@ from loader._progress import stream_skips
 from loader._shared import LoaderConfig, SharedState
 from loader._table import SEQ
 
-_worker_info = None
+_worker_info = None              # a worker process's
+_thread_info = threading.local()  # a worker thread's (worker_mode="thread")
 _U64 = (1 << 64) - 1
 
 
@@ -42,13 +44,17 @@ class WorkerInfo:
 def get_worker_info() -> WorkerInfo | None:
     """Inside a worker: its id, the number of workers, its seed and its copy
     of the dataset (and, with distributed=True, its rank and the world
-    size).  None in the main process.  torch.utils.data.get_worker_info()
-    answers the same inside ShmLoader's workers."""
-    return _worker_info
+    size; for a worker thread, its own generators in .rng).  None in the
+    main process.  torch.utils.data.get_worker_info() answers the same
+    inside ShmLoader's worker processes."""
+    return getattr(_thread_info, "info", None) or _worker_info
 
 
 def _set_worker_info(info: WorkerInfo) -> None:
     global _worker_info
+    if info.worker_method == "thread":
+        _thread_info.info = info  # torch's is one per process: not set for threads
+        return
     _worker_info = info
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -80,20 +86,39 @@ def seed_worker(base_seed: int, worker_id: int, torch_rules: bool) -> int:
     return seed
 
 
+class Generators:
+    """get_worker_info().rng: the generators a worker's dataset should draw
+    from: .random (a random.Random), .numpy (a numpy RandomState), .torch
+    (a torch.Generator, or None without torch).  In a worker process they
+    are the global ones, which the loader seeds; a worker thread has its
+    own (threads share the process's global ones, which the loader leaves
+    alone)."""
+
+    def __init__(self, own_seed: int | None):
+        torch = sys.modules.get("torch")
+        if own_seed is None:
+            self.random, self.numpy = random._inst, np.random.mtrand._rand
+            self.torch = torch.default_generator if torch is not None else None
+            return
+        self.random = random.Random()
+        self.numpy = np.random.RandomState()
+        self.torch = torch.Generator() if torch is not None else None
+        SampleSeeder(own_seed, self)(0, 0, 0)
+
+
 class SampleSeeder:
     """reproducible=True: before every sample, random, numpy's global
     generator and torch's get seeds derived from (seed, epoch, stream,
     item) alone, so a sample's random augmentation never depends on which
-    worker loads it, or when."""
+    worker loads it, or when.  (For a worker thread: its own generators.)"""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, generators: Generators | None = None):
         self.seed = seed & _U64
-        torch = sys.modules.get("torch")
-        self.torch_gen = torch.default_generator if torch is not None else None
+        g = generators or Generators(None)
+        self.torch_gen, self.random, self.numpy = g.torch, g.random, g.numpy
         # random.seed(int) is the C seed plus gauss_next = None (random.py);
         # calling them directly saves a Python frame per sample.
-        self.random, self.seed_random = random._inst, _random.Random.seed
-        self.numpy = np.random.mtrand._rand
+        self.seed_random = _random.Random.seed
 
     def __call__(self, epoch: int, stream: int, item: int) -> None:
         s_random, s_numpy, s_torch = derived_seeds(self.seed, epoch & _U64, stream, item & _U64)
@@ -105,8 +130,9 @@ class SampleSeeder:
 
 
 def exit_if_orphaned(parent_pid: int) -> None:
-    """The fallback to the parent-death signal, checked between bounded waits."""
-    if os.getppid() != parent_pid:
+    """The fallback to the parent-death signal, checked between bounded
+    waits (0: a thread of the main process, which has no parent to lose)."""
+    if parent_pid and os.getppid() != parent_pid:
         os._exit(1)
 
 
@@ -164,11 +190,11 @@ class Worker:
                                     C.ARRIVED, C.RUN_SHIFT)
         self.started = False   # seeded, worker_init_fn called
         self.broken = False    # worker_init_fn raised: load nothing more
-        self.seeder = SampleSeeder(cfg.seed) if cfg.reproducible else None
+        self.seeder = None     # reproducible=True: made at the start (a thread's own generators)
 
     def run(self) -> None:
         torch = sys.modules.get("torch")
-        if torch is not None:
+        if torch is not None and not self.cfg.threads:
             # One intra-op thread per worker, as PyTorch's workers have: the
             # parent's thread pool does not survive the fork.
             torch.set_num_threads(1)
@@ -191,9 +217,17 @@ class Worker:
         worker_init_fn (as PyTorch does, in that order)."""
         cfg = self.cfg
         self.started = True
-        seed = seed_worker(self.control.read(run, C.BASE_SEED), self.id, cfg.torch_seeding)
-        _set_worker_info(WorkerInfo(self.id, cfg.num_workers, seed, cfg.dataset, cfg.rank,
-                                    cfg.world))
+        base_seed = self.control.read(run, C.BASE_SEED)
+        if cfg.threads:
+            seed = (base_seed + self.id) & _U64
+            rng = Generators(seed)
+        else:
+            seed = seed_worker(base_seed, self.id, cfg.torch_seeding)
+            rng = Generators(None)
+        info = WorkerInfo(self.id, cfg.num_workers, seed, cfg.dataset, cfg.rank, cfg.world, rng,
+                          "thread" if cfg.threads else "multiprocessing")
+        self.seeder = SampleSeeder(cfg.seed, rng) if cfg.reproducible else None
+        _set_worker_info(info)
         if cfg.worker_init_fn is not None:
             try:
                 cfg.worker_init_fn(self.id)
