@@ -4,12 +4,25 @@
     for batch in ShmLoader(dataset, batch_size=128, num_workers=4, shuffle=True, seed=0):
         ...   # numpy arrays (or torch tensors) viewing shared memory; no copy, no unpickling
 
+    from loader import DataLoader   # torch.utils.data.DataLoader, on ShmLoader (needs torch)
+
 Linux only; workers are forked.
 """
 
+from loader._layout import CollateError
 from loader._loader import LoaderTimeout, ShmLoader, WorkerError
 from loader._procs import LoaderStartError
 from loader._worker import WorkerInfo, get_worker_info
 
-__all__ = ["ShmLoader", "get_worker_info", "WorkerInfo", "WorkerError", "LoaderTimeout",
-           "LoaderStartError"]
+__all__ = ["ShmLoader", "DataLoader", "get_worker_info", "WorkerInfo", "WorkerError",
+           "LoaderTimeout", "LoaderStartError", "CollateError"]
+
+
+def __getattr__(name):
+    # DataLoader imports torch: only when asked for, so that numpy users of
+    # ShmLoader never pay for importing it.
+    if name == "DataLoader":
+        from loader._torch import DataLoader
+
+        return DataLoader
+    raise AttributeError(f"module 'loader' has no attribute {name!r}")

@@ -13,12 +13,13 @@ import numpy as np
 
 import shmq
 from loader import _control as C
+from loader import _order as O
 from loader import _protocol as P
 from loader._layout import (
     CollateError,
     LayoutCache,
     castable,
-    describe_difference,
+    misfit,
     promoted,
     signature_and_leaves,
 )
@@ -53,28 +54,51 @@ class _Pass:
     said Done for it, even after main abandoned it: until then a worker may
     still write into its slabs."""
 
-    def __init__(self, run: int, control: C.Control, cfg: LoaderConfig):
+    def __init__(self, run: int, control: C.Control, cfg: LoaderConfig, shared: SharedState):
         self.run = run
-        self.kept = control.read(run, C.KEPT)
-        units = control.read(run, C.UNITS)
-        B = cfg.batch_size
-        if cfg.iterable:
+        self.iterable = cfg.iterable
+        self.per_batch = cfg.per_batch
+        self.workers = max(cfg.num_workers, 1)
+        self.B = cfg.rows_per_batch
+        if self.iterable:
             self.nbatches = None
-        elif cfg.per_batch:
-            self.nbatches = units
+            self.batches = None
         else:
-            self.nbatches = -(-units // B)
+            kept = control.read(run, C.KEPT)
+            self.nbatches = control.read(run, C.NBATCHES)
+            offsets = None
+            if control.read(run, C.SHIPPED):
+                _, offsets = shared.read_order(run, kept, self.nbatches, True)
+            self.batches = O.Batches(kept, self.B, offsets)
         self.open: dict[int, _Batch] = {}
-        self.lo, self.finished = 0, set()  # batches below lo, and those in `finished`, are sent
-        self.sent = self.samples = self.done_workers = self.rows_by_collator = self.relayouts = 0
+        self.lo, self.finished = 0, set()  # map-style: batches below lo, and those in `finished`, are sent
+        self.sent_by = [0] * self.workers  # iterable: batches sent of each worker's stream
+        self.done: dict[int, P.Done] = {}  # workers that said Done, not yet settled
+        self.settled: set[int] = set()     # workers whose batches are all sent or freed
+        self.sent = self.samples = self.rows_by_collator = self.relayouts = 0
         self.ended = False
 
-    def rows_of(self, index: int, cfg: LoaderConfig) -> int:
-        if cfg.per_batch:
+    def rows_of(self, index: int) -> int:
+        if self.per_batch:
             return 1
-        if self.nbatches is None:  # iterable: full until the end (then trimmed)
-            return cfg.batch_size
-        return min(cfg.batch_size, self.kept - index * cfg.batch_size)
+        if self.iterable:  # full until the stream ends (then trimmed)
+            return self.B
+        return self.batches.rows(index)
+
+    def worker_of(self, index: int) -> int:
+        """Iterable runs: the worker whose stream fills batch `index`."""
+        return index % self.workers
+
+    def ahead(self, window: int):
+        """Batches to lay out ahead of the workers: `window` past those sent
+        (per worker's stream for an iterable run)."""
+        if self.iterable:
+            for w in range(self.workers):
+                if w not in self.done and w not in self.settled:
+                    for j in range(self.sent_by[w], self.sent_by[w] + window):
+                        yield j * self.workers + w
+            return
+        yield from range(self.lo, min(self.sent + window, self.nbatches))
 
 
 class Collator:
@@ -107,6 +131,9 @@ class Collator:
             if self.waiting and (self.slabs.reclaim() or self.freed):
                 self._retry_waiting()
             self.freed = False
+            for p in list(self.passes.values()):
+                if p.done:  # Done messages whose batches waited for memory
+                    self._settle(p)
             if self._drain():
                 continue
             if self.slabs.warming:
@@ -196,7 +223,8 @@ class Collator:
         latest = self.control.latest_run()
         while self.known_run < latest:
             self.known_run += 1
-            p = self.passes[self.known_run] = _Pass(self.known_run, self.control, self.cfg)
+            p = self.passes[self.known_run] = _Pass(self.known_run, self.control, self.cfg,
+                                                    self.shared)
             self._publish_ahead(p)
 
     def _pass(self, run: int) -> _Pass:
@@ -204,22 +232,59 @@ class Collator:
             self._look_at_runs()  # a worker saw the run before we did
         return self.passes[run]   # a run's messages all come before its workers' Done
 
+    def _settle(self, p: _Pass) -> None:
+        """Act on the Done messages of workers whose batches no longer wait
+        for anything (memory, a table entry): iterable runs send or free
+        each such worker's last batches; once every worker is settled,
+        the run ends."""
+        for w in list(p.done):
+            mine = [b for b in p.open.values() if not p.iterable or p.worker_of(b.index) == w]
+            if any(b.wanted is not None or b.held_rows for b in mine):
+                continue  # settled later: see run()
+            done = p.done.pop(w)
+            p.settled.add(w)
+            if p.iterable:
+                self._end_stream(p, w, done, mine)
+        if len(p.settled) == p.workers and not p.ended:
+            self._end_pass(p)
+
+    def _end_stream(self, p: _Pass, w: int, done: P.Done, mine: list) -> None:
+        """Worker w's stream of an iterable run ended: send its short last
+        batch (unless drop_last), free what it will never fill, and tell
+        main how many of its batches there are."""
+        for b in sorted(mine, key=lambda b: b.index):
+            rows = count_of(self.table.filled_word(p.run, b.index)) if b.published else 0
+            if (b.index == done.last_batch and rows == done.last_rows and not self.cfg.drop_last
+                    and not b.refused and self._values_complete(b, rows)):
+                self._finish(p, b, rows)
+            else:
+                self._drop(p, b)
+        self._send(P.StreamEnded(p.run, w, p.sent_by[w]))
+
+    def _values_complete(self, b: _Batch, rows: int) -> bool:
+        return not b.layout.value_leaves or all(r in b.values for r in range(rows))
+
+    def _drop(self, p: _Pass, b: _Batch) -> None:
+        """A batch that will not be sent: no worker writes into it any more."""
+        del p.open[b.index]
+        self._unpublish(p, b)
+        if b.slab is not None:
+            self.slabs.release(b.slab.lease)
+
     def _end_pass(self, p: _Pass) -> None:
-        """Every worker is done: send what is left of a partial batch (only
-        where rows fill in arrival order is one a complete prefix), free the
+        """Every worker is done: in first-ready mode send what is left of a
+        partial batch (rows fill in arrival order, so the counted rows are
+        a complete prefix; it is short when samples failed), free the
         rest, and tell main."""
         p.ended = True
-        arrival_order = not self.cfg.in_order or self.cfg.iterable
+        arrival_order = not self.cfg.in_order and not p.iterable
         for b in sorted(p.open.values(), key=lambda b: b.index):
             rows = count_of(self.table.filled_word(p.run, b.index)) if b.published else 0
             if (rows and arrival_order and not self.cfg.drop_last and not b.refused
-                    and (not b.layout.value_leaves or all(r in b.values for r in range(rows)))):
+                    and self._values_complete(b, rows)):
                 self._finish(p, b, rows)
-                continue
-            self._unpublish(p, b)
-            if b.slab is not None:
-                self.slabs.release(b.slab.lease)
-        p.open = {}
+            else:
+                self._drop(p, b)
         self.waiting = [(r, i) for r, i in self.waiting if r != p.run]
         del self.passes[p.run]
         self._send(P.RunEnded(p.run, p.sent, p.samples, p.rows_by_collator, p.relayouts))
@@ -316,13 +381,10 @@ class Collator:
         write their rows without asking (NOTE [ Direct row writes ])."""
         if self.guess is None or p.ended:
             return
-        end = p.sent + self.cfg.publish_window
-        if p.nbatches is not None:
-            end = min(end, p.nbatches)
-        for index in range(p.lo, end):
+        for index in p.ahead(self.cfg.publish_window):
             if index in p.open or index in p.finished:
                 continue
-            b = _Batch(index, p.rows_of(index, self.cfg), not self.cfg.per_batch)
+            b = _Batch(index, p.rows_of(index), not p.per_batch)
             if not self._entry_free(p, b):
                 continue
             layout = self.layouts.get(self.guess, b.rows, b.batched)
@@ -342,9 +404,8 @@ class Collator:
             return
         p = self._pass(msg.run)
         if kind is P.Done:
-            p.done_workers += 1
-            if p.done_workers == self.cfg.num_workers:
-                self._end_pass(p)
+            p.done[msg.worker] = msg
+            self._settle(p)
             return
         try:
             if kind is P.RowValues:
@@ -360,7 +421,7 @@ class Collator:
                 self._sample_row(p, msg)
         except Exception as e:
             self._fail(p.run, msg.batch, getattr(msg, "pos", -1), e,
-                       f"in the collator, handling {kind.__name__} for batch {msg.batch}")
+                       f"in the collator, handling {kind.__name__}")
 
     def _layout_request(self, p: _Pass, m: P.LayoutRequest) -> None:
         b = p.open.get(m.batch)
@@ -399,10 +460,7 @@ class Collator:
         if not castable(sig, b.layout):
             wider = promoted(b.layout.signature, sig)
             if wider is None:
-                self._refuse(p, b, m.pos, CollateError(
-                    f"a sample of batch {b.index} (row {m.row}) does not fit the batch: "
-                    f"{describe_difference(b.layout.signature, sig)}. Default collate stacks "
-                    f"samples of equal structure and shapes only: pad them, or pass collate_fn"))
+                self._refuse(p, b, m.pos, misfit(b.index, m.row, b.layout.signature, sig))
                 return
             if not self._promote(p, b, wider):
                 b.held_rows.append(m)
@@ -447,7 +505,7 @@ class Collator:
         if b.published:
             self.table.add_flags(p.run, b.index, REFUSED)
             self.control.table_bell.ring()
-        self._fail(p.run, b.index, pos, exc, f"batch {b.index}")
+        self._fail(p.run, b.index, pos, exc, "in the collator")
 
     def _finish_if_complete(self, p: _Pass, b: _Batch) -> None:
         """Complete: every row counted and, where rows carry non-numeric
@@ -465,10 +523,13 @@ class Collator:
         self._send(P.BatchReady(p.run, b.index, b.slab, spec))
         p.sent += 1
         p.samples += rows if b.batched else 1
-        p.finished.add(b.index)
-        while p.lo in p.finished:
-            p.finished.remove(p.lo)
-            p.lo += 1
+        if p.iterable:
+            p.sent_by[p.worker_of(b.index)] += 1
+        else:
+            p.finished.add(b.index)
+            while p.lo in p.finished:
+                p.finished.remove(p.lo)
+                p.lo += 1
         if self.waiting:
             self._retry_waiting()  # its table entry is free now
         self._publish_ahead(p)

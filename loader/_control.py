@@ -11,26 +11,44 @@ run id into LATEST_RUN last (release); workers and the collator read
 LATEST_RUN (acquire) and then the block.  Nothing is sent: main never
 blocks on a send, whatever the children are doing.
 
-  ctl[LATEST_RUN] ──► run block (run % 2): ID EPOCH SIZE KEPT UNITS ORDER ORDER_SEED
-                                             CURSOR LIMIT ARRIVED
+  ctl[LATEST_RUN] ──► run block (run % 2): ID EPOCH SIZE KEPT UNITS NBATCHES ORDER ORDER_SEED
+                                             SHIPPED BASE_SEED CURSOR LIMIT ARRIVED
 
-- SIZE, KEPT: positions in the epoch's order, and those it delivers
-  (drop_last drops a short last batch); -1 for an iterable dataset.
-- UNITS: what the workers claim one by one: positions of the epoch's order
-  (default collate), batches (with a collate_fn, a worker loads and
-  collates a whole batch), or -1 for an iterable dataset.
+- SIZE, KEPT: positions in this rank's order of the epoch, and those it
+  delivers (drop_last drops a short last batch); -1 for an iterable
+  dataset.
+- UNITS: what the workers claim one by one: positions of the order
+  (default collate), or batches (with a collate_fn, or batch_size=None, a
+  worker loads a whole batch, as PyTorch's workers do).
+- NBATCHES: batches the run delivers.  They are KEPT // batch size
+  (rounded up), unless a batch sampler made them (see SHIPPED).
 - ORDER: how a worker finds the dataset index of a position without being
-  sent anything: RANGE (i), PERMUTATION (the same seeded permutation, from
-  (ORDER_SEED, EPOCH), computed by every worker), or SHIPPED (a user
-  sampler's order, written by main into the run's order file).
+  sent anything (_order.py): RANGE (i), PERMUTATION (the same seeded
+  permutation, from (ORDER_SEED, EPOCH), computed by every worker and, with
+  distributed=True, cut into this rank's share), or SHIPPED: main wrote
+  the order into the run's order file (a user sampler, a torch.Generator's
+  shuffle, the rest of a resumed epoch).
+- SHIPPED: 1 when the order file also holds batch offsets (a batch
+  sampler's batches, of any sizes): batch k covers positions
+  [offsets[k], offsets[k + 1]).
+- BASE_SEED: drawn by main for each epoch, as torch's DataLoader draws
+  one per iterator; a worker process seeds itself from the first run it
+  sees (see seed_worker in _worker.py).
 - CURSOR: (run << 32) | next unit, claimed by compare-and-swap.  A worker
   still busy in an ended run can never take a unit of a newer one, and
   ending a run is one store of an untagged value.
 - LIMIT: units below it may be loaded.  Main keeps it `prefetch` batches
   ahead of what it has yielded, so prefetch does not grow with workers.
 - ARRIVED: (run << 32) | samples (or batches) ready so far, in arrival
-  order (first-ready mode and iterable datasets): the k-th goes to row
-  k % B of batch k // B.
+  order (first-ready mode): the k-th goes to row k % B of batch k // B.
+
+An iterable dataset is read by every worker from its own iterator, as in
+PyTorch: worker w fills its own batches, its j-th being batch j * W + w
+(W workers), and may run `prefetch` of them ahead of those main yielded:
+main raises limits[run % 2][w], one word per worker.  A worker whose
+iterator ends says how many batches it made (Done); main skips the ids it
+will never fill, so in-order mode delivers the batches round-robin over
+the workers still going, as PyTorch does.
 
 The next epoch's run starts as soon as every unit of the current one is
 claimed (run ahead), so two runs can be live; a third waits until the
@@ -56,11 +74,10 @@ LATEST_RUN = 1      # id of the latest run started
 OUTBOX = 2          # 1 while the collator holds messages main's full ring could not take
 RUN_BASE = 8
 RUN_WORDS = 16
-ID, EPOCH, SIZE, KEPT, UNITS, ORDER, ORDER_SEED, CURSOR, LIMIT, ARRIVED = range(10)
+(ID, EPOCH, SIZE, KEPT, UNITS, NBATCHES, ORDER, ORDER_SEED, SHIPPED, BASE_SEED, CURSOR, LIMIT,
+ ARRIVED) = range(13)
 CTL_WORDS = RUN_BASE + 2 * RUN_WORDS
 RUN_SHIFT = 32      # units per run < 2**32
-
-ORDER_RANGE, ORDER_PERMUTATION, ORDER_SHIPPED = 0, 1, 2
 
 # --- bells (int32 pairs: sequence, sleepers) -------------------------------------
 RUN_BELL = 0        # a run started, or STOP: idle workers
@@ -80,10 +97,13 @@ def tagged(run: int, value: int = 0) -> int:
 
 
 class Control:
-    """The ctl words and bells, as every process sees them."""
+    """The ctl words, the per-worker limits of iterable runs, and the bells,
+    as every process sees them."""
 
-    def __init__(self):
+    def __init__(self, num_workers: int):
         self.ctl = shmq.shared_array(CTL_WORDS, np.int64)
+        self.limits = shmq.shared_array(2 * max(num_workers, 1), np.int64)
+        self.num_workers = num_workers
         self.bells = shmq.shared_array(BELL_WORDS, np.int32)
         self.run_bell = Bell(self.bells, RUN_BELL)
         self.limit_bell = Bell(self.bells, LIMIT_BELL)
@@ -96,20 +116,20 @@ class Control:
 
     # --- main --------------------------------------------------------------
 
-    def start_run(self, run: int, epoch: int, size: int, kept: int, units: int, order: int,
-                  order_seed: int, limit: int) -> None:
+    def start_run(self, run: int, epoch: int, size: int, kept: int, units: int, nbatches: int,
+                  order: int, order_seed: int, shipped: int, base_seed: int, limit: int) -> None:
         """Fill the run's block, then publish it.  The block's previous run
-        (run - 2) must have ended: see NOTE [ Runs ]."""
+        (run - 2) must have ended: see NOTE [ Runs ].  For an iterable
+        dataset, `limit` is every worker's."""
         c = self.ctl
-        c[word(run, ID)] = run
-        c[word(run, EPOCH)] = epoch
-        c[word(run, SIZE)] = size
-        c[word(run, KEPT)] = kept
-        c[word(run, UNITS)] = units
-        c[word(run, ORDER)] = order
-        c[word(run, ORDER_SEED)] = order_seed
-        c[word(run, LIMIT)] = limit
-        c[word(run, ARRIVED)] = tagged(run)
+        for which, value in ((ID, run), (EPOCH, epoch), (SIZE, size), (KEPT, kept),
+                             (UNITS, units), (NBATCHES, nbatches), (ORDER, order),
+                             (ORDER_SEED, order_seed), (SHIPPED, shipped),
+                             (BASE_SEED, base_seed), (LIMIT, limit),
+                             (ARRIVED, tagged(run))):
+            c[word(run, which)] = value
+        first = (run % 2) * max(self.num_workers, 1)
+        self.limits[first:first + max(self.num_workers, 1)] = limit
         shmq.atomic_store(c, word(run, CURSOR), tagged(run))
         shmq.atomic_store(c, LATEST_RUN, run)  # SYNC POINT: last; pairs with latest_run()
         self.run_bell.ring()
@@ -126,6 +146,11 @@ class Control:
 
     def set_limit(self, run: int, limit: int) -> None:
         shmq.atomic_store(self.ctl, word(run, LIMIT), limit)
+        self.limit_bell.ring()
+
+    def raise_worker_limit(self, run: int, worker: int) -> None:
+        """An iterable run: worker may fill one more batch."""
+        shmq.atomic_add(self.limits, (run % 2) * max(self.num_workers, 1) + worker, 1)
         self.limit_bell.ring()
 
     def stop(self) -> None:

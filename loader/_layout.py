@@ -22,23 +22,34 @@ every other leaf by a Value.  Main turns it into views (materialize).
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import pickle
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 ALIGN = 64
-ARRAY, NUMBER, OTHER = 0, 1, 2
+ARRAY, NUMBER, OTHER, TENSOR = 0, 1, 2, 3   # leaf kinds; a TENSOR is stored as an ARRAY
 
 # Container nodes of a structure: None is a leaf; otherwise a tuple whose
 # first item says how to rebuild it.
-DICT, MAPPING, NAMEDTUPLE, TUPLE, LIST = "dict", "mapping", "namedtuple", "tuple", "list"
+DICT, MAPPING, NAMEDTUPLE, TUPLE, LIST, SEQUENCE = (
+    "dict", "mapping", "namedtuple", "tuple", "list", "sequence")
 
 # dtype of each kind of Python number (numpy scalars keep their own)
 _NUMBER_DTYPES = {bool: "|b1", int: "<i8", float: "<f8", complex: "<c16"}
+
+# torch.bfloat16 has no numpy dtype: its leaves are stored as uint16 words
+# and carry this code instead of a numpy dtype string.
+BFLOAT16 = "bf16"
+
+
+def storage_dtype(code: str) -> np.dtype:
+    """The numpy dtype a leaf's bytes are stored as."""
+    return np.dtype(np.uint16) if code == BFLOAT16 else np.dtype(code)
 
 
 def align(n: int) -> int:
@@ -47,8 +58,9 @@ def align(n: int) -> int:
 
 class ArrayLeaf(NamedTuple):
     offset: int
-    dtype: str
+    dtype: str       # numpy dtype string, or BFLOAT16
     shape: tuple
+    tensor: bool     # it was a torch tensor in the sample (output="keep" gives one back)
 
 
 class Value(NamedTuple):
@@ -74,6 +86,9 @@ def flatten(obj, leaves: list):
         return (NAMEDTUPLE, t, tuple(flatten(v, leaves) for v in obj))
     if isinstance(obj, Mapping):  # OrderedDict and other mappings: rebuilt as their type
         return (MAPPING, t, tuple(obj), tuple(flatten(v, leaves) for v in obj.values()))
+    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes, bytearray, range)):
+        # a list subclass or another sequence type: rebuilt as its type
+        return (SEQUENCE, t, tuple(flatten(v, leaves) for v in obj))
     leaves.append(obj)
     return None
 
@@ -97,29 +112,56 @@ def _unflatten(s, it):
         return tuple(_unflatten(v, it) for v in s[1])
     if kind == NAMEDTUPLE:
         return s[1](*(_unflatten(v, it) for v in s[2]))
-    items = {k: _unflatten(v, it) for k, v in zip(s[2], s[3])}
+    if kind == SEQUENCE:
+        return rebuild(s[1], [_unflatten(v, it) for v in s[2]])
+    return rebuild(s[1], {k: _unflatten(v, it) for k, v in zip(s[2], s[3])})
+
+
+def rebuild(t: type, items):
+    """A container of type t holding items (a list or a dict), as torch's
+    default_collate rebuilds mapping and sequence types; the plain list or
+    dict when t cannot be built from one."""
     try:
-        return s[1](items)
-    except TypeError:  # a mapping type that cannot be built from a dict
+        return t(items)
+    except Exception:
+        if isinstance(items, dict) and issubclass(t, MutableMapping):
+            try:  # e.g. a defaultdict: built empty, then filled
+                out = t()
+                out.update(items)
+                return out
+            except Exception:
+                pass
         return items
 
 
 # --- leaves and signatures ---------------------------------------------------
 
 def as_array(leaf):
-    """The numpy array behind an array-like leaf (ndarray or CPU tensor), or None."""
+    """The numpy array behind an array-like leaf (ndarray or CPU tensor), or
+    None.  A bfloat16 tensor gives its uint16 words."""
     if isinstance(leaf, np.ndarray):
         return leaf
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(leaf, torch.Tensor):
-        return leaf.detach().cpu().resolve_conj().resolve_neg().numpy()
+        t = leaf.detach().cpu().resolve_conj().resolve_neg()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(np.uint16)
+        return t.numpy()
     return None
+
+
+def _is_bfloat16(leaf) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(leaf, torch.Tensor) and leaf.dtype == torch.bfloat16
 
 
 def leaf_meta(leaf):
     """(kind, dtype string, shape) of one leaf."""
     arr = as_array(leaf)
     if arr is not None:
+        kind = ARRAY if arr is leaf else TENSOR
+        if _is_bfloat16(leaf):
+            return (TENSOR, BFLOAT16, arr.shape)
         if arr.dtype.hasobject:
             raise CollateError(f"cannot stack arrays of dtype {arr.dtype} into shared memory "
                                f"(their elements are Python objects); convert them to a numeric "
@@ -127,7 +169,7 @@ def leaf_meta(leaf):
         if type(arr) is not np.ndarray:
             raise CollateError(f"cannot stack {type(arr).__name__} arrays (an ndarray subclass "
                                f"would lose its type); return np.asarray(x), or pass collate_fn")
-        return (ARRAY, arr.dtype.str, arr.shape)
+        return (kind, arr.dtype.str, arr.shape)
     code = _NUMBER_DTYPES.get(type(leaf))
     if code is not None:
         return (NUMBER, code, ())
@@ -160,6 +202,8 @@ def promoted(sig_a, sig_b):
         if ka == OTHER or da == db:
             meta.append((ka, da, sa))
             continue
+        if BFLOAT16 in (da, db):
+            return None  # bfloat16 mixes with nothing (numpy cannot promote it)
         common = np.result_type(np.dtype(da), np.dtype(db))
         if common.kind not in "biufc":
             return None  # strings, dates... are not promoted
@@ -172,21 +216,71 @@ def describe_difference(sig_a, sig_b) -> str:
     (struct_a, meta_a), (struct_b, meta_b) = sig_a, sig_b
     if struct_a != struct_b:
         return "a different structure (keys, nesting, lengths or container types)"
-    names = ("an array", "a number", "a non-numeric value")
+    names = ("an array", "a number", "a non-numeric value", "a tensor")
     for i, ((ka, da, sa), (kb, db, sb)) in enumerate(zip(meta_a, meta_b)):
         if ka != kb:
             return f"leaf {i} is {names[kb]} where the batch has {names[ka]}"
         if sa != sb:
             return f"leaf {i} has shape {sb} where the batch has shape {sa}"
         if da != db:
-            return f"leaf {i} has dtype {np.dtype(db)} where the batch has {np.dtype(da)}"
+            return f"leaf {i} has dtype {_dtype_name(db)} where the batch has {_dtype_name(da)}"
     return "the same signature"
+
+
+def misfit(batch: int, row: int, batch_sig, sig) -> "CollateError":
+    """The error for a sample that cannot join its batch."""
+    return CollateError(
+        f"a sample of batch {batch} (row {row}) does not fit the batch: "
+        f"{describe_difference(batch_sig, sig)}. Default collate stacks samples of equal "
+        f"structure and shapes only: pad them, or pass collate_fn")
+
+
+def stack(samples: list, cache: "LayoutCache", buffer=np.empty, batch: int = 0):
+    """Default collate in one process (num_workers=0): the samples stacked
+    by the rules the workers and the collator follow (promotion, refusal),
+    as (spec, buffer)."""
+    sig, first = signature_and_leaves(samples[0])
+    rows = [first]
+    for r, sample in enumerate(samples[1:], 1):
+        s, leaves = signature_and_leaves(sample)
+        if s != sig:
+            wider = promoted(sig, s)
+            if wider is None:
+                raise misfit(batch, r, sig, s)
+            sig = wider
+        rows.append(leaves)
+    layout = cache.get(sig, len(samples))
+    buf = buffer(layout.nbytes, np.uint8)
+    values = {}
+    for r, leaves in enumerate(rows):
+        v = layout.write_row(buf, r, leaves)
+        if layout.value_leaves:
+            values[r] = v
+    return layout.spec(len(samples), values), buf
+
+
+def _dtype_name(code: str) -> str:
+    return "bfloat16" if code == BFLOAT16 else str(np.dtype(code))
+
+
+class _DigestPickler(pickle.Pickler):
+    """Pickles a signature for its digest.  A container type defined inside
+    a function cannot be pickled by name; it is named by its qualified
+    name and identity instead (it can only be met in one process, or in
+    processes forked after it was made)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, type) and "<locals>" in obj.__qualname__:
+            return str, (f"{obj.__module__}.{obj.__qualname__}#{id(obj)}",)
+        return NotImplemented
 
 
 def _digest(obj) -> tuple[int, int]:
     """128 bits naming obj in every process: pickling is exact where
     hash() is not (hash(-1) == hash(-2))."""
-    d = hashlib.blake2b(pickle.dumps(obj), digest_size=16).digest()
+    buf = io.BytesIO()
+    _DigestPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    d = hashlib.blake2b(buf.getvalue(), digest_size=16).digest()
     return tuple(int(w) for w in np.frombuffer(d, np.int64))
 
 
@@ -202,8 +296,8 @@ class Layout:
         self.signature, self.rows, self.batched = sig, rows, batched
         self.structure, meta = sig
         self.kinds = [kind if batched or kind != NUMBER else OTHER for kind, _, _ in meta]
-        self.dtypes = [None if kind == OTHER else np.dtype(d)
-                       for kind, (_, d, _) in zip(self.kinds, meta)]
+        self.codes = [None if kind == OTHER else d for kind, (_, d, _) in zip(self.kinds, meta)]
+        self.dtypes = [None if code is None else storage_dtype(code) for code in self.codes]
         self.shapes = [shape for _, _, shape in meta]
         self.offsets, self.row_nbytes = [], []
         offset = 0
@@ -236,7 +330,7 @@ class Layout:
         """Store array or number leaf i into dst, the uint8 bytes of its row."""
         dtype = self.dtypes[i]
         try:
-            if self.kinds[i] == ARRAY:
+            if self.kinds[i] != NUMBER:
                 dst.view(dtype).reshape(self.shapes[i])[...] = as_array(leaf)
             else:
                 dst.view(dtype)[0] = leaf
@@ -256,12 +350,13 @@ class Layout:
         values maps each row to its non-numeric leaves."""
         columns = iter(zip(*(values[r] for r in range(rows)))) if self.value_leaves else iter(())
         leaves = []
-        for kind, dtype, shape, off in zip(self.kinds, self.dtypes, self.shapes, self.offsets):
+        for kind, code, shape, off in zip(self.kinds, self.codes, self.shapes, self.offsets):
             if kind == OTHER:
                 column = list(next(columns)) if rows else []
                 leaves.append(Value(column if self.batched else column[0]))
             else:
-                leaves.append(ArrayLeaf(off, dtype.str, (rows,) + shape if self.batched else shape))
+                leaves.append(ArrayLeaf(off, code, (rows,) + shape if self.batched else shape,
+                                        kind == TENSOR))
         return unflatten(self.structure, leaves)
 
 
@@ -271,11 +366,13 @@ def castable(sig, layout: Layout) -> bool:
     structure, meta = sig
     if structure != layout.structure:
         return False
-    for (kind, dtype, shape), lkind, ldtype, lshape in zip(meta, layout.kinds, layout.dtypes,
-                                                          layout.shapes):
+    for (kind, code, shape), lkind, lcode, lshape in zip(meta, layout.kinds, layout.codes,
+                                                        layout.shapes):
         if kind != lkind or shape != lshape:
             return False
-        if kind != OTHER and not np.can_cast(np.dtype(dtype), ldtype, "safe"):
+        if kind == OTHER or code == lcode:
+            continue
+        if BFLOAT16 in (code, lcode) or not np.can_cast(np.dtype(code), np.dtype(lcode), "safe"):
             return False
     return True
 
@@ -299,34 +396,63 @@ class LayoutCache:
         return layout
 
 
-def materialize(spec, slab: np.ndarray, as_torch: bool):
+def materialize(spec, slab: np.ndarray, output: str = "numpy", torch_rules: bool = False):
     """Main side: the batch, with every array a view of the slab.  No
     reference cycle may hold the slab (see _unflatten): the slab is freed,
-    and its lease released, the moment the user drops the batch."""
+    and its lease released, the moment the user drops the batch.
+
+    output: "numpy" (arrays), "torch" (tensors sharing the slab; arrays of
+    dtypes torch has no tensor for, strings or dates, stay arrays) or
+    "keep" (what each leaf was in the sample: a collate_fn's output comes
+    back as it returned it).  torch_rules (DataLoader): the structure
+    torch's default_collate gives (tuples become lists; a numpy scalar
+    given unbatched becomes a 0-d tensor)."""
     if isinstance(spec, ArrayLeaf):
-        dtype = np.dtype(spec.dtype)
+        dtype = storage_dtype(spec.dtype)
         n = dtype.itemsize * math.prod(spec.shape)
         arr = slab[spec.offset:spec.offset + n].view(dtype=dtype, type=np.ndarray).reshape(spec.shape)
-        if as_torch:
+        as_torch = output == "torch" or (output == "keep" and spec.tensor)
+        if spec.dtype == BFLOAT16:
+            return _bfloat16(arr, as_torch)
+        if as_torch and dtype.kind in "biufc":
             import torch
 
             return torch.from_numpy(arr)
         return arr
     if isinstance(spec, Value):
+        if torch_rules and output == "torch" and isinstance(spec.value, (np.generic, np.ndarray)):
+            import torch
+
+            return torch.as_tensor(spec.value)
         return spec.value
     t = type(spec)
     if t is dict:
-        return {k: materialize(v, slab, as_torch) for k, v in spec.items()}
+        return {k: materialize(v, slab, output, torch_rules) for k, v in spec.items()}
     if t is list:
-        return [materialize(v, slab, as_torch) for v in spec]
+        return [materialize(v, slab, output, torch_rules) for v in spec]
     if t is tuple:
-        return tuple(materialize(v, slab, as_torch) for v in spec)
+        items = [materialize(v, slab, output, torch_rules) for v in spec]
+        # torch's default_collate makes lists of tuples ("backwards
+        # compatibility"); a collate_fn's tuple stays a tuple
+        return items if torch_rules and output == "torch" else tuple(items)
     if isinstance(spec, tuple) and hasattr(t, "_fields"):
-        return t(*(materialize(v, slab, as_torch) for v in spec))
+        return t(*(materialize(v, slab, output, torch_rules) for v in spec))
     if isinstance(spec, Mapping):
-        items = {k: materialize(v, slab, as_torch) for k, v in spec.items()}
-        try:
-            return t(items)
-        except TypeError:
-            return items
+        return rebuild(t, {k: materialize(v, slab, output, torch_rules) for k, v in spec.items()})
+    if isinstance(spec, Sequence) and not isinstance(spec, (str, bytes, bytearray, range)):
+        return rebuild(t, [materialize(v, slab, output, torch_rules) for v in spec])
     return spec
+
+
+def _bfloat16(words: np.ndarray, as_torch: bool):
+    """A bfloat16 leaf, stored as uint16 words."""
+    if as_torch:
+        import torch
+
+        return torch.from_numpy(words.view(np.int16)).view(torch.bfloat16)
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError("a batch leaf is a bfloat16 tensor, which numpy cannot represent: pass "
+                        "output='torch' (or install ml_dtypes for numpy bfloat16 arrays)") from None
+    return words.view(ml_dtypes.bfloat16)

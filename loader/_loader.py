@@ -9,6 +9,7 @@ import collections
 import os
 import secrets
 import signal
+import sys
 import time
 import warnings
 import weakref
@@ -18,12 +19,15 @@ import numpy as np
 
 import shmq
 from loader import _control as C
+from loader import _order as O
 from loader import _protocol as P
 from loader._collator import collator_main
+from loader._inline import InlineEpoch
 from loader._layout import materialize
+from loader._native import LeaseBook, derived_seeds
+from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import LoaderStartError, fork_children, start_error, wait_all
 from loader._shared import LoaderConfig, SharedState
-from loader._native import LeaseBook
 from loader._worker import worker_main
 
 __all__ = ["ShmLoader", "WorkerError", "LoaderTimeout", "LoaderStartError"]
@@ -32,21 +36,41 @@ _live_loaders: "weakref.WeakSet[ShmLoader]" = weakref.WeakSet()
 
 
 class WorkerError(RuntimeError):
-    """A worker or the collator failed.  The message carries the original
-    traceback (or the signal or exit code), the worker id, its pid and the
-    sample index."""
+    """A worker or the collator died, or raised an exception that cannot be
+    raised again in main with its own type.  The message carries the
+    traceback (or the signal or exit code), the worker id and its pid."""
 
 
 class LoaderTimeout(WorkerError, TimeoutError):
     """No batch arrived within the loader's ``timeout``."""
 
 
+class _KeyErrorMessage(str):
+    """KeyError shows repr() of its argument; this keeps a traceback
+    readable (PyTorch does the same)."""
+
+    def __repr__(self):
+        return self
+
+
+class _Plan(NamedTuple):
+    """What main decided about one pass: see NOTE [ Runs ]."""
+    epoch: int
+    size: int                  # positions in this rank's order; -1 iterable
+    kept: int                  # positions delivered
+    units: int                 # what workers claim
+    nbatches: int              # -1 iterable
+    order_kind: int
+    order_seed: int
+    shipped: np.ndarray | None  # the order written out for the workers
+    offsets: np.ndarray | None  # a batch sampler's batch offsets
+    base_seed: int
+
+
 class _Run(NamedTuple):
     id: int
-    epoch: int
-    kept: int       # positions delivered; -1 for an iterable dataset
-    units: int      # what workers claim: positions, or batches with a collate_fn; -1 iterable
-    batches: int    # -1 for an iterable dataset
+    plan: _Plan
+    batches: O.Batches | None  # None for an iterable dataset
 
 
 def _default_memory_cap() -> int:
@@ -57,6 +81,33 @@ def _default_memory_cap() -> int:
 def _positive_int(name, value, minimum=1):
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def is_iterable_dataset(dataset) -> bool:
+    """As PyTorch decides: a torch IterableDataset is iterable (even with
+    __len__); any other object is iterable when it has __iter__ and no
+    __getitem__."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dataset, torch.utils.data.IterableDataset):
+        return True
+    return hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")
+
+
+def distributed_rank() -> tuple[int, int]:
+    """(rank, world size) of this process: from the initialised
+    torch.distributed process group, else the RANK and WORLD_SIZE
+    environment variables torchrun sets, else (0, 1)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    try:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError as e:
+        raise ValueError(f"distributed=True: RANK and WORLD_SIZE must be integers ({e})") from None
+    if not 0 <= rank < world:
+        raise ValueError(f"distributed=True: RANK={rank} is not in 0..WORLD_SIZE-1 "
+                         f"(WORLD_SIZE={world})")
+    return rank, world
 
 
 class ShmLoader:
@@ -70,18 +121,19 @@ class ShmLoader:
     every array of its batch is gone, so batches you keep stay intact.
     """
 
-    def __init__(self, dataset, batch_size=1, shuffle=False, sampler=None, num_workers=2,
-                 collate_fn=None, drop_last=False, in_order=True, prefetch=None,
-                 persistent_workers=True, worker_init_fn=None, seed=None, timeout=None,
-                 output="numpy", memory_cap_bytes=None):
-        _positive_int("batch_size", batch_size)
-        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
-            raise ValueError(f"num_workers must be an int >= 1 (ShmLoader always uses worker "
-                             f"processes), got {num_workers!r}")
-        if output not in ("numpy", "torch"):
-            raise ValueError(f"output must be 'numpy' or 'torch', got {output!r}")
-        if sampler is not None and shuffle:
-            raise ValueError("sampler and shuffle=True are exclusive: shuffle inside the sampler")
+    def __init__(self, dataset, batch_size=1, shuffle=False, sampler=None, batch_sampler=None,
+                 num_workers=2, collate_fn=None, drop_last=False, in_order=True, prefetch=None,
+                 persistent_workers=True, worker_init_fn=None, seed=None, generator=None,
+                 reproducible=None, timeout=None, output="numpy", pin_memory=False,
+                 memory_cap_bytes=None, distributed=False):
+        if batch_size is not None:
+            _positive_int("batch_size", batch_size)
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0 (0 loads in the main process), "
+                             f"got {num_workers!r}")
+        if output not in ("numpy", "torch", "keep"):
+            raise ValueError(f"output must be 'numpy', 'torch' or 'keep' (each leaf as the "
+                             f"dataset or collate_fn gave it), got {output!r}")
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         if prefetch is not None:
@@ -90,19 +142,37 @@ class ShmLoader:
             _positive_int("memory_cap_bytes", memory_cap_bytes, 4096)
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
-        self.iterable = not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"))
-        if self.iterable and (sampler is not None or shuffle):
-            raise ValueError("an iterable dataset orders its own samples: sampler and shuffle "
-                             "apply to map-style datasets (with __getitem__ and __len__) only")
-        self.dataset, self.batch_size, self.shuffle, self.sampler = dataset, batch_size, shuffle, sampler
+        if sampler is not None and shuffle:
+            raise ValueError("sampler and shuffle=True are exclusive: shuffle inside the sampler")
+        if batch_sampler is not None and (batch_size != 1 or shuffle or sampler is not None
+                                          or drop_last):
+            raise ValueError("batch_sampler makes the batches: it is exclusive with batch_size, "
+                             "shuffle, sampler and drop_last")
+        if generator is not None:
+            torch = sys.modules.get("torch")
+            if torch is None or not isinstance(generator, torch.Generator):
+                raise TypeError(f"generator must be a torch.Generator, got "
+                                f"{type(generator).__name__}")
+        self.iterable = is_iterable_dataset(dataset)
+        if self.iterable and (sampler is not None or batch_sampler is not None or shuffle):
+            raise ValueError("an iterable dataset orders its own samples: sampler, batch_sampler "
+                             "and shuffle apply to map-style datasets (with __getitem__) only")
+        if distributed and (sampler is not None or batch_sampler is not None):
+            raise ValueError("distributed=True shards the loader's own order across ranks; with "
+                             "a sampler, shard in the sampler (torch's DistributedSampler)")
+        self.dataset, self.batch_size, self.shuffle = dataset, batch_size, shuffle
+        self.sampler, self.batch_sampler = sampler, batch_sampler
         self.num_workers, self.collate_fn, self.drop_last, self.in_order = (
             num_workers, collate_fn, drop_last, in_order)
         self.prefetch = prefetch if prefetch is not None else 3
         self.persistent_workers, self.worker_init_fn, self.timeout = (
             persistent_workers, worker_init_fn, timeout)
-        self.output = output
+        self.output, self.pin_memory, self.distributed = output, pin_memory, distributed
+        self.generator = generator
         self.seed = seed if seed is not None else secrets.randbits(63)
+        self.reproducible = (seed is not None) if reproducible is None else bool(reproducible)
         self.memory_cap_bytes = memory_cap_bytes or _default_memory_cap()
+        self._torch_rules = False  # DataLoader: torch's seeding and collate structure
         self._epoch = 0          # epochs started by iter(): they pick the order and the seeds
         self._runs = 0           # runs started (see NOTE [ Runs ])
         self._current = None     # the run of the latest iter()
@@ -112,22 +182,39 @@ class ShmLoader:
         self._owner_pid = os.getpid()
         self._procs: list = []
         self._shared = None
+        self._pinned = None
+        self._drawn_base_seed = None  # torch's rules: drawn once with persistent workers
         self._closed = False
         self._stats = None
+        self._rank, self._world = (0, 1)
         _live_loaders.add(self)
 
     # --- sizes ----------------------------------------------------------------------
 
-    def _kept(self, n: int) -> int:
-        """Of n positions, those an epoch delivers (drop_last drops a short batch)."""
-        return n // self.batch_size * self.batch_size if self.drop_last else n
+    @property
+    def _rows(self) -> int:
+        """Samples per batch (1 unbatched: batch_size=None)."""
+        return 1 if self.batch_size is None else self.batch_size
+
+    def _dataset_len(self) -> int:
+        try:
+            return len(self.dataset)
+        except TypeError:
+            raise TypeError(f"this map-style dataset ({type(self.dataset).__name__}) has no "
+                            f"__len__: pass a sampler that says which indices to load") from None
 
     def __len__(self):
         if self.iterable:
             raise TypeError("an iterable dataset has no length; ShmLoader cannot know its "
                             "number of batches")
-        n = len(self.sampler) if self.sampler is not None else len(self.dataset)
-        return -(-self._kept(n) // self.batch_size)
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)
+        n = len(self.sampler) if self.sampler is not None else self._dataset_len()
+        if self.distributed:
+            n = O.shard_size(n, distributed_rank()[1])
+        if self.batch_size is None:
+            return n
+        return -(-O.kept_of(n, self.batch_size, self.drop_last) // self.batch_size)
 
     def stats(self) -> dict | None:
         """How the last epoch whose end was seen was delivered: batches,
@@ -146,12 +233,16 @@ class ShmLoader:
                 f"(this is {os.getpid()}) cannot use it: create a new ShmLoader here")
 
     def _start(self):
+        if self.distributed:
+            self._rank, self._world = distributed_rank()
         cfg = LoaderConfig(
-            dataset=self.dataset, batch_size=self.batch_size, num_workers=self.num_workers,
-            prefetch=self.prefetch, drop_last=self.drop_last, in_order=self.in_order,
-            iterable=self.iterable, collate_fn=self.collate_fn,
-            worker_init_fn=self.worker_init_fn, seed=self.seed,
-            memory_cap_bytes=self.memory_cap_bytes, parent_pid=os.getpid())
+            dataset=self.dataset, batch_size=None if self.batch_size is None else self._rows,
+            num_workers=self.num_workers, prefetch=self.prefetch, drop_last=self.drop_last,
+            in_order=self.in_order, iterable=self.iterable, collate_fn=self.collate_fn,
+            worker_init_fn=self.worker_init_fn, seed=self.seed, reproducible=self.reproducible,
+            torch_seeding=self._torch_rules, memory_cap_bytes=self.memory_cap_bytes,
+            parent_pid=os.getpid(), rank=self._rank, world=self._world,
+            static_batches=self._torch_rules and self.in_order and not self.iterable)
         try:
             shared = SharedState(cfg)
         except BaseException as e:
@@ -165,6 +256,7 @@ class ShmLoader:
             raise
         self._cfg, self._shared = cfg, shared
         self._leases = LeaseBook(shared.arena, shared.released, shared.control.collator_bell)
+        self._pinned = PinnedChunks(shared.arena) if self.pin_memory and cuda_available() else None
         self._next_child_check = 0.0
 
     def _check_children(self):
@@ -207,6 +299,9 @@ class ShmLoader:
                 c.close()
             self._procs = []
         shared.close()
+        if self._pinned is not None:
+            self._pinned.close()
+            self._pinned = None
         self._leases.close()  # the arena's pages no batch you hold uses go back now
         self._shared = None
         self._inboxes.clear()
@@ -301,42 +396,93 @@ class ShmLoader:
             self._route(self._receive(deadline))
         return inbox.popleft()
 
-    # --- runs ------------------------------------------------------------------------
+    # --- planning a pass ------------------------------------------------------------
 
-    def _order(self, epoch):
-        """(size, order kind, seed, order to ship or None) of an epoch."""
-        if self.sampler is not None:
-            order = np.fromiter((int(i) for i in self.sampler), dtype=np.int64)
-            return len(order), C.ORDER_SHIPPED, 0, order
-        if self.shuffle:
-            return len(self.dataset), C.ORDER_PERMUTATION, self.seed, None
-        return len(self.dataset), C.ORDER_RANGE, 0, None
+    def _base_seed(self, epoch: int) -> int:
+        """The seed workers take for an epoch (see seed_worker): drawn from
+        the generator as torch's DataLoader draws it (once per iterator it
+        makes: each epoch, or once with persistent workers), else from the
+        seed."""
+        if self._torch_rules or self.generator is not None:
+            if self._drawn_base_seed is not None and self.persistent_workers and self.num_workers:
+                return self._drawn_base_seed
+            import torch
 
-    def _units_per_batch(self) -> int:
-        return 1 if self.collate_fn is not None else self.batch_size
+            seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+            self._drawn_base_seed = seed
+            return seed
+        return int(derived_seeds(self.seed & ((1 << 64) - 1), epoch, 0, 0)[0])
+
+    def _plan(self, epoch: int) -> _Plan:
+        """Decide epoch's pass: which indices in which order (see NOTE [ Runs ])."""
+        base_seed = self._base_seed(epoch)
+        if self.iterable:
+            return _Plan(epoch, -1, -1, -1, -1, O.ORDER_RANGE, 0, None, None, base_seed)
+        shipped = offsets = None
+        if self.batch_sampler is not None:
+            batches = [np.asarray(list(b), np.int64).reshape(-1) for b in self.batch_sampler]
+            shipped = np.concatenate(batches) if batches else np.zeros(0, np.int64)
+            offsets = np.zeros(len(batches) + 1, np.int64)
+            np.cumsum([len(b) for b in batches], out=offsets[1:])
+            kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
+        elif self.sampler is not None:
+            shipped = np.fromiter((int(i) for i in self.sampler), dtype=np.int64)
+            kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
+        elif self.shuffle and self.generator is not None:
+            from torch.utils.data import RandomSampler
+
+            # torch's own sampler: exactly the order torch gives for this generator
+            n = self._dataset_len()
+            shipped = np.fromiter(RandomSampler(range(n), generator=self.generator), np.int64, n)
+            shipped = O.shard(shipped, self._rank, self._world)
+            kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
+        else:
+            kind = O.ORDER_PERMUTATION if self.shuffle else O.ORDER_RANGE
+            order_seed = self.seed if self.shuffle else 0
+            size = O.shard_size(self._dataset_len(), self._world)
+        if offsets is not None:
+            kept, nbatches = size, len(offsets) - 1
+        elif self.batch_size is None:
+            kept = nbatches = size
+        else:
+            kept = O.kept_of(size, self.batch_size, self.drop_last)
+            nbatches = -(-kept // self.batch_size)
+            if shipped is not None:
+                shipped = shipped[:kept]
+        claims_batches = self.collate_fn is not None or self.batch_size is None or (
+            self._torch_rules and self.in_order)
+        units = nbatches if claims_batches else kept
+        return _Plan(epoch, size, kept, units, nbatches, kind, order_seed, shipped, offsets,
+                     base_seed)
+
+    def _limit(self, run: _Run, yielded: int) -> int:
+        """Units workers may load once `yielded` batches were yielded: those
+        of the next `prefetch` batches.  (Iterable runs: per worker.)"""
+        if run.batches is None:
+            return self._cfg.worker_prefetch
+        upto = min(yielded + self.prefetch, run.plan.nbatches)
+        if run.plan.units == run.plan.nbatches:  # workers claim whole batches
+            return upto
+        return run.batches.span(upto - 1)[1] if upto > 0 else 0
 
     def _start_run(self, epoch) -> _Run:
         """Start a pass over the data for `epoch` (see NOTE [ Runs ])."""
-        run = self._runs + 1
+        run_id = self._runs + 1
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        while run - 2 in self._unended:  # its block is about to be reused
+        while run_id - 2 in self._unended:  # its block is about to be reused
             self._route(self._receive(deadline))
-        if self.iterable:
-            size = kept = units = batches = -1
-            kind, order_seed, order = C.ORDER_RANGE, 0, None
-        else:
-            size, kind, order_seed, order = self._order(epoch)
-            kept = self._kept(size)
-            batches = -(-kept // self.batch_size)
-            units = batches if self.collate_fn is not None else kept
-        if order is not None:
-            self._shared.write_order(run, order)
-        self._runs = run
-        self._unended.add(run)
-        self._inboxes[run] = collections.deque()
-        self._shared.control.start_run(run, epoch, size, kept, units, kind, order_seed,
-                                       self.prefetch * self._units_per_batch())
-        return _Run(run, epoch, kept, units, batches)
+        plan = self._plan(epoch)
+        if plan.shipped is not None:
+            self._shared.write_order(run_id, plan.shipped, plan.offsets)
+        batches = None if self.iterable else O.Batches(plan.kept, self._rows, plan.offsets)
+        run = _Run(run_id, plan, batches)
+        self._runs = run_id
+        self._unended.add(run_id)
+        self._inboxes[run_id] = collections.deque()
+        self._shared.control.start_run(
+            run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
+            plan.order_seed, int(plan.offsets is not None), plan.base_seed, self._limit(run, 0))
+        return run
 
     def _end(self, run: _Run | None) -> None:
         """Main will read no more of this run: its workers stop, and its
@@ -356,8 +502,11 @@ class ShmLoader:
     def _runs_ahead(self) -> bool:
         """Can the next epoch start before this one ends?  Not when the
         next order is the user's to make (a sampler, which may wait for
-        set_epoch(); an iterable dataset), nor without persistent workers."""
-        return self.persistent_workers and self.sampler is None and not self.iterable
+        set_epoch(); an iterable dataset), nor without persistent workers,
+        nor for DataLoader (torch draws its seeds at iter(), maybe after
+        the user reseeded the generator)."""
+        return (self.persistent_workers and self.sampler is None and self.batch_sampler is None
+                and not self.iterable and not self._torch_rules)
 
     def _run_for(self, epoch) -> _Run:
         """The run for `epoch`: the one started ahead if len(dataset) has not
@@ -365,7 +514,8 @@ class ShmLoader:
         ahead, self._ahead = self._ahead, None
         self._end(self._current)  # an iterator this one supersedes
         self._current = None
-        if ahead is not None and ahead.epoch == epoch and ahead.kept == self._kept(len(self.dataset)):
+        if ahead is not None and ahead.plan.epoch == epoch and \
+                ahead.plan.size == O.shard_size(self._dataset_len(), self._world):
             self._current = ahead
             return ahead
         self._end(ahead)
@@ -378,49 +528,53 @@ class ShmLoader:
         if self._closed:
             raise ValueError("this ShmLoader is closed; create a new one")
         self._check_owner()
+        self._epoch += 1
+        if self.pin_memory and not self._torch_rules and not cuda_available():
+            warnings.warn("ShmLoader: pin_memory=True, but CUDA is not available: batches are not "
+                          "pinned (pin_memory=False says the same without this warning)",
+                          UserWarning, stacklevel=2)
+        if self.num_workers == 0:
+            return InlineEpoch(self, self._epoch).batches()
         if self._shared is None:
             self._start()
-        self._epoch += 1
+        if self.iterable:
+            return self._stream_batches(self._epoch)
         return self._epoch_batches(self._epoch)
 
     def _epoch_batches(self, epoch):
+        """A map-style epoch: batches in order (or as they are ready)."""
         run = self._run_for(epoch)
         control = self._shared.control
         pending, errors = {}, {}
-        by_index = self.in_order and not self.iterable  # else: in arrival order
         yielded = 0
-        total = None if run.batches < 0 else run.batches
+        total = run.plan.nbatches
         ended = finished = False
-        per_batch = self._units_per_batch()
         try:
             while not (ended and yielded == total):
                 self._check_current(epoch)
                 deadline = None if self.timeout is None else time.monotonic() + self.timeout
                 msg = self._next_of(run.id, deadline)
                 if (self._ahead is None and self._runs_ahead() and run.id - 1 not in self._unended
-                        and control.claimed(run.id) >= run.units):
+                        and control.claimed(run.id) >= run.plan.units):
                     self._ahead = self._start_run(epoch + 1)  # every unit is claimed
                 kind = type(msg)
                 if kind is P.Failed:
-                    if by_index and msg.batch >= 0:
+                    if self.in_order and msg.batch >= 0:
                         errors[msg.batch] = msg  # raised when its turn comes
                     else:
                         self._raise_failed(msg)
                 elif kind is P.RunEnded:
-                    if total is not None and msg.batches != total and not errors:
+                    if msg.batches != total and not errors:
                         raise WorkerError(
                             f"ShmLoader: epoch {epoch} ended after {msg.batches} of {total} "
                             f"batches without an error; its shared state was changed from outside "
                             f"(another process writing into this process's memory?)")
                     total, ended = msg.batches, True
-                    self._stats = {"epoch": epoch, "batches": msg.batches, "samples": msg.samples,
-                                   "samples_written_by_workers": msg.samples - msg.rows_by_collator,
-                                   "samples_written_by_collator": msg.rows_by_collator,
-                                   "relayouts": msg.relayouts}
+                    self._record_stats(epoch, msg)
                 else:
                     pending[msg.batch] = msg
                 while True:
-                    if by_index:
+                    if self.in_order:
                         if yielded in errors:
                             self._raise_failed(errors[yielded])
                         key = yielded if yielded in pending else None
@@ -430,16 +584,80 @@ class ShmLoader:
                         break
                     batch = self._batch(pending.pop(key))
                     yielded += 1
-                    control.set_limit(run.id, (yielded + self.prefetch) * per_batch)
+                    control.set_limit(run.id, self._limit(run, yielded))
                     yield batch
                     self._check_current(epoch)
-                if ended and by_index and yielded != total and yielded not in pending:
+                if ended and self.in_order and yielded != total and yielded not in pending:
                     raise WorkerError(f"ShmLoader: the run ended without batch {yielded} of "
                                       f"{total} and without an error for it")
             finished = True
         finally:
             if os.getpid() == self._owner_pid:  # not a forked copy finalized in a child
                 self._finish_iterator(run, pending, finished)
+
+    def _stream_batches(self, epoch):
+        """An iterable dataset's epoch: each worker fills its own batches;
+        in order, they come round-robin over the workers still going, as
+        PyTorch delivers them (see NOTE [ Runs ])."""
+        run = self._run_for(epoch)
+        control = self._shared.control
+        workers = max(self.num_workers, 1)
+        pending, errors, ends = {}, {}, {}   # ends: worker -> its batch count
+        next_id, ended, finished = 0, False, False
+        try:
+            while True:
+                while True:  # hand out what can be handed out
+                    if self.in_order:
+                        if next_id in errors:
+                            self._raise_failed(errors.pop(next_id))
+                        w, j = next_id % workers, next_id // workers
+                        if w in ends and j >= ends[w]:  # that stream is over: skip its ids
+                            if len(ends) == workers and next_id > max(
+                                    (k - 1) * workers + v for v, k in ends.items()):
+                                break  # every stream is over
+                            next_id += 1
+                            continue
+                        key = next_id if next_id in pending else None
+                    else:
+                        key = next(iter(pending), None)
+                    if key is None:
+                        break
+                    batch = self._batch(pending.pop(key))
+                    if self.in_order:
+                        next_id += 1
+                    control.raise_worker_limit(run.id, key % workers)
+                    yield batch
+                    self._check_current(epoch)
+                if ended and not pending:
+                    if errors:
+                        self._raise_failed(errors[min(errors)])
+                    break
+                self._check_current(epoch)
+                deadline = None if self.timeout is None else time.monotonic() + self.timeout
+                msg = self._next_of(run.id, deadline)
+                kind = type(msg)
+                if kind is P.Failed:
+                    if self.in_order and msg.batch >= 0:
+                        errors[msg.batch] = msg
+                    else:
+                        self._raise_failed(msg)
+                elif kind is P.StreamEnded:
+                    ends[msg.worker] = msg.batches
+                elif kind is P.RunEnded:
+                    ended = True
+                    self._record_stats(epoch, msg)
+                else:
+                    pending[msg.batch] = msg
+            finished = True
+        finally:
+            if os.getpid() == self._owner_pid:
+                self._finish_iterator(run, pending, finished)
+
+    def _record_stats(self, epoch: int, msg: P.RunEnded) -> None:
+        self._stats = {"epoch": epoch, "batches": msg.batches, "samples": msg.samples,
+                       "samples_written_by_workers": msg.samples - msg.rows_by_collator,
+                       "samples_written_by_collator": msg.rows_by_collator,
+                       "relayouts": msg.relayouts}
 
     def _finish_iterator(self, run: _Run, pending: dict, finished: bool) -> None:
         """An epoch's iterator ends (exhausted, broken out of, dropped)."""
@@ -464,20 +682,34 @@ class ShmLoader:
                                "again, which starts a new epoch; use one iterator at a time")
 
     def _raise_failed(self, msg: P.Failed):
-        who = "the collator" if msg.worker < 0 else f"worker {msg.worker}"
+        """Raise what a worker (or the collator) reported: its exception's
+        own type when main can build one with a message, as PyTorch does,
+        with the worker's traceback in the message; else WorkerError."""
+        err = msg.error
         if msg.index >= 0:
             at = f" on sample index {msg.index} (position {msg.pos})"
         elif msg.batch >= 0:
             at = f" on batch {msg.batch}"
         else:
             at = ""
-        raise WorkerError(f"ShmLoader: {who} (pid {msg.pid}) raised {msg.error.type_name}{at}:\n"
-                          f"{msg.error.text}")
+        text = f"Caught {err.type_name} {err.where} (pid {msg.pid}){at}.\nOriginal {err.text}"
+        exc_type = err.exception_type()
+        if exc_type is KeyError:
+            text = _KeyErrorMessage(text)
+        try:
+            exc = exc_type(text) if exc_type is not None else None
+        except Exception:
+            exc = None
+        if not isinstance(exc, BaseException):
+            raise WorkerError(text)
+        raise exc
 
     def _batch(self, msg: P.BatchReady):
         s = msg.slab
+        if self._pinned is not None:
+            self._pinned.pin(s.offset, s.nbytes)
         slab = self._leases.view(s.lease, s.generation, s.offset, s.nbytes)
-        return materialize(msg.spec, slab, self.output == "torch")
+        return materialize(msg.spec, slab, self.output, self._torch_rules)
 
 
 def _close_all():

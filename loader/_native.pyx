@@ -162,3 +162,28 @@ cdef class RunCounters:
 
     def below_limit(self, int64_t run, int64_t unit):
         return unit < __atomic_load_n64(self._word(run, self.limit), __ATOMIC_ACQUIRE)
+
+
+# --- per-sample seeds (reproducible=True) -------------------------------------
+
+cdef inline uint64_t _splitmix64(uint64_t x) noexcept nogil:
+    # Steele, Lea and Flood's SplitMix64 finaliser: a bijection of 64-bit
+    # words whose outputs for neighbouring inputs are uncorrelated.
+    x += 0x9E3779B97F4A7C15ULL
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL
+    return x ^ (x >> 31)
+
+
+def derived_seeds(uint64_t seed, uint64_t epoch, uint64_t stream, uint64_t item):
+    """Three independent seeds for (seed, epoch, stream, item): for Python's
+    random (63 bits), numpy's global generator (32 bits: what
+    np.random.seed takes as one word) and torch's (63 bits).  Each comes
+    from hashing the four numbers in a chain with a different salt, so the
+    three generators never start from related states (seeding them all
+    with one number would make torch's and numpy's Mersenne Twisters
+    produce the same stream)."""
+    cdef uint64_t h = _splitmix64(_splitmix64(_splitmix64(_splitmix64(seed) ^ epoch) ^ stream) ^ item)
+    return (<int64_t>(_splitmix64(h ^ 1) >> 1),
+            <uint32_t>(_splitmix64(h ^ 2) >> 32),
+            <int64_t>(_splitmix64(h ^ 3) >> 1))

@@ -6,8 +6,8 @@ NOTE [ ShmLoader processes and shutdown ]
                 ctl words + bells (NOTE [ Runs ], _control.py): runs, cursors, limits, STOP
   main ─────────────────────────────────────────────────────────────────────┐
    ▲                                                                        ▼
-   │ BatchReady / RunEnded / Failed / MemoryWait          worker 0..N-1: claim a unit, load it,
-   │ (to_main: SPSC)                                      write its row (NOTE [ Direct row
+   │ BatchReady / StreamEnded / RunEnded / Failed         worker 0..N-1: claim a unit, load it,
+   │ / MemoryWait (to_main: SPSC)                         write its row (NOTE [ Direct row
    │                                                      writes ], _table.py)
   collator ◄── LayoutRequest / RowValues / Filled / SampleRow / Failed / Done ──┘
                (to_collator: MPSC)
@@ -59,7 +59,7 @@ Shutdown, in order of preference:
 
 from __future__ import annotations
 
-import pickle
+import importlib
 import traceback
 from typing import Any, NamedTuple
 
@@ -110,9 +110,13 @@ class SampleRow(NamedTuple):
 
 
 class Done(NamedTuple):
-    """The worker will not write into the run any more."""
+    """The worker will not write into the run any more.  Iterable runs:
+    last_batch is its stream's short last batch (-1: none), last_rows that
+    batch's rows."""
     run: int
     worker: int
+    last_batch: int
+    last_rows: int
 
 
 # --- collator -> main --------------------------------------------------------------
@@ -133,6 +137,14 @@ class RunEnded(NamedTuple):
     relayouts: int          # batches laid out again (a wrong guess, or promotion)
 
 
+class StreamEnded(NamedTuple):
+    """Iterable runs: the worker's stream ended after `batches` batches
+    (the ids it will never fill are skipped; see NOTE [ Runs ])."""
+    run: int
+    worker: int
+    batches: int
+
+
 class MemoryWait(NamedTuple):
     held_bytes: int
     cap_bytes: int
@@ -144,22 +156,29 @@ class MemoryWait(NamedTuple):
 
 
 class ErrorReport(NamedTuple):
-    """An exception, made to cross a process boundary: its type and text,
-    the traceback, and the pickled exception when it pickles (to re-raise
-    its original type in main)."""
-    type_name: str
-    text: str
-    pickled: bytes | None
+    """An exception, made to cross a process boundary: where its type is
+    defined (to raise the same type in main, as PyTorch does), the
+    traceback, and where it happened."""
+    type_module: str
+    type_name: str     # qualified name in type_module
+    text: str          # the formatted traceback
+    where: str         # e.g. "in worker 1"
 
     @classmethod
-    def of(cls, exc: BaseException, note: str = "") -> "ErrorReport":
+    def of(cls, exc: BaseException, where: str) -> "ErrorReport":
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        t = type(exc)
+        return cls(t.__module__, t.__qualname__, text, where)
+
+    def exception_type(self) -> type | None:
+        """The exception's type, if main can import it."""
         try:
-            pickled = pickle.dumps(exc)
-            pickle.loads(pickled)
+            obj = importlib.import_module(self.type_module)
+            for part in self.type_name.split("."):
+                obj = getattr(obj, part)
         except Exception:
-            pickled = None
-        return cls(type(exc).__name__, text + (f"\n({note})" if note else ""), pickled)
+            return None
+        return obj if isinstance(obj, type) and issubclass(obj, BaseException) else None
 
 
 class Failed(NamedTuple):

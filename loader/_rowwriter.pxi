@@ -54,6 +54,7 @@ cdef enum:
     K_ARRAY = 0
     K_NUMBER = 1
     K_OTHER = 2
+    K_TENSOR = 3        # stored as an array; always matched in Python
 cdef enum:
     N_INT64 = 0
     N_FLOAT64 = 1
@@ -80,6 +81,7 @@ from loader import _layout
 cdef struct LeafSpec:
     int kind
     int number
+    bint python_only      # a tensor (bfloat16 ones too): only the Python path matches it
     int ndim
     cnp.npy_intp dims[32]
     PyObject *descr       # kept alive by Plan.keep
@@ -129,9 +131,12 @@ cdef class Plan:
             s.descr = s.pytype = s.scalar = NULL
             s.ndim = 0
             s.number = N_OTHER
+            s.python_only = kind == K_TENSOR
+            if kind == K_TENSOR:
+                kind = s.kind = K_ARRAY
             if kind == K_OTHER:
                 continue
-            dt = np.dtype(dtype_str)
+            dt = _layout.storage_dtype(dtype_str)
             self.keep.append(dt)
             s.descr = <PyObject *>dt
             if kind == K_ARRAY:
@@ -272,7 +277,7 @@ cdef bint _leaf_matches(LeafSpec *s, object leaf) except -1:
     cdef cnp.ndarray arr
     cdef int d
     if s.kind == K_ARRAY:
-        if type(leaf) is not np.ndarray:
+        if type(leaf) is not np.ndarray or s.python_only:
             return False  # a tensor, a subclass: the Python path decides
         arr = <cnp.ndarray>leaf
         if cnp.PyArray_NDIM(arr) != s.ndim:
@@ -361,7 +366,7 @@ cdef class RowWriter:
             # Leaves only the Python path knows (a torch tensor, an ndarray
             # whose dtype compares equal but is another object): its leaves,
             # arrays as numpy, are what write() takes.
-            plan.found = [_layout.as_array(leaf) if kind == K_ARRAY else leaf
+            plan.found = [_layout.as_array(leaf) if kind == K_ARRAY or kind == K_TENSOR else leaf
                           for leaf, kind in zip(leaves, layout.kinds)]
         self.last = plan
         return plan

@@ -13,41 +13,89 @@ import numpy as np
 
 import shmq
 from loader import _control as C
+from loader import _order as O
 from loader import _protocol as P
 from loader._layout import CollateError
+from loader._native import ENDED, RowWriter, RunCounters, derived_seeds
 from loader._shared import LoaderConfig, SharedState
-from loader._native import ENDED, RowWriter, RunCounters
 from loader._table import SEQ
 
 _worker_info = None
+_U64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
 class WorkerInfo:
+    """What a worker knows about itself (the fields of torch's WorkerInfo,
+    plus this process's rank among distributed ones)."""
     id: int
     num_workers: int
     seed: int
     dataset: object
+    rank: int = 0
+    world_size: int = 1
+    rng: object = None
+    worker_method: str = "multiprocessing"
 
 
 def get_worker_info() -> WorkerInfo | None:
-    """Inside a worker: its id, the number of workers, its seed for the
-    current epoch and its copy of the dataset.  None in the main process."""
+    """Inside a worker: its id, the number of workers, its seed and its copy
+    of the dataset (and, with distributed=True, its rank and the world
+    size).  None in the main process.  torch.utils.data.get_worker_info()
+    answers the same inside ShmLoader's workers."""
     return _worker_info
 
 
-def worker_seed(base_seed: int, epoch: int, worker_id: int) -> int:
-    """Distinct per worker and per epoch, the same across runs for the same
-    base seed."""
-    return int(np.random.SeedSequence([base_seed, epoch, worker_id]).generate_state(1, np.uint64)[0] >> 1)
+def _set_worker_info(info: WorkerInfo) -> None:
+    global _worker_info
+    _worker_info = info
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        # torch.utils.data.get_worker_info() reads this module global, so the
+        # standard sharding recipe for iterable datasets works unchanged.
+        from torch.utils.data._utils import worker as torch_worker
+
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=info.dataset)
 
 
-def seed_everything(seed: int) -> None:
+def seed_worker(base_seed: int, worker_id: int, torch_rules: bool) -> int:
+    """Seed the generators a dataset may use, once per worker process, as
+    PyTorch's workers are seeded: random and torch with base_seed + id.
+    numpy's global generator gets a seed of its own: torch's own derivation
+    when torch_rules (so DataLoader matches torch), else one of
+    derived_seeds' independent streams.  Returns the worker's seed."""
+    seed = (base_seed + worker_id) & _U64
     random.seed(seed)
-    np.random.seed(seed % (1 << 32))
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.manual_seed(seed)
+    if torch_rules and torch is not None:
+        from torch.utils.data._utils.worker import _generate_state
+
+        np.random.seed(_generate_state(base_seed, worker_id))
+    else:
+        np.random.seed(derived_seeds(base_seed & _U64, 0, worker_id + 1, 0)[1])
+    return seed
+
+
+class SampleSeeder:
+    """reproducible=True: before every sample, random, numpy's global
+    generator and torch's get seeds derived from (seed, epoch, stream,
+    item) alone, so a sample's random augmentation never depends on which
+    worker loads it, or when."""
+
+    def __init__(self, seed: int):
+        self.seed = seed & _U64
+        torch = sys.modules.get("torch")
+        self.torch_gen = torch.default_generator if torch is not None else None
+
+    def __call__(self, epoch: int, stream: int, item: int) -> None:
+        s_random, s_numpy, s_torch = derived_seeds(self.seed, epoch & _U64, stream, item & _U64)
+        random.seed(s_random)
+        np.random.seed(s_numpy)
+        if self.torch_gen is not None:
+            self.torch_gen.manual_seed(s_torch)
 
 
 def exit_if_orphaned(parent_pid: int) -> None:
@@ -80,11 +128,12 @@ class Channel:
     def sample_row(self, run, batch, row, pos, sample, version):
         self.send(P.SampleRow(run, batch, row, pos, sample, version))
 
-    def failed(self, run, batch, pos, index, exc: BaseException, note=""):
-        self.send(P.Failed(run, batch, pos, index, self.me, self.pid, P.ErrorReport.of(exc, note)))
+    def failed(self, run, batch, pos, index, exc: BaseException, where: str):
+        self.send(P.Failed(run, batch, pos, index, self.me, self.pid,
+                           P.ErrorReport.of(exc, where)))
 
-    def done(self, run):
-        self.send(P.Done(run, self.me))
+    def done(self, run, last_batch=-1, last_rows=0):
+        self.send(P.Done(run, self.me, last_batch, last_rows))
 
     def wait_for_entry(self, run, base, seq_seen) -> bool:
         """Until the table entry at `base` changes (its SEQ word), or the run
@@ -107,7 +156,9 @@ class Worker:
         self.writer = RowWriter(shared.table, shared.arena, shared.hazards, worker_id, self.channel)
         self.counters = RunCounters(shared.control.ctl, C.RUN_BASE, C.RUN_WORDS, C.CURSOR, C.LIMIT,
                                     C.ARRIVED, C.RUN_SHIFT)
-        self.init_pending = cfg.worker_init_fn is not None
+        self.started = False   # seeded, worker_init_fn called
+        self.broken = False    # worker_init_fn raised: load nothing more
+        self.seeder = SampleSeeder(cfg.seed) if cfg.reproducible else None
 
     def run(self) -> None:
         torch = sys.modules.get("torch")
@@ -118,8 +169,8 @@ class Worker:
         seen = 0
         while (latest := self._wait_for_run(seen)) is not None:
             for run in range(seen + 1, latest + 1):
-                self._one_run(run)
-                self.channel.done(run)  # after this worker's last write into the run
+                ended = self._one_run(run)
+                self.channel.done(run, *ended)  # after this worker's last write into the run
             seen = latest
 
     def _wait_for_run(self, seen: int) -> int | None:
@@ -129,36 +180,57 @@ class Worker:
             exit_if_orphaned(self.cfg.parent_pid)
         return None if c.stopped else c.latest_run()
 
-    def _one_run(self, run: int) -> None:
-        global _worker_info
-        c, cfg = self.control, self.cfg
-        if not c.live(run):
-            return
-        epoch = c.read(run, C.EPOCH)
-        seed = worker_seed(cfg.seed, epoch, self.id)
-        _worker_info = WorkerInfo(self.id, cfg.num_workers, seed, cfg.dataset)
-        seed_everything(seed)
-        if self.init_pending:
-            self.init_pending = False
+    def _start(self, run: int) -> None:
+        """Once per process, at its first run: seeds, worker info,
+        worker_init_fn (as PyTorch does, in that order)."""
+        cfg = self.cfg
+        self.started = True
+        seed = seed_worker(self.control.read(run, C.BASE_SEED), self.id, cfg.torch_seeding)
+        _set_worker_info(WorkerInfo(self.id, cfg.num_workers, seed, cfg.dataset, cfg.rank,
+                                    cfg.world))
+        if cfg.worker_init_fn is not None:
             try:
                 cfg.worker_init_fn(self.id)
             except Exception as e:
-                self.channel.failed(run, -1, -1, -1, e, "in worker_init_fn")
-                return
-        if cfg.iterable:
-            self._iterable_run(run)
-        else:
-            self._map_run(run, self._order(run))
+                self.broken = True
+                self.channel.failed(run, -1, -1, -1, e, f"in worker_init_fn of worker {self.id}")
 
-    def _order(self, run: int) -> np.ndarray | None:
-        c = self.control
+    def _one_run(self, run: int) -> tuple[int, int]:
+        """Load this worker's part of the run.  Returns what Done says: the
+        short last batch of an iterable run's stream and its rows, or (-1, 0)."""
+        if not self.control.live(run):
+            return -1, 0
+        if not self.started:
+            self._start(run)
+        if self.broken:
+            return -1, 0
+        if self.cfg.iterable:
+            return self._stream_run(run)
+        epoch = self.control.read(run, C.EPOCH)
+        order, batches = self._order(run)
+        if self.cfg.static_batches:
+            self._static_run(run, epoch, order, batches)
+        elif self.cfg.per_batch:
+            self._batch_run(run, epoch, order, batches)
+        else:
+            self._sample_run(run, epoch, order, batches)
+        return -1, 0
+
+    def _order(self, run: int) -> tuple[np.ndarray | None, O.Batches]:
+        """The run's dataset index per position (None: the position is the
+        index), and its batches."""
+        c, cfg = self.control, self.cfg
         kept, kind = c.read(run, C.KEPT), c.read(run, C.ORDER)
-        if kind == C.ORDER_RANGE:
-            return None
-        if kind == C.ORDER_PERMUTATION:
-            rng = np.random.default_rng([c.read(run, C.ORDER_SEED), c.read(run, C.EPOCH)])
-            return rng.permutation(c.read(run, C.SIZE))[:kept]
-        return self.shared.read_order(run, kept)
+        offsets = None
+        if kind == O.ORDER_SHIPPED:
+            order, offsets = self.shared.read_order(run, kept, c.read(run, C.NBATCHES),
+                                                    bool(c.read(run, C.SHIPPED)))
+        else:
+            order = O.rank_order(kind, c.read(run, C.SIZE), c.read(run, C.ORDER_SEED),
+                                 c.read(run, C.EPOCH), cfg.rank, cfg.world)
+            if order is not None:
+                order = order[:kept]
+        return order, O.Batches(kept, cfg.rows_per_batch, offsets)
 
     def _wait_to_load(self, run: int, unit: int) -> bool:
         """Until unit is below main's limit (prefetch); False if the run ended."""
@@ -170,17 +242,15 @@ class Worker:
             exit_if_orphaned(self.cfg.parent_pid)
         return counters.below_limit(run, unit) and c.live(run) and not c.stopped
 
-    def _map_run(self, run: int, order) -> None:
-        if self.cfg.per_batch:
-            self._batch_run(run, order)
-        else:
-            self._sample_run(run, order)
+    def _load(self, epoch: int, index: int):
+        if self.seeder is not None:
+            self.seeder(epoch, 0, index)
+        return self.cfg.dataset[index]
 
-    def _sample_run(self, run: int, order) -> None:
+    def _sample_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
         """Default collate: claim a position, load it, place it in its row."""
-        c, cfg, counters, place = self.control, self.cfg, self.counters, self.writer.place
-        dataset, B, in_order = cfg.dataset, cfg.batch_size, cfg.in_order
-        units, kept = c.read(run, C.UNITS), c.read(run, C.KEPT)
+        counters, place, in_order = self.counters, self.writer.place, self.cfg.in_order
+        units = self.control.read(run, C.UNITS)
         while True:
             pos = counters.claim(run)
             if pos < 0 or pos >= units:  # a unit past the end is never waited for
@@ -189,100 +259,177 @@ class Worker:
                 return
             index = pos if order is None else int(order[pos])
             try:
-                sample = dataset[index]
+                sample = self._load(epoch, index)
             except Exception as e:
-                self.channel.failed(run, pos // B if in_order else -1, pos, index, e)
+                batch = batches.locate(pos)[0] if in_order else -1
+                self.channel.failed(run, batch, pos, index, e, f"in worker {self.id}")
                 continue
             slot = pos if in_order else counters.claim(run, True)  # first-ready: arrival order
             if slot < 0:
                 return
-            batch, row = divmod(slot, B)
+            batch, row = batches.locate(slot)
             try:
-                if place(run, batch, row, min(B, kept - batch * B), pos, sample) == ENDED:
+                if place(run, batch, row, batches.rows(batch), pos, sample) == ENDED:
                     return
             except CollateError as e:
                 self.channel.failed(run, batch if in_order else -1, pos, index, e,
-                                    f"while placing the sample at index {index} in its batch")
+                                    f"in worker {self.id}, placing sample {index} in its batch")
 
-    def _batch_run(self, run: int, order) -> None:
-        """A collate_fn: claim a batch, load its samples, collate them here
-        (as PyTorch's workers do), place the output as the batch."""
-        c, cfg, counters = self.control, self.cfg, self.counters
-        B, in_order = cfg.batch_size, cfg.in_order
-        units, kept = c.read(run, C.UNITS), c.read(run, C.KEPT)
+    def _batch_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
+        """A collate_fn (or batch_size=None): claim a batch, load its
+        samples, collate them here (as PyTorch's workers do), place the
+        output as the batch."""
+        cfg, counters = self.cfg, self.counters
+        units = self.control.read(run, C.UNITS)
         while True:
             unit = counters.claim(run)
             if unit < 0 or unit >= units or not self._wait_to_load(run, unit):
                 return
-            batch = unit if in_order else -1
+            batch = unit if cfg.in_order else -1
             samples = []
-            for pos in range(unit * B, min(kept, unit * B + B)):
+            start, stop = batches.span(unit)
+            for pos in range(start, stop):
                 index = pos if order is None else int(order[pos])
                 try:
-                    samples.append(cfg.dataset[index])
+                    samples.append(self._load(epoch, index))
                 except Exception as e:
-                    self.channel.failed(run, batch, pos, index, e)
+                    self.channel.failed(run, batch, pos, index, e, f"in worker {self.id}")
                     break
             else:
-                try:
-                    output = cfg.collate_fn(samples)
-                except Exception as e:
-                    self.channel.failed(run, batch, -1, -1, e, "in collate_fn")
+                output = self._collate(run, batch, samples)
+                if output is _FAILED:
                     continue
-                slot = unit if in_order else counters.claim(run, True)
+                slot = unit if cfg.in_order else counters.claim(run, True)
                 if slot < 0 or not self._place_output(run, slot, output):
                     return
 
+    def _static_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
+        """DataLoader in order: this worker loads batches id, id + W, id + 2W...
+        in turn, as torch assigns them, so that what a dataset draws from the
+        generators torch seeded per worker lands in the same samples."""
+        cfg = self.cfg
+        step = max(cfg.num_workers, 1)
+        for batch in range(self.id, batches.count, step):
+            if not self._wait_to_load(run, batch):
+                return
+            start, stop = batches.span(batch)
+            samples = []
+            for row, pos in enumerate(range(start, stop)):
+                index = pos if order is None else int(order[pos])
+                try:
+                    sample = self._load(epoch, index)
+                except Exception as e:
+                    self.channel.failed(run, batch, pos, index, e, f"in worker {self.id}")
+                    break
+                if cfg.per_batch:
+                    samples.append(sample)
+                    continue
+                try:
+                    if self.writer.place(run, batch, row, stop - start, pos, sample) == ENDED:
+                        return
+                except CollateError as e:
+                    self.channel.failed(run, batch, pos, index, e,
+                                        f"in worker {self.id}, placing sample {index} in its batch")
+                    break
+            else:
+                if cfg.per_batch:
+                    output = self._collate(run, batch, samples)
+                    if output is not _FAILED and not self._place_output(run, batch, output):
+                        return
+
+    def _collate(self, run: int, batch: int, samples: list):
+        if self.cfg.collate_fn is None:  # batch_size=None: the sample is the batch
+            return samples[0]
+        try:
+            return self.cfg.collate_fn(samples)
+        except Exception as e:
+            self.channel.failed(run, batch, -1, -1, e, f"in collate_fn in worker {self.id}")
+            return _FAILED
+
     def _place_output(self, run: int, slot: int, output) -> bool:
-        """Place a collate_fn's output as batch `slot`; False once the run ended."""
+        """Place a collated batch as batch `slot`; False once the run ended."""
         try:
             return self.writer.place(run, slot, 0, 1, -1, output, batched=False) != ENDED
         except CollateError as e:
             self.channel.failed(run, slot if self.cfg.in_order else -1, -1, -1, e,
-                                f"while placing the collate_fn output of batch {slot}")
+                                f"in worker {self.id}, placing the output of batch {slot}")
             return True
 
-    def _iterable_run(self, run: int) -> None:
-        cfg, B = self.cfg, self.cfg.batch_size
-        pending = []
+    # --- iterable datasets ---------------------------------------------------------
+
+    def _wait_for_room(self, run: int, j: int) -> bool:
+        """Until this worker may fill its j-th batch of the run; False if
+        the run ended."""
+        c = self.control
+        i = (run % 2) * max(c.num_workers, 1) + self.id
+
+        def ready():
+            return shmq.atomic_load(c.limits, i) > j or not c.live(run) or c.stopped
+
+        while not c.limit_bell.wait(ready, P.IDLE_SLICE_S):
+            exit_if_orphaned(self.cfg.parent_pid)
+        return c.live(run) and not c.stopped
+
+    def _stream_run(self, run: int) -> tuple[int, int]:
+        """This worker's own pass over an iterable dataset, into its own
+        batches (see NOTE [ Runs ]).  Returns its short last batch, if any,
+        and that batch's rows, else (-1, 0)."""
+        cfg, c, N, w = self.cfg, self.control, max(self.cfg.num_workers, 1), self.id
+        B = cfg.rows_per_batch
+        epoch = c.read(run, C.EPOCH)
+        j = row = seq = 0       # batch j of this worker, its next row, samples read
+        pending: list = []      # per_batch: the samples of batch j
         try:
-            for sample in cfg.dataset:
-                if not self.control.live(run) or self.control.stopped:
-                    return
-                if cfg.per_batch:
-                    pending.append(sample)
-                    if len(pending) < B:
-                        continue
-                    samples, pending = pending, []
-                else:
-                    samples = [sample]
-                if not self._iterable_place(run, samples):
-                    return
-            if pending and not cfg.drop_last:
-                self._iterable_place(run, pending)
+            it = iter(cfg.dataset)
         except Exception as e:
-            self.channel.failed(run, -1, -1, -1, e, "while iterating the dataset")
-
-    def _iterable_place(self, run, samples) -> bool:
-        """Place the next sample (or collated batch) of a stream in arrival
-        order; False once the run ended."""
-        cfg, B = self.cfg, self.cfg.batch_size
-        arrival = self.counters.claim(run, True)
-        if arrival < 0 or not self._wait_to_load(run, arrival):
-            return False
-        if cfg.per_batch:
+            self.channel.failed(run, w if cfg.in_order else -1, -1, -1, e,
+                                f"in iter(dataset), in worker {w}")
+            return -1, 0
+        while True:
+            if self.seeder is not None:
+                self.seeder(epoch, w + 1, seq)
             try:
-                output = cfg.collate_fn(samples)
-            except Exception as e:
-                self.channel.failed(run, -1, -1, -1, e, "in collate_fn")
-                return True
-            return self._place_output(run, arrival, output)
-        batch, row = divmod(arrival, B)
-        try:
-            return self.writer.place(run, batch, row, B, arrival, samples[0]) != ENDED
-        except CollateError as e:
-            self.channel.failed(run, -1, -1, -1, e, "while placing a sample in its batch")
-            return True
+                sample = next(it)
+            except StopIteration:
+                break
+            except Exception as e:  # the stream is over; its batch in progress is dropped
+                self.channel.failed(run, j * N + w if cfg.in_order else -1, -1, -1, e,
+                                    f"while iterating the dataset, in worker {w}")
+                return -1, 0
+            seq += 1
+            if cfg.per_batch:
+                pending.append(sample)
+                if len(pending) < B:
+                    continue
+                if not self._wait_for_room(run, j) or not self._place_stream_batch(
+                        run, j * N + w, pending):
+                    return -1, 0
+                pending, j = [], j + 1
+                continue
+            if row == 0 and not self._wait_for_room(run, j):
+                return -1, 0
+            batch = j * N + w
+            try:
+                if self.writer.place(run, batch, row, B, seq - 1, sample) == ENDED:
+                    return -1, 0
+            except CollateError as e:
+                self.channel.failed(run, batch if cfg.in_order else -1, -1, -1, e,
+                                    f"in worker {w}, placing a sample in its batch")
+            row += 1
+            if row == B:
+                row, j = 0, j + 1
+        if pending and not cfg.drop_last:
+            if not self._wait_for_room(run, j) or not self._place_stream_batch(run, j * N + w,
+                                                                                pending):
+                return -1, 0
+        return (j * N + w, row) if row else (-1, 0)
+
+    def _place_stream_batch(self, run: int, batch: int, samples: list) -> bool:
+        output = self._collate(run, batch, samples)
+        return output is _FAILED or self._place_output(run, batch, output)
+
+
+_FAILED = object()  # a collate_fn raised (and it was reported)
 
 
 def worker_main(cfg: LoaderConfig, shared: SharedState, worker_id: int) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 import shmq
 from conftest import descendants, segment_pid, wait_until
-from loader import LoaderTimeout, ShmLoader, WorkerError, get_worker_info
+from loader import CollateError, LoaderTimeout, ShmLoader, WorkerError, get_worker_info
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -132,7 +132,7 @@ def test_shapes_that_differ_within_a_batch_are_refused_with_the_remedy():
             return np.zeros(i % 2 + 1)
 
     with ShmLoader(Ragged(8), batch_size=4, num_workers=2) as loader:
-        with pytest.raises(WorkerError, match="pass collate_fn"):
+        with pytest.raises(CollateError, match="pass collate_fn"):
             list(loader)
 
 
@@ -183,15 +183,52 @@ class Shards:
 
 
 def test_iterable_dataset_sharded_by_worker_info():
+    """Each worker fills batches from its own stream; in order, they come
+    round-robin over the workers, each worker's short last batch last (as
+    PyTorch's DataLoader delivers them)."""
     with ShmLoader(Shards(23), batch_size=5, num_workers=3) as loader:
         for _ in range(2):
             batches = list(loader)
-            rows = np.concatenate(batches)
-            assert sorted(rows[:, 0].tolist()) == list(range(23))
-            assert set(rows[:, 1].tolist()) == {0, 1, 2}
-            assert [len(b) for b in batches].count(5) == 4
+            assert [b[:, 0].tolist() for b in batches] == [
+                [0, 3, 6, 9, 12], [1, 4, 7, 10, 13], [2, 5, 8, 11, 14],
+                [15, 18, 21], [16, 19, 22], [17, 20]]
+            assert [set(b[:, 1].tolist()) for b in batches] == [{0}, {1}, {2}] * 2
         with pytest.raises(TypeError, match="no length"):
             len(loader)
+
+
+class Uneven:
+    """Worker w yields lengths[w] samples (w, k)."""
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def __iter__(self):
+        w = get_worker_info().id
+        for k in range(self.lengths[w]):
+            yield np.array([w, k])
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_iterable_streams_of_different_lengths_in_order(drop_last):
+    """Workers whose streams end early are skipped in the round-robin, as
+    PyTorch does; drop_last drops each worker's short last batch."""
+    with ShmLoader(Uneven([7, 2, 0, 5]), batch_size=2, num_workers=4, drop_last=drop_last,
+                   prefetch=1) as loader:
+        for _ in range(3):
+            got = [b.tolist() for b in loader]
+            expected = [[[0, 0], [0, 1]], [[1, 0], [1, 1]], [[3, 0], [3, 1]],
+                        [[0, 2], [0, 3]], [[3, 2], [3, 3]], [[0, 4], [0, 5]]]
+            expected += [] if drop_last else [[[3, 4]], [[0, 6]]]
+            assert got == expected
+
+
+def test_iterable_first_ready_delivers_every_sample_once():
+    with ShmLoader(Uneven([50, 3, 20]), batch_size=4, num_workers=3, in_order=False) as loader:
+        for _ in range(2):
+            rows = [tuple(r) for b in loader for r in b.tolist()]
+            assert sorted(rows) == sorted((w, k) for w, n in enumerate([50, 3, 20])
+                                          for k in range(n))
 
 
 def test_dataset_growth_between_epochs_is_seen():
@@ -241,7 +278,7 @@ def test_an_error_in_the_epoch_run_ahead_is_raised_in_that_epoch():
     ds = Counted(20, fail_after=20)
     with ShmLoader(ds, batch_size=4, num_workers=2) as loader:
         assert [k for b in loader for k in indices(b)] == list(range(20))
-        with pytest.raises(WorkerError, match="bad sample"):
+        with pytest.raises(ValueError, match="bad sample"):
             list(loader)
 
 
@@ -267,7 +304,7 @@ class Seeds:
 def test_worker_seeding_differs_per_worker_and_repeats_across_runs():
     def run(seed):
         with ShmLoader(Seeds(), batch_size=2, num_workers=2, seed=seed) as loader:
-            epochs = [{int(r[0]): (int(r[1]), int(r[2])) for r in next(iter(loader))}
+            epochs = [{int(r[0]): (int(r[1]), int(r[2])) for b in loader for r in b}
                       for _ in range(2)]
         return epochs
 
@@ -326,13 +363,18 @@ class Failing(Numbers):
         return super().__getitem__(i)
 
 
-def test_worker_exception_is_reraised_with_traceback_and_index():
+def test_worker_exception_is_reraised_with_its_type_traceback_and_index():
+    """As PyTorch does: the exception's own type (here KeyError, whose
+    message stays readable), the worker's traceback and where."""
     with ShmLoader(Failing(50, 17, "raise"), batch_size=4, num_workers=2) as loader:
-        with pytest.raises(WorkerError) as info:
+        with pytest.raises(KeyError) as info:
             list(loader)
-    text = str(info.value)
-    assert "KeyError: 'no sample 17'" in text and "sample index 17" in text
-    assert "Traceback" in text and "__getitem__" in text and "worker" in text
+        text = str(info.value)
+        assert text.startswith("Caught KeyError in worker ") and "sample index 17" in text
+        assert "KeyError: 'no sample 17'" in text
+        assert "Traceback" in text and "__getitem__" in text and "(pid " in text
+        it = iter(loader)  # still usable
+        assert [indices(next(it)) for _ in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 @pytest.mark.parametrize("how,expect", [("exit", "exit code 3"), ("segfault", "signal SIGSEGV")])
@@ -406,7 +448,7 @@ def test_nothing_is_created_in_dev_shm_so_its_size_does_not_matter(monkeypatch):
 
 
 def test_bad_arguments():
-    for kwargs, match in [({"batch_size": 0}, "batch_size"), ({"num_workers": 0}, "num_workers"),
+    for kwargs, match in [({"batch_size": 0}, "batch_size"), ({"num_workers": -1}, "num_workers"),
                           ({"output": "jax"}, "output"), ({"timeout": -1}, "timeout"),
                           ({"shuffle": True, "sampler": [1]}, "exclusive")]:
         with pytest.raises(ValueError, match=match):
@@ -577,6 +619,6 @@ def failing_init(worker_id):
 
 def test_worker_init_fn_error_is_reraised_with_its_traceback():
     with ShmLoader(Numbers(8), batch_size=4, num_workers=2, worker_init_fn=failing_init) as loader:
-        with pytest.raises(WorkerError, match=r"OSError: cannot open the shard of worker \d") as info:
+        with pytest.raises(OSError, match=r"OSError: cannot open the shard of worker \d") as info:
             list(loader)
     assert "failing_init" in str(info.value)

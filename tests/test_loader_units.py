@@ -11,6 +11,7 @@ import pytest
 
 from loader import _control as C
 from loader import _layout as L
+from loader import _order as O
 from loader import _native
 from loader import _table as T
 from loader._native import Bell, LeaseBook
@@ -268,7 +269,7 @@ def test_torch_tensors_are_written_through_the_reference_path():
     t, arena, hazards, ch, w = writer()
     sample = {"t": torch.arange(4, dtype=torch.float32), "s": torch.tensor(3)}
     sig, leaves = L.signature_and_leaves(sample)
-    assert sig[1] == ((L.ARRAY, "<f4", (4,)), (L.ARRAY, "<i8", ()))  # a 0-d tensor stays 0-d
+    assert sig[1] == ((L.TENSOR, "<f4", (4,)), (L.TENSOR, "<i8", ()))  # a 0-d tensor stays 0-d
     lay = L.Layout(sig, 2)
     t.publish(1, 0, 0, 5, lay, 0, T.CONFIRMED)
     assert w.place(1, 0, 0, 2, 0, sample) == _native.WRITTEN
@@ -279,20 +280,24 @@ def test_torch_tensors_are_written_through_the_reference_path():
 # --- run words and bells ------------------------------------------------------------------
 
 def test_runs_are_claimed_by_tagged_cas_and_end_with_one_store():
-    c = C.Control()
+    c = C.Control(num_workers=2)
     counters = _native.RunCounters(c.ctl, C.RUN_BASE, C.RUN_WORDS, C.CURSOR, C.LIMIT, C.ARRIVED,
                                    C.RUN_SHIFT)
-    c.start_run(1, epoch=1, size=10, kept=8, units=8, order=C.ORDER_PERMUTATION, order_seed=5,
-                limit=3)
+    c.start_run(1, epoch=1, size=10, kept=8, units=8, nbatches=2, order=O.ORDER_PERMUTATION,
+                order_seed=5, shipped=0, base_seed=11, limit=3)
     assert c.latest_run() == 1 and c.live(1)
-    assert [c.read(1, w) for w in (C.EPOCH, C.SIZE, C.KEPT, C.UNITS, C.ORDER, C.ORDER_SEED)] == \
-        [1, 10, 8, 8, C.ORDER_PERMUTATION, 5]
+    assert [c.read(1, w) for w in (C.EPOCH, C.SIZE, C.KEPT, C.UNITS, C.NBATCHES, C.ORDER,
+                                   C.ORDER_SEED, C.BASE_SEED)] == \
+        [1, 10, 8, 8, 2, O.ORDER_PERMUTATION, 5, 11]
+    assert c.limits.tolist() == [0, 0, 3, 3]  # run 1's parity: every worker's limit
+    c.raise_worker_limit(1, 1)
+    assert c.limits.tolist() == [0, 0, 3, 4]
     assert [counters.claim(1) for _ in range(3)] == [0, 1, 2]
     assert counters.claim(1, True) == 0 and c.claimed(1) == 3
     assert counters.below_limit(1, 2) and not counters.below_limit(1, 3)
     c.set_limit(1, 4)
     assert counters.below_limit(1, 3)
-    c.start_run(2, 2, 10, 10, 10, C.ORDER_RANGE, 0, 3)  # the other parity: both live
+    c.start_run(2, 2, 10, 10, 10, 3, O.ORDER_RANGE, 0, 0, 0, 3)  # the other parity: both live
     assert counters.claim(2) == 0 and c.live(1)
     c.end_run(1)
     assert counters.claim(1) == -1 and counters.claim(1, True) == -1 and not c.live(1)
@@ -302,11 +307,11 @@ def test_runs_are_claimed_by_tagged_cas_and_end_with_one_store():
 
 
 def test_a_claim_of_an_old_run_fails_once_its_block_is_reused():
-    c = C.Control()
+    c = C.Control(num_workers=1)
     counters = _native.RunCounters(c.ctl, C.RUN_BASE, C.RUN_WORDS, C.CURSOR, C.LIMIT, C.ARRIVED,
                                    C.RUN_SHIFT)
-    c.start_run(1, 1, 5, 5, 5, C.ORDER_RANGE, 0, 5)
-    c.start_run(3, 3, 5, 5, 5, C.ORDER_RANGE, 0, 5)     # run 1's block, reused
+    c.start_run(1, 1, 5, 5, 5, 1, O.ORDER_RANGE, 0, 0, 0, 5)
+    c.start_run(3, 3, 5, 5, 5, 1, O.ORDER_RANGE, 0, 0, 0, 5)     # run 1's block, reused
     assert counters.claim(1) == -1 and counters.claim(3) == 0
 
 
@@ -339,15 +344,15 @@ def test_layout_offsets_are_aligned_and_values_are_kept_apart():
     assert lay.row_nbytes == [24, 0, 8] and lay.nbytes == 192
     assert lay.value_leaves == [1]
     spec = lay.spec(3, {0: ["x"], 1: ["y"], 2: ["z"]})
-    assert spec == {"a": L.ArrayLeaf(0, "<f4", (3, 2, 3)), "b": L.Value(["x", "y", "z"]),
-                    "c": L.ArrayLeaf(128, "<i8", (3,))}
+    assert spec == {"a": L.ArrayLeaf(0, "<f4", (3, 2, 3), False), "b": L.Value(["x", "y", "z"]),
+                    "c": L.ArrayLeaf(128, "<i8", (3,), False)}
 
 
 def test_unbatched_layouts_keep_numbers_as_values_and_no_leading_axis():
     sig = L.signature({"x": np.zeros((2, 2), np.int8), "n": 7})
     lay = L.Layout(sig, rows=1, batched=False)
     assert lay.value_leaves == [1]
-    assert lay.spec(1, {0: [7]}) == {"x": L.ArrayLeaf(0, "|i1", (2, 2)), "n": L.Value(7)}
+    assert lay.spec(1, {0: [7]}) == {"x": L.ArrayLeaf(0, "|i1", (2, 2), False), "n": L.Value(7)}
 
 
 def test_digests_name_signature_rows_and_batching_exactly():
