@@ -15,6 +15,12 @@ time as upstream's TestDataLoaderPersistentWorkers (persistent_workers=True
 where num_workers > 0); those that never start workers are the same in both
 classes and run once.
 
+Count: the upstream file defines 123 test methods in 19 classes (194 test
+runs, with TestDataLoaderPersistentWorkers re-running TestDataLoader and the
+device tests instantiated for the CPU); 79 are ported here (4 of them
+partially, listed below) and 44 left out, each listed below with its reason.
+The 10 tests after "Beyond upstream" are this suite's own.
+
 Which DataLoader: CONFORMANCE_IMPL=torch (torch.utils.data.DataLoader) or
 CONFORMANCE_IMPL=loader (default; `from loader import DataLoader`).  If the
 import fails, every test fails (none is skipped).  Inside workers the tests
@@ -207,8 +213,15 @@ def impl():
     except Exception as exc:  # ImportError until loader.DataLoader exists
         reason = f"CONFORMANCE_IMPL={IMPL}: cannot get the DataLoader: {type(exc).__name__}: {exc}"
         stub = type("UnavailableDataLoader", (_Unavailable,), {"reason": reason})
-        return SimpleNamespace(name=IMPL, DataLoader=stub, get_worker_info=stub)
-    return SimpleNamespace(name=IMPL, DataLoader=data_loader, get_worker_info=get_worker_info)
+        yield SimpleNamespace(name=IMPL, DataLoader=stub, get_worker_info=stub)
+    else:
+        yield SimpleNamespace(name=IMPL, DataLoader=data_loader, get_worker_info=get_worker_info)
+    # pytest keeps a failed test's traceback in sys.last_traceback (for
+    # post-mortem debugging); its frames would keep the test's loaders, and
+    # so their persistent workers, alive past conftest's leftover-process
+    # check, reporting one failure twice.  Let them be collected.
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        sys.__dict__.pop(name, None)
 
 
 @pytest.fixture(params=[False, True], ids=["TestDataLoader", "TestDataLoaderPersistentWorkers"])
@@ -1931,19 +1944,23 @@ def test_argument_validation_messages(impl, tds):
     assert impl.DataLoader(ds, num_workers=2).prefetch_factor == 2
 
 
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_in_order_false_yields_every_batch_once(impl, shuffle):
-    """upstream: none.  in_order=False may reorder batches, never lose or
-    repeat one: the batches are exactly the batch sampler's."""
-    loader = impl.DataLoader(cds.Indexed(64), batch_size=4, shuffle=shuffle, num_workers=3, in_order=False,
-                             generator=torch.Generator().manual_seed(5))
+IRREGULAR_BATCHES = [(5, 0), (9, 1, 2), (3,), (7, 8, 4, 6), (10, 11), (15, 12, 13, 14)]
+
+
+@pytest.mark.parametrize("sampling", ["batch_size", "batch_sampler"])
+def test_in_order_false_yields_every_batch_once(impl, sampling):
+    """upstream: none.  in_order=False may reorder batches, never lose,
+    repeat or regroup one: the batches are exactly the batch sampler's
+    (consecutive fours of 0..63, or an explicit irregular batch_sampler)."""
+    if sampling == "batch_size":
+        loader = impl.DataLoader(cds.Indexed(64), batch_size=4, num_workers=3, in_order=False)
+        expected = [tuple(range(k, k + 4)) for k in range(0, 64, 4)]
+    else:
+        loader = impl.DataLoader(cds.Indexed(16), batch_sampler=IRREGULAR_BATCHES, num_workers=3, in_order=False)
+        expected = IRREGULAR_BATCHES
     for _ in range(2):
         batches = [tuple(b.tolist()) for b in loader]
-        assert len(batches) == 16
-        items = sorted(i for b in batches for i in b)
-        assert items == list(range(64))
-        if not shuffle:
-            assert sorted(batches) == [tuple(range(k, k + 4)) for k in range(0, 64, 4)]
+        assert sorted(batches) == sorted(expected)
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
