@@ -72,7 +72,12 @@ class _Pass:
             self.batches = O.Batches(kept, self.B, offsets)
         self.open: dict[int, _Batch] = {}
         self.lo, self.finished = 0, set()  # map-style: batches below lo, and those in `finished`, are sent
-        self.sent_by = [0] * self.workers  # iterable: batches sent of each worker's stream
+        # iterable: each worker's stream's batches sent (a resumed run's
+        # streams start past those delivered before: see NOTE [ Runs ])
+        self.sent_by = [0] * self.workers
+        if self.iterable and control.read(run, C.ORDER) == O.ORDER_SHIPPED:
+            skips, _ = shared.read_order(run, self.workers, 0, False)
+            self.sent_by = [int(k) // self.B for k in skips]
         self.done: dict[int, P.Done] = {}  # workers that said Done, not yet settled
         self.settled: set[int] = set()     # workers whose batches are all sent or freed
         self.sent = self.samples = self.rows_by_collator = self.relayouts = 0
@@ -259,7 +264,7 @@ class Collator:
                 self._finish(p, b, rows)
             else:
                 self._drop(p, b)
-        self._send(P.StreamEnded(p.run, w, p.sent_by[w]))
+        self._send(P.StreamEnded(p.run, w, max(done.batches, 0)))
 
     def _values_complete(self, b: _Batch, rows: int) -> bool:
         return not b.layout.value_leaves or all(r in b.values for r in range(rows))
@@ -466,7 +471,7 @@ class Collator:
                 b.held_rows.append(m)
                 return
         view = self.arena[b.slab.offset:b.slab.offset + b.layout.nbytes]
-        values = b.layout.write_row(view, m.row, leaves)
+        values = b.layout.write_row(view, m.row, leaves, m.pos)
         if b.layout.value_leaves:
             b.values[m.row] = values
         p.rows_by_collator += 1
@@ -485,11 +490,12 @@ class Collator:
         counted = self.table.freeze(p.run, b.index)
         b.version += 1
         old_layout, old = b.layout, b.slab
-        new_views = layout.views(self.arena[slab.offset:slab.offset + layout.nbytes])
-        old_views = old_layout.views(self.arena[old.offset:old.offset + old_layout.nbytes])
-        for dst, src in zip(new_views, old_views):
+        new_slab = self.arena[slab.offset:slab.offset + layout.nbytes]
+        old_slab = self.arena[old.offset:old.offset + old_layout.nbytes]
+        for dst, src in zip(layout.views(new_slab), old_layout.views(old_slab)):
             if dst is not None:
                 dst[...] = src  # every row: those not counted are written again
+        layout.tags(new_slab)[...] = old_layout.tags(old_slab)
         self.slabs.retire(old.lease)
         b.layout, b.slab, b.confirmed = layout, slab, True
         p.relayouts += 1
@@ -520,7 +526,7 @@ class Collator:
         self._unpublish(p, b)
         self.guess = b.layout.signature
         spec = b.layout.spec(rows, b.values)
-        self._send(P.BatchReady(p.run, b.index, b.slab, spec))
+        self._send(P.BatchReady(p.run, b.index, b.slab, spec, b.layout.tags_offset, rows))
         p.sent += 1
         p.samples += rows if b.batched else 1
         if p.iterable:

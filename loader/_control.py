@@ -14,7 +14,8 @@ blocks on a send, whatever the children are doing.
   ctl[LATEST_RUN] ──► run block (run % 2): ID EPOCH SIZE KEPT UNITS NBATCHES ORDER ORDER_SEED
                                              SHIPPED BASE_SEED CURSOR LIMIT ARRIVED
 
-- SIZE, KEPT: positions in this rank's order of the epoch, and those it
+- SIZE: the dataset's length, from which a computed order is made (or
+  the shipped order's length); KEPT: positions of this rank's order it
   delivers (drop_last drops a short last batch); -1 for an iterable
   dataset.
 - UNITS: what the workers claim one by one: positions of the order
@@ -117,19 +118,22 @@ class Control:
     # --- main --------------------------------------------------------------
 
     def start_run(self, run: int, epoch: int, size: int, kept: int, units: int, nbatches: int,
-                  order: int, order_seed: int, shipped: int, base_seed: int, limit: int) -> None:
+                  order: int, order_seed: int, shipped: int, base_seed: int, limit,
+                  ) -> None:
         """Fill the run's block, then publish it.  The block's previous run
         (run - 2) must have ended: see NOTE [ Runs ].  For an iterable
-        dataset, `limit` is every worker's."""
+        dataset, `limit` is each worker's (a list)."""
         c = self.ctl
+        per_worker = isinstance(limit, (list, tuple))
         for which, value in ((ID, run), (EPOCH, epoch), (SIZE, size), (KEPT, kept),
                              (UNITS, units), (NBATCHES, nbatches), (ORDER, order),
                              (ORDER_SEED, order_seed), (SHIPPED, shipped),
-                             (BASE_SEED, base_seed), (LIMIT, limit),
+                             (BASE_SEED, base_seed), (LIMIT, -1 if per_worker else limit),
                              (ARRIVED, tagged(run))):
             c[word(run, which)] = value
-        first = (run % 2) * max(self.num_workers, 1)
-        self.limits[first:first + max(self.num_workers, 1)] = limit
+        if per_worker:
+            first = (run % 2) * max(self.num_workers, 1)
+            self.limits[first:first + len(limit)] = limit
         shmq.atomic_store(c, word(run, CURSOR), tagged(run))
         shmq.atomic_store(c, LATEST_RUN, run)  # SYNC POINT: last; pairs with latest_run()
         self.run_bell.ring()

@@ -33,16 +33,17 @@ class _SavedGenerators:
 
 
 class InlineEpoch:
-    def __init__(self, loader, epoch: int):
-        self.loader, self.epoch = loader, epoch
+    def __init__(self, loader, epoch: int, resume: dict | None):
+        self.loader, self.epoch, self.resume = loader, epoch, resume
         self.cache = LayoutCache()
         self.seeder = SampleSeeder(loader.seed) if loader.reproducible else None
 
     def batches(self):
         ld = self.loader
-        plan = ld._plan(self.epoch)
+        plan = ld._plan(self.epoch, self.resume)
+        progress = ld._track(plan)
         if ld.iterable:
-            yield from self._stream()
+            yield from self._stream(progress)
             return
         order = plan.shipped
         if order is None:
@@ -50,6 +51,7 @@ class InlineEpoch:
                                  ld._rank, ld._world)
             order = None if order is None else order[:plan.kept]
         geometry = O.Batches(plan.kept, ld._rows, plan.offsets)
+        progress.batches = geometry
         for k in range(plan.nbatches):
             start, stop = geometry.span(k)
             saved = _SavedGenerators() if self.seeder is not None else None
@@ -59,17 +61,20 @@ class InlineEpoch:
             finally:
                 if saved is not None:
                     saved.restore()
-            yield self._collate(k, samples)
+            batch = self._collate(k, samples)
+            progress.mark_batch(k)
+            yield batch
 
     def _load(self, index: int):
         if self.seeder is not None:
             self.seeder(self.epoch, 0, index)
         return self.loader.dataset[index]
 
-    def _stream(self):
+    def _stream(self, progress):
         ld = self.loader
         B = ld._rows
         pending, seq, k = [], 0, 0
+        skip = progress.skipped[0]  # a resumed epoch: samples delivered already
         it = iter(ld.dataset)
         while True:
             saved = _SavedGenerators() if self.seeder is not None else None
@@ -84,12 +89,19 @@ class InlineEpoch:
                 if saved is not None:
                     saved.restore()
             seq += 1
+            if seq <= skip:
+                continue
             pending.append(sample)
             if len(pending) == B:
-                yield self._collate(k, pending)
+                batch = self._collate(k, pending)
                 pending, k = [], k + 1
+                progress.mark(0)
+                yield batch
         if pending and not ld.drop_last:
-            yield self._collate(k, pending)
+            batch = self._collate(k, pending)
+            progress.mark(0)
+            yield batch
+        progress.complete = True
 
     def _collate(self, k: int, samples: list):
         ld = self.loader

@@ -253,7 +253,7 @@ def stack(samples: list, cache: "LayoutCache", buffer=np.empty, batch: int = 0):
     buf = buffer(layout.nbytes, np.uint8)
     values = {}
     for r, leaves in enumerate(rows):
-        v = layout.write_row(buf, r, leaves)
+        v = layout.write_row(buf, r, leaves, r)
         if layout.value_leaves:
             values[r] = v
     return layout.spec(len(samples), values), buf
@@ -287,7 +287,10 @@ def _digest(obj) -> tuple[int, int]:
 class Layout:
     """Where each leaf of a batch of `rows` samples with a given signature
     lives in its slab: array and number leaf i is a (rows,) + shape block
-    at offsets[i]; other leaves are kept as lists (values).
+    at offsets[i]; other leaves are kept as lists (values).  After them,
+    tags_offset holds one int64 per row, the tag its writer gives it (the
+    sample's position in the run, or its number in a worker's stream):
+    main reads them to know which samples it delivered (state_dict).
 
     batched=False lays out one collate_fn output as it is: only its arrays
     go to the slab, with no leading axis; numbers stay values."""
@@ -306,17 +309,19 @@ class Layout:
             row = 0 if dtype is None else dtype.itemsize * math.prod(shape)
             self.row_nbytes.append(row)
             offset = align(offset + rows * row)
-        self.nbytes = offset
+        self.tags_offset = offset
+        self.nbytes = align(offset + 8 * rows)
         self.value_leaves = [i for i, kind in enumerate(self.kinds) if kind == OTHER]
         self.digest = _digest((sig, rows, batched))
         # Rows' non-numeric leaves, sent apart, fit any layout of the same
         # structure and kinds (dtypes may be promoted in between).
         self.values_key = _digest((self.structure, tuple(self.value_leaves)))[0]
 
-    def write_row(self, slab: np.ndarray, row: int, leaves: list) -> list:
-        """Write a sample's leaves into its row of slab (casting numbers and
-        arrays to this layout's dtypes, which a caller checked are safe);
-        returns its non-numeric leaves, which are not written."""
+    def write_row(self, slab: np.ndarray, row: int, leaves: list, tag: int = -1) -> list:
+        """Write a sample's leaves and tag into its row of slab (casting
+        numbers and arrays to this layout's dtypes, which a caller checked
+        are safe); returns its non-numeric leaves, which are not written."""
+        self.tags(slab)[row] = tag
         values = []
         for i, (leaf, kind, off, n) in enumerate(zip(leaves, self.kinds, self.offsets,
                                                      self.row_nbytes)):
@@ -337,6 +342,10 @@ class Layout:
         except (OverflowError, ValueError, TypeError) as e:
             raise CollateError(f"leaf {i} ({type(leaf).__name__}) cannot be stored as {dtype}: "
                                f"{e}; return a value that fits, or pass collate_fn") from e
+
+    def tags(self, slab: np.ndarray) -> np.ndarray:
+        """The rows' tags in slab (an int64 array of `rows`)."""
+        return slab[self.tags_offset:self.tags_offset + 8 * self.rows].view(np.int64)
 
     def views(self, slab: np.ndarray) -> list:
         """Per leaf: an array of (rows,) + shape over the slab, or None."""

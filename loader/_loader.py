@@ -27,6 +27,7 @@ from loader._layout import materialize
 from loader._native import LeaseBook, derived_seeds
 from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import LoaderStartError, fork_children, start_error, wait_all
+from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
 from loader._shared import LoaderConfig, SharedState
 from loader._worker import worker_main
 
@@ -56,15 +57,18 @@ class _KeyErrorMessage(str):
 class _Plan(NamedTuple):
     """What main decided about one pass: see NOTE [ Runs ]."""
     epoch: int
-    size: int                  # positions in this rank's order; -1 iterable
+    size: int                  # the dataset's length (a computed order), or the shipped
+                               # order's; -1 iterable
     kept: int                  # positions delivered
     units: int                 # what workers claim
     nbatches: int              # -1 iterable
     order_kind: int
     order_seed: int
-    shipped: np.ndarray | None  # the order written out for the workers
+    shipped: np.ndarray | None  # the order written out for the workers (iterable: skips)
     offsets: np.ndarray | None  # a batch sampler's batch offsets
     base_seed: int
+    rng: dict                  # generator states at the epoch's start (state_dict)
+    progress: object           # MapProgress or StreamProgress of the run
 
 
 class _Run(NamedTuple):
@@ -157,6 +161,13 @@ class ShmLoader:
         if self.iterable and (sampler is not None or batch_sampler is not None or shuffle):
             raise ValueError("an iterable dataset orders its own samples: sampler, batch_sampler "
                              "and shuffle apply to map-style datasets (with __getitem__) only")
+        if not isinstance(distributed, bool):
+            ok = (isinstance(distributed, tuple) and len(distributed) == 2
+                  and all(isinstance(v, int) for v in distributed)
+                  and 0 <= distributed[0] < distributed[1])
+            if not ok:
+                raise ValueError(f"distributed must be True, False or (rank, world_size) with "
+                                 f"0 <= rank < world_size, got {distributed!r}")
         if distributed and (sampler is not None or batch_sampler is not None):
             raise ValueError("distributed=True shards the loader's own order across ranks; with "
                              "a sampler, shard in the sampler (torch's DistributedSampler)")
@@ -184,6 +195,8 @@ class ShmLoader:
         self._shared = None
         self._pinned = None
         self._drawn_base_seed = None  # torch's rules: drawn once with persistent workers
+        self._resume = None           # a state to resume at the next iter()
+        self._progress = self._progress_plan = None  # of the epoch state_dict() describes
         self._closed = False
         self._stats = None
         self._rank, self._world = (0, 1)
@@ -210,8 +223,7 @@ class ShmLoader:
         if self.batch_sampler is not None:
             return len(self.batch_sampler)
         n = len(self.sampler) if self.sampler is not None else self._dataset_len()
-        if self.distributed:
-            n = O.shard_size(n, distributed_rank()[1])
+        n = O.shard_size(n, self._ranks()[1])
         if self.batch_size is None:
             return n
         return -(-O.kept_of(n, self.batch_size, self.drop_last) // self.batch_size)
@@ -232,9 +244,15 @@ class ShmLoader:
                 f"this ShmLoader belongs to process {self._owner_pid}; a process forked from it "
                 f"(this is {os.getpid()}) cannot use it: create a new ShmLoader here")
 
-    def _start(self):
+    def _ranks(self) -> tuple[int, int]:
+        """(rank, world size) this loader shards epochs for."""
+        if self.distributed is True:
+            return distributed_rank()
         if self.distributed:
-            self._rank, self._world = distributed_rank()
+            return self.distributed
+        return 0, 1
+
+    def _start(self):
         cfg = LoaderConfig(
             dataset=self.dataset, batch_size=None if self.batch_size is None else self._rows,
             num_workers=self.num_workers, prefetch=self.prefetch, drop_last=self.drop_last,
@@ -413,11 +431,62 @@ class ShmLoader:
             return seed
         return int(derived_seeds(self.seed & ((1 << 64) - 1), epoch, 0, 0)[0])
 
-    def _plan(self, epoch: int) -> _Plan:
-        """Decide epoch's pass: which indices in which order (see NOTE [ Runs ])."""
+    def _rng_states(self) -> dict:
+        """The states of the torch generators an epoch's order and base
+        seed are drawn from, as bytes (see NOTE [ Resuming an epoch ])."""
+        states = {}
+        if self.generator is not None:
+            states["generator"] = self.generator.get_state().numpy().tobytes()
+        elif self._torch_rules:  # DataLoader draws from torch's global generator
+            import torch
+
+            states["global"] = torch.get_rng_state().numpy().tobytes()
+        sampler_gen = getattr(self.sampler, "generator", None)
+        if sampler_gen is not None and hasattr(sampler_gen, "get_state"):
+            states["sampler"] = sampler_gen.get_state().numpy().tobytes()
+        return states
+
+    def _set_rng_states(self, states: dict) -> None:
+        import torch
+
+        def tensor(b):
+            return torch.from_numpy(np.frombuffer(b, np.uint8).copy())
+
+        if "generator" in states and self.generator is not None:
+            self.generator.set_state(tensor(states["generator"]))
+        if "global" in states:
+            torch.set_rng_state(tensor(states["global"]))
+        if "sampler" in states:
+            self.sampler.generator.set_state(tensor(states["sampler"]))
+
+    def _plan(self, epoch: int, resume: dict | None = None) -> _Plan:
+        """Decide epoch's pass: which indices in which order (see NOTE
+        [ Runs ]); with `resume`, only what the state says is left of it
+        (NOTE [ Resuming an epoch ])."""
+        if resume is None or "global" not in resume["rng"]:
+            return self._plan_drawn(epoch, resume)
+        import torch
+
+        with torch.random.fork_rng(devices=[]):  # the user's global generator is left alone
+            return self._plan_drawn(epoch, resume)
+
+    def _plan_drawn(self, epoch: int, resume: dict | None) -> _Plan:
+        if resume is not None:
+            if (resume["rank"], resume["world"]) != (self._rank, self._world):
+                raise ValueError(f"this state is of rank {resume['rank']} of {resume['world']}; "
+                                 f"this loader is rank {self._rank} of {self._world}: each rank "
+                                 f"resumes from its own state")
+            self._set_rng_states(resume["rng"])
+            if resume.get("base_seed") is not None:
+                self._drawn_base_seed = resume["base_seed"]
+        rng = self._rng_states()
         base_seed = self._base_seed(epoch)
         if self.iterable:
-            return _Plan(epoch, -1, -1, -1, -1, O.ORDER_RANGE, 0, None, None, base_seed)
+            skipped = None if resume is None else resume["stream"]
+            shipped = None if skipped is None else np.asarray(skipped, np.int64)
+            return _Plan(epoch, -1, -1, -1, -1, O.ORDER_RANGE if shipped is None else
+                         O.ORDER_SHIPPED, 0, shipped, None, base_seed, rng,
+                         StreamProgress(max(self.num_workers, 1), self._rows, skipped))
         shipped = offsets = None
         if self.batch_sampler is not None:
             batches = [np.asarray(list(b), np.int64).reshape(-1) for b in self.batch_sampler]
@@ -437,41 +506,64 @@ class ShmLoader:
             shipped = O.shard(shipped, self._rank, self._world)
             kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
         else:
+            # computed by the workers from the dataset's length (SIZE), then
+            # cut into this rank's share
             kind = O.ORDER_PERMUTATION if self.shuffle else O.ORDER_RANGE
             order_seed = self.seed if self.shuffle else 0
-            size = O.shard_size(self._dataset_len(), self._world)
+            size = self._dataset_len()
+        share = size if kind == O.ORDER_SHIPPED else O.shard_size(size, self._world)
         if offsets is not None:
-            kept, nbatches = size, len(offsets) - 1
-        elif self.batch_size is None:
-            kept = nbatches = size
+            kept = share
         else:
-            kept = O.kept_of(size, self.batch_size, self.drop_last)
-            nbatches = -(-kept // self.batch_size)
+            kept = share if self.batch_size is None else O.kept_of(share, self.batch_size,
+                                                                   self.drop_last)
             if shipped is not None:
                 shipped = shipped[:kept]
+        done = remap = None
+        if resume is not None:  # the epoch's remaining positions, in its order
+            done = MapProgress.done_of(resume["map"])
+            if len(done) != kept:
+                raise ValueError(f"this state is of an epoch of {len(done)} samples, but the "
+                                 f"loader's epoch {epoch} has {kept}: load it into a loader of "
+                                 f"the same dataset, sampler and batching")
+            full = shipped if shipped is not None else O.rank_order(
+                kind, size, order_seed, epoch, self._rank, self._world)
+            remap = np.flatnonzero(~done)
+            shipped = (remap if full is None else full[:kept][remap]).astype(np.int64)
+            if offsets is not None:  # each batch keeps its remaining positions
+                counts = np.diff(np.searchsorted(remap, offsets))
+                counts = counts[counts > 0]
+                offsets = np.zeros(len(counts) + 1, np.int64)
+                np.cumsum(counts, out=offsets[1:])
+            kind, order_seed, kept = O.ORDER_SHIPPED, 0, len(remap)
+            size = kept
+        nbatches = len(offsets) - 1 if offsets is not None else (
+            kept if self.batch_size is None else -(-kept // self.batch_size))
         claims_batches = self.collate_fn is not None or self.batch_size is None or (
-            self._torch_rules and self.in_order)
+            self._torch_rules and self.in_order and self.num_workers > 0)
         units = nbatches if claims_batches else kept
+        progress = MapProgress(len(done) if done is not None else kept, done, remap,
+                               O.Batches(kept, self._rows, offsets), claims_batches)
         return _Plan(epoch, size, kept, units, nbatches, kind, order_seed, shipped, offsets,
-                     base_seed)
+                     base_seed, rng, progress)
 
     def _limit(self, run: _Run, yielded: int) -> int:
         """Units workers may load once `yielded` batches were yielded: those
         of the next `prefetch` batches.  (Iterable runs: per worker.)"""
-        if run.batches is None:
-            return self._cfg.worker_prefetch
+        if run.batches is None:  # each stream's next batches (a resumed one starts further)
+            return [s // self._rows + self._cfg.worker_prefetch for s in run.plan.progress.skipped]
         upto = min(yielded + self.prefetch, run.plan.nbatches)
         if run.plan.units == run.plan.nbatches:  # workers claim whole batches
             return upto
         return run.batches.span(upto - 1)[1] if upto > 0 else 0
 
-    def _start_run(self, epoch) -> _Run:
+    def _start_run(self, epoch, resume: dict | None = None) -> _Run:
         """Start a pass over the data for `epoch` (see NOTE [ Runs ])."""
         run_id = self._runs + 1
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while run_id - 2 in self._unended:  # its block is about to be reused
             self._route(self._receive(deadline))
-        plan = self._plan(epoch)
+        plan = self._plan(epoch, resume)
         if plan.shipped is not None:
             self._shared.write_order(run_id, plan.shipped, plan.offsets)
         batches = None if self.iterable else O.Batches(plan.kept, self._rows, plan.offsets)
@@ -508,18 +600,18 @@ class ShmLoader:
         return (self.persistent_workers and self.sampler is None and self.batch_sampler is None
                 and not self.iterable and not self._torch_rules)
 
-    def _run_for(self, epoch) -> _Run:
+    def _run_for(self, epoch, resume: dict | None) -> _Run:
         """The run for `epoch`: the one started ahead if len(dataset) has not
         changed since, else a new one."""
         ahead, self._ahead = self._ahead, None
         self._end(self._current)  # an iterator this one supersedes
         self._current = None
-        if ahead is not None and ahead.plan.epoch == epoch and \
-                ahead.plan.size == O.shard_size(self._dataset_len(), self._world):
+        if ahead is not None and resume is None and ahead.plan.epoch == epoch and \
+                ahead.plan.size == self._dataset_len():
             self._current = ahead
             return ahead
         self._end(ahead)
-        self._current = self._start_run(epoch)
+        self._current = self._start_run(epoch, resume)
         return self._current
 
     # --- iteration ----------------------------------------------------------------------
@@ -528,22 +620,28 @@ class ShmLoader:
         if self._closed:
             raise ValueError("this ShmLoader is closed; create a new one")
         self._check_owner()
+        if self._shared is None:  # (re)starting: the ranks are taken now (torchrun may have
+            self._rank, self._world = self._ranks()  # initialised its process group since)
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            self._epoch = resume["epoch"] - 1  # the epoch the state is in
         self._epoch += 1
         if self.pin_memory and not self._torch_rules and not cuda_available():
             warnings.warn("ShmLoader: pin_memory=True, but CUDA is not available: batches are not "
                           "pinned (pin_memory=False says the same without this warning)",
                           UserWarning, stacklevel=2)
         if self.num_workers == 0:
-            return InlineEpoch(self, self._epoch).batches()
+            return InlineEpoch(self, self._epoch, resume).batches()
         if self._shared is None:
             self._start()
         if self.iterable:
-            return self._stream_batches(self._epoch)
-        return self._epoch_batches(self._epoch)
+            return self._stream_batches(self._epoch, resume)
+        return self._epoch_batches(self._epoch, resume)
 
-    def _epoch_batches(self, epoch):
+    def _epoch_batches(self, epoch, resume):
         """A map-style epoch: batches in order (or as they are ready)."""
-        run = self._run_for(epoch)
+        run = self._run_for(epoch, resume)
+        progress = self._track(run.plan)
         control = self._shared.control
         pending, errors = {}, {}
         yielded = 0
@@ -582,7 +680,12 @@ class ShmLoader:
                         key = next(iter(pending), None)
                     if key is None:
                         break
-                    batch = self._batch(pending.pop(key))
+                    msg = pending.pop(key)
+                    batch = self._batch(msg)
+                    if self.in_order:
+                        progress.mark_batch(msg.batch)
+                    else:
+                        progress.mark_tags(self._tags(msg))
                     yielded += 1
                     control.set_limit(run.id, self._limit(run, yielded))
                     yield batch
@@ -595,15 +698,18 @@ class ShmLoader:
             if os.getpid() == self._owner_pid:  # not a forked copy finalized in a child
                 self._finish_iterator(run, pending, finished)
 
-    def _stream_batches(self, epoch):
+    def _stream_batches(self, epoch, resume):
         """An iterable dataset's epoch: each worker fills its own batches;
         in order, they come round-robin over the workers still going, as
         PyTorch delivers them (see NOTE [ Runs ])."""
-        run = self._run_for(epoch)
+        run = self._run_for(epoch, resume)
+        progress = self._track(run.plan)
         control = self._shared.control
         workers = max(self.num_workers, 1)
         pending, errors, ends = {}, {}, {}   # ends: worker -> its batch count
-        next_id, ended, finished = 0, False, False
+        # a resumed epoch goes on where the round-robin was (NOTE [ Resuming an epoch ])
+        next_id = min(s // self._rows * workers + w for w, s in enumerate(progress.skipped))
+        ended = finished = False
         try:
             while True:
                 while True:  # hand out what can be handed out
@@ -626,11 +732,13 @@ class ShmLoader:
                     if self.in_order:
                         next_id += 1
                     control.raise_worker_limit(run.id, key % workers)
+                    progress.mark(key % workers)
                     yield batch
                     self._check_current(epoch)
                 if ended and not pending:
                     if errors:
                         self._raise_failed(errors[min(errors)])
+                    progress.complete = True
                     break
                 self._check_current(epoch)
                 deadline = None if self.timeout is None else time.monotonic() + self.timeout
@@ -703,6 +811,72 @@ class ShmLoader:
         if not isinstance(exc, BaseException):
             raise WorkerError(text)
         raise exc
+
+    def _tags(self, msg: P.BatchReady) -> np.ndarray:
+        """The tags the writers gave the batch's rows (see _layout.Layout)."""
+        off = msg.slab.offset + msg.tags
+        return self._shared.arena[off:off + 8 * msg.rows].view(np.int64).copy()
+
+    # --- resuming ---------------------------------------------------------------------
+
+    def _track(self, plan: _Plan):
+        """The epoch of this plan is the one state_dict() describes now."""
+        self._progress, self._progress_plan = plan.progress, plan
+        return plan.progress
+
+    def state_dict(self) -> dict:
+        """Where the loader is: the epoch in progress and which of its
+        samples the training loop has received (a few numbers: no sample
+        data, cheap enough to take every step).  A new loader of the same
+        dataset and arguments given it by load_state_dict() yields exactly
+        the rest of that epoch, then the following epochs as this one
+        would.  See NOTE [ Resuming an epoch ] in _progress.py."""
+        progress = self._progress
+        state = {"format": STATE_FORMAT, "epoch": self._epoch, "seed": self.seed,
+                 "rank": self._rank, "world": self._world, "workers": self.num_workers,
+                 "iterable": self.iterable, "rng": {}, "base_seed": None, "map": None,
+                 "stream": None}
+        if progress is None:  # no epoch started: the next is the first
+            state["complete"] = True
+            return state
+        plan = self._progress_plan
+        state["rng"] = dict(plan.rng)
+        if self._torch_rules and self.persistent_workers and self.num_workers:
+            state["base_seed"] = self._drawn_base_seed
+        if isinstance(progress, MapProgress):
+            state["map"] = progress.state()
+            state["complete"] = progress.complete()
+        else:
+            state["stream"] = progress.consumed()
+            state["complete"] = progress.complete
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from state_dict(): the next iter() yields the rest of the
+        epoch the state was taken in (or the next epoch, if it was over)."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a ShmLoader state (expected a dict from state_dict(), "
+                             f"format {STATE_FORMAT!r})")
+        if state["iterable"] != self.iterable:
+            raise ValueError("this state is of a loader of an "
+                             f"{'iterable' if state['iterable'] else 'map-style'} dataset")
+        if self.iterable and not state["complete"] and state["workers"] != self.num_workers:
+            raise ValueError(f"this state is of a loader of {state['workers']} workers reading "
+                             f"their own streams; an iterable dataset resumes only with the same "
+                             f"number of workers (this loader has {self.num_workers})")
+        self._check_owner()
+        if self._shared is not None:
+            self._end(self._current)
+            self._end(self._ahead)
+            if state["seed"] != self.seed:
+                self._shutdown()  # the workers know the old seed: new ones start at iter()
+        self._current = self._ahead = None
+        self.seed = state["seed"]
+        if state["complete"]:
+            self._epoch, self._resume = state["epoch"], None
+        else:
+            self._resume = state
+        self._progress = None
 
     def _batch(self, msg: P.BatchReady):
         s = msg.slab

@@ -111,10 +111,12 @@ class SampleRow(NamedTuple):
 
 class Done(NamedTuple):
     """The worker will not write into the run any more.  Iterable runs:
-    last_batch is its stream's short last batch (-1: none), last_rows that
-    batch's rows."""
+    batches is how many batch numbers its stream used (a resumed stream
+    starts past those delivered before), last_batch its short last batch
+    (-1: none) and last_rows that batch's rows."""
     run: int
     worker: int
+    batches: int
     last_batch: int
     last_rows: int
 
@@ -127,6 +129,8 @@ class BatchReady(NamedTuple):
     batch: int
     slab: Any      # _slabs.Slab
     spec: Any      # the batch tree (_layout.spec)
+    tags: int      # offset in the slab of the rows' tags (int64 each; see _layout.Layout)
+    rows: int
 
 
 class RunEnded(NamedTuple):

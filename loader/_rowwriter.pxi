@@ -101,6 +101,7 @@ cdef class Plan:
     cdef Py_ssize_t nleaves
     cdef list found               # the leaves of the sample being matched
     cdef readonly int64_t digest0, digest1
+    cdef Py_ssize_t tags_offset
 
     def __cinit__(self):
         self.leaves = NULL
@@ -120,6 +121,7 @@ cdef class Plan:
             raise MemoryError()
         self.found = [None] * self.nleaves
         self.digest0, self.digest1 = layout.digest
+        self.tags_offset = layout.tags_offset
         cdef Py_ssize_t i, d
         cdef LeafSpec *s
         for i in range(self.nleaves):
@@ -163,11 +165,12 @@ cdef class Plan:
             return False
         return i == self.nleaves
 
-    cdef list write(self, char *slab, Py_ssize_t row):
-        """Write the leaves found by match() into their row; returns the
-        non-numeric leaves.  Raises CollateError (through the Python path)
-        for what cannot be stored."""
+    cdef list write(self, char *slab, Py_ssize_t row, int64_t tag):
+        """Write the leaves found by match() and the tag into their row;
+        returns the non-numeric leaves.  Raises CollateError (through the
+        Python path) for what cannot be stored."""
         cdef list values = []
+        (<int64_t *>(slab + self.tags_offset))[row] = tag
         cdef Py_ssize_t i
         cdef LeafSpec *s
         cdef char *dst
@@ -421,7 +424,7 @@ cdef class RowWriter:
                 try:
                     if __atomic_load_n64(e + W_SEQ, __ATOMIC_ACQUIRE) != seq:
                         continue  # changed meanwhile: look again
-                    values = plan.write(self.base + offset, row)
+                    values = plan.write(self.base + offset, row, pos)
                     if values:
                         self.channel.row_values(run, batch, row, plan.layout.values_key, values)
                     counted = False

@@ -132,8 +132,8 @@ class Channel:
         self.send(P.Failed(run, batch, pos, index, self.me, self.pid,
                            P.ErrorReport.of(exc, where)))
 
-    def done(self, run, last_batch=-1, last_rows=0):
-        self.send(P.Done(run, self.me, last_batch, last_rows))
+    def done(self, run, batches=-1, last_batch=-1, last_rows=0):
+        self.send(P.Done(run, self.me, batches, last_batch, last_rows))
 
     def wait_for_entry(self, run, base, seq_seen) -> bool:
         """Until the table entry at `base` changes (its SEQ word), or the run
@@ -195,15 +195,16 @@ class Worker:
                 self.broken = True
                 self.channel.failed(run, -1, -1, -1, e, f"in worker_init_fn of worker {self.id}")
 
-    def _one_run(self, run: int) -> tuple[int, int]:
-        """Load this worker's part of the run.  Returns what Done says: the
-        short last batch of an iterable run's stream and its rows, or (-1, 0)."""
+    def _one_run(self, run: int) -> tuple[int, int, int]:
+        """Load this worker's part of the run.  Returns what Done says of an
+        iterable run's stream (batches, short last batch, its rows), else
+        (-1, -1, 0)."""
         if not self.control.live(run):
-            return -1, 0
+            return -1, -1, 0
         if not self.started:
             self._start(run)
         if self.broken:
-            return -1, 0
+            return -1, -1, 0
         if self.cfg.iterable:
             return self._stream_run(run)
         epoch = self.control.read(run, C.EPOCH)
@@ -214,7 +215,7 @@ class Worker:
             self._batch_run(run, epoch, order, batches)
         else:
             self._sample_run(run, epoch, order, batches)
-        return -1, 0
+        return -1, -1, 0
 
     def _order(self, run: int) -> tuple[np.ndarray | None, O.Batches]:
         """The run's dataset index per position (None: the position is the
@@ -300,7 +301,7 @@ class Worker:
                 if output is _FAILED:
                     continue
                 slot = unit if cfg.in_order else counters.claim(run, True)
-                if slot < 0 or not self._place_output(run, slot, output):
+                if slot < 0 or not self._place_output(run, slot, output, unit):
                     return
 
     def _static_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
@@ -334,7 +335,7 @@ class Worker:
             else:
                 if cfg.per_batch:
                     output = self._collate(run, batch, samples)
-                    if output is not _FAILED and not self._place_output(run, batch, output):
+                    if output is not _FAILED and not self._place_output(run, batch, output, batch):
                         return
 
     def _collate(self, run: int, batch: int, samples: list):
@@ -346,10 +347,11 @@ class Worker:
             self.channel.failed(run, batch, -1, -1, e, f"in collate_fn in worker {self.id}")
             return _FAILED
 
-    def _place_output(self, run: int, slot: int, output) -> bool:
-        """Place a collated batch as batch `slot`; False once the run ended."""
+    def _place_output(self, run: int, slot: int, output, tag: int) -> bool:
+        """Place a collated batch as batch `slot`, tagged (its unit, or its
+        number in the worker's stream); False once the run ended."""
         try:
-            return self.writer.place(run, slot, 0, 1, -1, output, batched=False) != ENDED
+            return self.writer.place(run, slot, 0, 1, tag, output, batched=False) != ENDED
         except CollateError as e:
             self.channel.failed(run, slot if self.cfg.in_order else -1, -1, -1, e,
                                 f"in worker {self.id}, placing the output of batch {slot}")
@@ -370,21 +372,27 @@ class Worker:
             exit_if_orphaned(self.cfg.parent_pid)
         return c.live(run) and not c.stopped
 
-    def _stream_run(self, run: int) -> tuple[int, int]:
+    def _stream_run(self, run: int) -> tuple[int, int, int]:
         """This worker's own pass over an iterable dataset, into its own
-        batches (see NOTE [ Runs ]).  Returns its short last batch, if any,
-        and that batch's rows, else (-1, 0)."""
+        batches (see NOTE [ Runs ]).  Returns how many batch numbers it used,
+        its short last batch, if any, and that batch's rows; (-1, -1, 0)
+        when the run ended first or the stream failed."""
         cfg, c, N, w = self.cfg, self.control, max(self.cfg.num_workers, 1), self.id
         B = cfg.rows_per_batch
         epoch = c.read(run, C.EPOCH)
-        j = row = seq = 0       # batch j of this worker, its next row, samples read
+        skip = 0                # a resumed epoch: samples of this stream delivered already
+        if c.read(run, C.ORDER) == O.ORDER_SHIPPED:
+            skip = int(self.shared.read_order(run, N, 0, False)[0][w])
+        j = skip // B           # batch j of this worker (numbered as if never interrupted)
+        row = seq = 0           # its next row, samples read
         pending: list = []      # per_batch: the samples of batch j
+        ended = (-1, -1, 0)
         try:
             it = iter(cfg.dataset)
         except Exception as e:
-            self.channel.failed(run, w if cfg.in_order else -1, -1, -1, e,
+            self.channel.failed(run, j * N + w if cfg.in_order else -1, -1, -1, e,
                                 f"in iter(dataset), in worker {w}")
-            return -1, 0
+            return ended
         while True:
             if self.seeder is not None:
                 self.seeder(epoch, w + 1, seq)
@@ -395,23 +403,25 @@ class Worker:
             except Exception as e:  # the stream is over; its batch in progress is dropped
                 self.channel.failed(run, j * N + w if cfg.in_order else -1, -1, -1, e,
                                     f"while iterating the dataset, in worker {w}")
-                return -1, 0
+                return ended
             seq += 1
+            if seq <= skip:
+                continue  # read (and seeded) as before, so the stream goes on where it was
             if cfg.per_batch:
                 pending.append(sample)
                 if len(pending) < B:
                     continue
                 if not self._wait_for_room(run, j) or not self._place_stream_batch(
-                        run, j * N + w, pending):
-                    return -1, 0
+                        run, j, pending):
+                    return ended
                 pending, j = [], j + 1
                 continue
             if row == 0 and not self._wait_for_room(run, j):
-                return -1, 0
+                return ended
             batch = j * N + w
             try:
                 if self.writer.place(run, batch, row, B, seq - 1, sample) == ENDED:
-                    return -1, 0
+                    return ended
             except CollateError as e:
                 self.channel.failed(run, batch if cfg.in_order else -1, -1, -1, e,
                                     f"in worker {w}, placing a sample in its batch")
@@ -419,14 +429,18 @@ class Worker:
             if row == B:
                 row, j = 0, j + 1
         if pending and not cfg.drop_last:
-            if not self._wait_for_room(run, j) or not self._place_stream_batch(run, j * N + w,
-                                                                                pending):
-                return -1, 0
-        return (j * N + w, row) if row else (-1, 0)
+            if not self._wait_for_room(run, j) or not self._place_stream_batch(run, j, pending):
+                return ended
+            j += 1
+        if row:
+            return j + 1, j * N + w, row
+        return j, -1, 0
 
-    def _place_stream_batch(self, run: int, batch: int, samples: list) -> bool:
+    def _place_stream_batch(self, run: int, j: int, samples: list) -> bool:
+        """Place this worker's j-th batch of a stream (collated here)."""
+        batch = j * max(self.cfg.num_workers, 1) + self.id
         output = self._collate(run, batch, samples)
-        return output is _FAILED or self._place_output(run, batch, output)
+        return output is _FAILED or self._place_output(run, batch, output, j)
 
 
 _FAILED = object()  # a collate_fn raised (and it was reported)

@@ -260,7 +260,7 @@ def test_the_compiled_writer_stores_exactly_what_the_reference_path_stores(sampl
     t.publish(1, 0, 0, 5, lay, 0, T.CONFIRMED)
     assert w.place(1, 0, 1, 2, 0, sample) == _native.WRITTEN
     reference = np.zeros(lay.nbytes, np.uint8)
-    lay.write_row(reference, 1, leaves)
+    lay.write_row(reference, 1, leaves, 0)  # tag: the position given to place()
     np.testing.assert_array_equal(arena[:lay.nbytes], reference)
 
 
@@ -289,9 +289,7 @@ def test_runs_are_claimed_by_tagged_cas_and_end_with_one_store():
     assert [c.read(1, w) for w in (C.EPOCH, C.SIZE, C.KEPT, C.UNITS, C.NBATCHES, C.ORDER,
                                    C.ORDER_SEED, C.BASE_SEED)] == \
         [1, 10, 8, 8, 2, O.ORDER_PERMUTATION, 5, 11]
-    assert c.limits.tolist() == [0, 0, 3, 3]  # run 1's parity: every worker's limit
-    c.raise_worker_limit(1, 1)
-    assert c.limits.tolist() == [0, 0, 3, 4]
+
     assert [counters.claim(1) for _ in range(3)] == [0, 1, 2]
     assert counters.claim(1, True) == 0 and c.claimed(1) == 3
     assert counters.below_limit(1, 2) and not counters.below_limit(1, 3)
@@ -304,6 +302,16 @@ def test_runs_are_claimed_by_tagged_cas_and_end_with_one_store():
     assert c.claimed(1) == -1 and counters.claim(2) == 1
     c.stop()
     assert c.stopped
+
+
+def test_iterable_runs_have_a_limit_per_worker():
+    c = C.Control(num_workers=2)
+    c.start_run(1, 1, -1, -1, -1, -1, O.ORDER_RANGE, 0, 0, 0, [3, 5])
+    assert c.limits.tolist() == [0, 0, 3, 5]  # run 1's parity: each worker's limit
+    c.raise_worker_limit(1, 1)
+    assert c.limits.tolist() == [0, 0, 3, 6]
+    c.start_run(2, 2, -1, -1, -1, -1, O.ORDER_RANGE, 0, 0, 0, [1, 1])
+    assert c.limits.tolist() == [1, 1, 3, 6]
 
 
 def test_a_claim_of_an_old_run_fails_once_its_block_is_reused():
@@ -341,7 +349,8 @@ def test_layout_offsets_are_aligned_and_values_are_kept_apart():
     sig = L.signature({"a": np.zeros((2, 3), np.float32), "b": "text", "c": 1})
     lay = L.Layout(sig, rows=5)
     assert lay.offsets == [0, 128, 128]             # 5*24 bytes -> 128; "b" takes no room
-    assert lay.row_nbytes == [24, 0, 8] and lay.nbytes == 192
+    assert lay.row_nbytes == [24, 0, 8]
+    assert lay.tags_offset == 192 and lay.nbytes == 256   # 5 int64 tags after the leaves
     assert lay.value_leaves == [1]
     spec = lay.spec(3, {0: ["x"], 1: ["y"], 2: ["z"]})
     assert spec == {"a": L.ArrayLeaf(0, "<f4", (3, 2, 3), False), "b": L.Value(["x", "y", "z"]),

@@ -1,0 +1,125 @@
+"""What main has handed out of an epoch, and the loader's resumable state.
+
+NOTE [ Resuming an epoch ]
+==========================
+
+state_dict() says, in a few numbers, which samples of the current epoch
+the training loop has received, so that a new loader given the state
+yields exactly the rest of that epoch, then the following epochs as an
+uninterrupted run would:
+
+- map-style datasets: the epoch's positions (in this rank's order) that
+  were delivered, as a prefix length and the few delivered past it (in
+  first-ready mode a batch may be delivered before an earlier one).  Main
+  learns a first-ready batch's positions from the tags its writers put in
+  the slab (see _layout.Layout).  A resumed epoch is a run over the
+  remaining positions, their order written out for the workers: in order,
+  its batches are the original ones from the first not delivered.
+- iterable datasets: per worker, how many samples of its stream were
+  delivered.  A worker fills its batches one after another and main hands
+  them out in that order, so what it delivered is always a prefix of its
+  stream: on resume each worker reads and drops that many samples first.
+  The state only fits a loader with the same number of workers (the
+  streams are the workers').
+- the order: a seed and an epoch number give it again; a torch.Generator
+  (or torch's global generator, which DataLoader's default shuffle draws
+  from) has its state at the start of the epoch recorded, and the
+  resumed loader draws the epoch's order from that state.
+- the state is worker-count independent for map-style datasets: a run
+  resumed with more or fewer workers yields the same remaining batches.
+
+What the dataset draws from random generators is the same on resume
+only with reproducible=True (seeds per sample); with torch's per-worker
+seeding (DataLoader) it depends on how far each worker's generators had
+gone, which no loader can restore without pausing its workers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+STATE_FORMAT = "shmloader-state-1"
+
+
+class MapProgress:
+    """The positions (of the epoch's full order for this rank) handed out.
+    remap: the original position of each position of the run (a resumed
+    run goes over the remaining positions only); None: the identity."""
+
+    def __init__(self, kept: int, done: np.ndarray | None = None, remap=None, batches=None,
+                 claims_batches: bool = False):
+        self.kept = kept
+        self.done = np.zeros(kept, bool) if done is None else done
+        self.remap = remap
+        self.batches = batches            # the run's geometry: batch -> positions
+        self.claims_batches = claims_batches
+        self.prefix = 0                   # done[:prefix] are all True
+        self.high = 0                     # nothing at or past it is done
+        self._advance()
+
+    def _advance(self) -> None:
+        d = self.done
+        if self.high < self.prefix:
+            self.high = self.prefix
+        while self.prefix < self.kept and d[self.prefix]:
+            self.prefix += 1
+        nz = np.flatnonzero(d[self.prefix:])
+        self.high = self.prefix + (int(nz[-1]) + 1 if len(nz) else 0)
+
+    def mark_batch(self, batch: int) -> None:
+        """In order: the run's batch `batch` was handed out."""
+        start, stop = self.batches.span(batch)
+        self._mark(np.arange(start, stop))
+
+    def mark_tags(self, tags: np.ndarray) -> None:
+        """First-ready: a batch with these row tags was handed out (run
+        positions, or the unit when workers claim whole batches)."""
+        if self.claims_batches:
+            spans = [self.batches.span(int(u)) for u in tags]
+            positions = np.concatenate([np.arange(a, b) for a, b in spans]) if spans else tags[:0]
+        else:
+            positions = tags
+        self._mark(positions)
+
+    def _mark(self, run_positions: np.ndarray) -> None:
+        original = run_positions if self.remap is None else self.remap[run_positions]
+        self.done[original] = True
+        if len(original):
+            self.high = max(self.high, int(original.max()) + 1)
+            if self.done[self.prefix:self.prefix + 1].all():
+                while self.prefix < self.kept and self.done[self.prefix]:
+                    self.prefix += 1
+
+    def complete(self) -> bool:
+        return self.prefix >= self.kept
+
+    def state(self) -> dict:
+        extra = np.flatnonzero(self.done[self.prefix:self.high]) + self.prefix
+        return {"positions": self.kept, "done_prefix": self.prefix,
+                "done_extra": [int(p) for p in extra]}
+
+    @staticmethod
+    def done_of(state: dict) -> np.ndarray:
+        done = np.zeros(state["positions"], bool)
+        done[:state["done_prefix"]] = True
+        done[np.asarray(state["done_extra"], np.int64)] = True
+        return done
+
+
+class StreamProgress:
+    """Samples of each worker's stream handed out: `skipped` read and
+    dropped on resume, then whole batches of `rows` samples.  (A short
+    batch is the stream's last: counting it whole overcounts samples that
+    do not exist, which a resumed worker finds harmlessly.)"""
+
+    def __init__(self, workers: int, rows: int, skipped=None):
+        self.rows = rows
+        self.skipped = list(skipped) if skipped is not None else [0] * workers
+        self.batches = [0] * workers
+        self.complete = False  # set when the epoch's iterator ran to its end
+
+    def mark(self, worker: int) -> None:
+        self.batches[worker] += 1
+
+    def consumed(self) -> list[int]:
+        return [s + b * self.rows for s, b in zip(self.skipped, self.batches)]

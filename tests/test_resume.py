@@ -1,0 +1,206 @@
+"""state_dict() / load_state_dict(): after k batches of an epoch, a new
+loader given the state yields exactly the remaining batches of that epoch
+(in order; in first-ready mode the remaining samples exactly once), then
+the following epochs as an uninterrupted run would (issue 8).  See NOTE
+[ Resuming an epoch ] in loader/_progress.py."""
+
+import pickle
+import random
+
+import numpy as np
+import pytest
+
+from loader import DataLoader, ShmLoader, get_worker_info
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Augmented:
+    """Sample i: its index and draws from numpy, random and torch."""
+
+    def __init__(self, n=203):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"i": i, "np": np.random.rand(2), "py": random.random(), "t": torch.rand(1)}
+
+
+def rows(batch) -> list:
+    """A batch as plain values, to compare runs exactly."""
+    if isinstance(batch, dict):
+        return [(int(i), tuple(np.asarray(batch["np"][k]).tolist()), float(batch["py"][k]),
+                 float(batch["t"][k][0])) for k, i in enumerate(batch["i"])]
+    return np.asarray(batch).tolist()
+
+
+def epochs(loader, n):
+    return [[rows(b) for b in loader] for _ in range(n)]
+
+
+def interrupted(make, at_epoch, k, then):
+    """Run `make()` to batch k of epoch at_epoch (1-based), take its state,
+    drop it; a new loader from the state yields the rest and `then` more
+    epochs.  Returns (the batches before the cut, the resumed batches)."""
+    loader = make()
+    before = epochs(loader, at_epoch - 1)
+    it = iter(loader)
+    head = [rows(next(it)) for _ in range(k)]
+    state = loader.state_dict()
+    assert len(pickle.dumps(state)) < 16 << 10  # small: positions, not samples
+    del it
+    loader.close()
+    resumed = make()
+    resumed.load_state_dict(pickle.loads(pickle.dumps(state)))
+    rest = [[rows(b) for b in resumed]] + epochs(resumed, then)
+    resumed.close()
+    return before, head, rest
+
+
+@pytest.mark.parametrize("workers_before,workers_after", [(2, 2), (2, 3), (3, 0)])
+def test_in_order_resume_gives_exactly_the_uninterrupted_run(workers_before, workers_after):
+    def make(workers=[workers_before]):
+        w = workers.pop(0) if workers else workers_after
+        return ShmLoader(Augmented(), batch_size=8, shuffle=True, seed=7, num_workers=w,
+                         output="torch")
+
+    full = epochs(ShmLoader(Augmented(), batch_size=8, shuffle=True, seed=7, num_workers=2,
+                            output="torch"), 4)
+    before, head, rest = interrupted(make, at_epoch=2, k=11, then=2)
+    assert before == full[:1]
+    assert head + rest[0] == full[1]     # the rest of epoch 2, batch for batch
+    assert rest[1:] == full[2:4]         # then epochs 3 and 4
+
+
+def test_first_ready_resume_delivers_the_remaining_samples_once():
+    def make():
+        return ShmLoader(Augmented(500), batch_size=16, shuffle=True, seed=3, num_workers=3,
+                         in_order=False, output="torch")
+
+    full = epochs(make(), 3)
+    before, head, rest = interrupted(make, at_epoch=1, k=9, then=2)
+    seen = sorted(r for b in head + rest[0] for r in b)
+    assert seen == sorted(r for b in full[0] for r in b)  # every sample once, same draws
+    for resumed, uninterrupted in zip(rest[1:], full[1:]):
+        assert sorted(r for b in resumed for r in b) == sorted(r for b in uninterrupted for r in b)
+
+
+def test_a_batch_sampler_epoch_resumes_at_its_next_batch():
+    batches = [[3, 1], [4, 1, 5, 9], [2], [6, 5, 3, 5], [8, 9, 7], [9, 3, 2, 3, 8]]
+
+    def make():
+        return ShmLoader(np.arange(10) * 10, batch_sampler=batches, num_workers=2)
+
+    before, head, rest = interrupted(make, at_epoch=1, k=2, then=1)
+    assert head + rest[0] == [[10 * i for i in b] for b in batches]
+    assert rest[1] == head + rest[0]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataloader_resume_continues_torchs_shuffle(num_workers):
+    """The torch generator's state at the epoch's start is in the state:
+    the resumed epoch and the following ones have torch's order."""
+    def make():
+        return DataLoader(torch.arange(100), batch_size=6, shuffle=True, num_workers=num_workers,
+                          generator=torch.Generator().manual_seed(12))
+
+    import torch.utils.data as tud
+    theirs = tud.DataLoader(torch.arange(100), batch_size=6, shuffle=True,
+                            generator=torch.Generator().manual_seed(12))
+    full = [[b.tolist() for b in theirs] for _ in range(3)]
+    before, head, rest = interrupted(make, at_epoch=2, k=5, then=1)
+    assert before == full[:1] and head + rest[0] == full[1] and rest[1] == full[2]
+
+
+def test_dataloader_resume_with_torchs_global_generator_leaves_it_alone():
+    def make():
+        return DataLoader(torch.arange(40), batch_size=4, shuffle=True, num_workers=2)
+
+    torch.manual_seed(0)
+    loader = make()
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(3)]
+    state = loader.state_dict()
+    rest_uninterrupted = [b.tolist() for b in it]
+    loader.close()
+    torch.manual_seed(99)
+    marker = torch.rand(1)
+    torch.manual_seed(99)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == rest_uninterrupted
+    assert torch.equal(torch.rand(1), marker)  # the global generator was not touched
+    assert sorted(x for b in head + rest_uninterrupted for x in b) == list(range(40))
+    resumed.close()
+
+
+class Stream:
+    """Worker w yields (w, k) for k < 13 + w, with a draw."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        w = 0 if info is None else info.id
+        for k in range(13 + w):
+            yield np.array([w, k, int(np.random.randint(1000))])
+
+
+@pytest.mark.parametrize("num_workers", [0, 3])
+def test_an_iterable_dataset_resumes_each_stream_where_it_was(num_workers):
+    def make():
+        return ShmLoader(Stream(), batch_size=4, num_workers=num_workers, seed=5)
+
+    full = epochs(make(), 3)
+    before, head, rest = interrupted(make, at_epoch=2, k=4, then=1)
+    assert before == full[:1] and head + rest[0] == full[1] and rest[1] == full[2]
+
+
+def test_an_iterable_state_needs_the_same_number_of_workers():
+    loader = ShmLoader(Stream(), batch_size=4, num_workers=3, seed=5)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    loader.close()
+    other = ShmLoader(Stream(), batch_size=4, num_workers=2, seed=5)
+    with pytest.raises(ValueError, match="same number of workers"):
+        other.load_state_dict(state)
+    other.close()
+
+
+def test_states_between_epochs_and_before_any():
+    loader = ShmLoader(np.arange(12), batch_size=5, num_workers=2, shuffle=True, seed=1)
+    fresh = loader.state_dict()
+    assert fresh["complete"] and fresh["epoch"] == 0
+    first = [b.tolist() for b in loader]
+    after_one = loader.state_dict()
+    assert after_one["complete"] and after_one["epoch"] == 1
+    second = [b.tolist() for b in loader]
+    loader.close()
+    again = ShmLoader(np.arange(12), batch_size=5, num_workers=2, shuffle=True, seed=1)
+    again.load_state_dict(fresh)
+    assert [b.tolist() for b in again] == first
+    again.load_state_dict(after_one)
+    assert [b.tolist() for b in again] == second
+    again.close()
+
+
+def test_bad_states_are_refused_with_the_reason():
+    loader = ShmLoader(np.arange(30), batch_size=4, num_workers=2, seed=1)
+    with pytest.raises(ValueError, match="not a ShmLoader state"):
+        loader.load_state_dict({"epoch": 3})
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    loader.close()
+    smaller = ShmLoader(np.arange(20), batch_size=4, num_workers=2, seed=1)
+    smaller.load_state_dict(state)
+    with pytest.raises(ValueError, match="epoch of 30 samples, but the loader's epoch 1 has 20"):
+        list(smaller)
+    smaller.close()
+    stream = ShmLoader(Stream(), batch_size=4, num_workers=2)
+    with pytest.raises(ValueError, match="map-style"):
+        stream.load_state_dict(state)
+    stream.close()
