@@ -109,8 +109,11 @@ def grain_available():
     return True
 
 
-def kinds():
-    return ["ShmLoader", "PyTorch tensor path", "PyTorch numpy collate"] + (
+def kinds(extra=False):
+    """The loaders compared; extra: also ShmLoader with reproducible=True
+    (per-sample seeding) and loader.DataLoader (the torch drop-in)."""
+    ours = ["ShmLoader"] + (["ShmLoader, reproducible", "loader.DataLoader"] if extra else [])
+    return ours + ["PyTorch tensor path", "PyTorch numpy collate"] + (
         ["Grain"] if grain_available() else [])
 
 
@@ -123,15 +126,33 @@ def make(kind, dataset_kwargs, workers, dataset=W1, batch_size=BATCH):
                                        shuffle=False, num_epochs=1, seed=0)
         return pygrain.DataLoader(data_source=source, sampler=sampler, worker_count=workers,
                                   operations=[pygrain.Batch(batch_size=batch_size)])
-    if kind == "ShmLoader":
+    if kind.startswith("ShmLoader"):
         return ShmLoader(dataset(**dataset_kwargs), batch_size=batch_size, num_workers=workers,
-                         memory_cap_bytes=4 << 30)
+                         memory_cap_bytes=4 << 30, seed=0,
+                         reproducible=kind == "ShmLoader, reproducible")
     import torch.utils.data as tud
 
+    if kind == "loader.DataLoader":
+        from loader import DataLoader
+
+        return DataLoader(dataset(as_torch=True, **dataset_kwargs), batch_size=batch_size,
+                          num_workers=workers, persistent_workers=True, prefetch_factor=2)
     as_torch = kind == "PyTorch tensor path"
     return tud.DataLoader(dataset(as_torch=as_torch, **dataset_kwargs), batch_size=batch_size,
                           num_workers=workers, persistent_workers=True, prefetch_factor=2,
                           collate_fn=None if as_torch else numpy_collate)
+
+
+def seeding_cost_us(repeats=20000):
+    """What reproducible=True adds per sample, in one process: seeding
+    random, numpy's global generator and torch's from (seed, epoch, index)."""
+    from loader._worker import SampleSeeder
+
+    seeder = SampleSeeder(0)
+    t0 = time.perf_counter()
+    for i in range(repeats):
+        seeder(1, 0, i)
+    return (time.perf_counter() - t0) / repeats * 1e6
 
 
 def nbytes(batch):
@@ -265,7 +286,7 @@ def run_w1(batches, warmup):
 def run_small(name, dataset, batch_size, batches):
     """W2 / W4: batches per second on a warm (second) epoch."""
     rows = {}
-    for kind in kinds():
+    for kind in kinds(extra=True):
         loader = make(kind, {"batches": batches}, 2, dataset, batch_size)
         try:
             epoch_w1(loader)
@@ -277,6 +298,11 @@ def run_small(name, dataset, batch_size, batches):
     print(f"{'loader':<24} {'batch/s':>9} {'main CPU/batch':>15} {'ShmLoader is':>13}")
     for kind, (bps, cpu) in rows.items():
         print(f"{kind:<24} {bps:>9.1f} {cpu:>12.2f} ms {rows['ShmLoader'][0] / bps:>12.2f}x")
+    torch_bps = rows["PyTorch tensor path"][0]
+    print(f"loader.DataLoader is {rows['loader.DataLoader'][0] / torch_bps:.2f}x PyTorch's "
+          f"DataLoader; reproducible=True costs "
+          f"{1 - rows['ShmLoader, reproducible'][0] / rows['ShmLoader'][0]:.0%} of ShmLoader's "
+          f"batches/s here ({seeding_cost_us():.1f} us of seeding per sample, in one process)")
 
 
 def run_w3(batches):
@@ -374,19 +400,81 @@ def run_w7(steps):
         print(f"{kind:<24} {100 * used:>13.2f}% {ratio:>14.2f}x")
 
 
+class TorchFiles:
+    """PyTorch's way over the same files: np.load in dataset[i]."""
+
+    def __init__(self, files):
+        self.files = files
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, i):
+        import torch
+
+        return torch.from_numpy(np.load(self.files[i]))
+
+
+def run_w8(file_mb, nfiles, workers_list):
+    """W8: a directory of .npy files read by FileDataset, MB/s into the loop
+    (page cache warm: a warm-up epoch first), beside PyTorch's DataLoader
+    calling np.load in dataset[i]."""
+    import shutil
+    import tempfile
+
+    from loader import FileDataset
+
+    tmp = tempfile.mkdtemp(prefix="w8-")
+    try:
+        shape = (file_mb * (1 << 20) // 4 // 1024, 1024)
+        for i in range(nfiles):
+            np.save(os.path.join(tmp, f"s{i:05d}.npy"), np.full(shape, i, np.float32))
+        files = sorted(os.path.join(tmp, f) for f in os.listdir(tmp))
+        total_mb = nfiles * file_mb
+        print(f"\nW8 files: {nfiles} .npy files of {file_mb} MB ({total_mb / 1024:.1f} GB), "
+              f"batch 32, page cache warm, third epoch (two to warm up: page cache, slabs)")
+        print(f"{'loader':<28} {'workers':>7} {'MB/s':>8} {'main CPU/batch':>15} "
+              f"{'ShmLoader is':>13}")
+        import torch.utils.data as tud
+
+        for workers in workers_list:
+            rows = {}
+            for kind in ("ShmLoader + FileDataset", "PyTorch DataLoader + np.load"):
+                if kind.startswith("ShmLoader"):
+                    loader = ShmLoader(FileDataset(os.path.join(tmp, "*.npy")), batch_size=32,
+                                       num_workers=workers, output="torch")
+                else:
+                    loader = tud.DataLoader(TorchFiles(files), batch_size=32, num_workers=workers,
+                                            persistent_workers=True, prefetch_factor=2)
+                try:
+                    epoch_w1(loader)
+                    epoch_w1(loader)
+                    wall, cpu, first, total, count = epoch_w1(loader)
+                finally:
+                    close(loader)
+                rows[kind] = (total / wall / 1e6, cpu / count * 1e3)
+            ours = rows["ShmLoader + FileDataset"][0]
+            for kind, (mbs, cpu) in rows.items():
+                print(f"{kind:<28} {workers:>7} {mbs:>8.0f} {cpu:>12.2f} ms {ours / mbs:>12.2f}x",
+                      flush=True)
+    finally:
+        shutil.rmtree(tmp)
+
+
 WORKLOADS = {
     "W1": lambda args: run_w1(args.batches, args.warmup),
     "W2": lambda args: run_small("W2 tiny (10, 150) float64", W2, BATCH, 60),
     "W3": lambda args: run_w3(args.w3_batches),
     "W4": lambda args: run_small("W4 dict {x: (3, 64, 64) uint8, y, path}", W4, 64, 60),
     "W7": lambda args: run_w7(args.w7_steps),
+    "W8": lambda args: run_w8(4, 256, (2, 4)),  # 1 GB of files
 }
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="W1,W2,W3,W4,W7",
+    parser.add_argument("--workloads", default="W1,W2,W3,W4,W7,W8",
                         help="comma-separated, of " + ", ".join(WORKLOADS))
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--w3-batches", type=int, default=8)

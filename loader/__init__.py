@@ -9,13 +9,16 @@
 Linux only; workers are forked.
 """
 
+from loader._files import FileArray, FileDataset
 from loader._layout import CollateError
 from loader._loader import LoaderTimeout, ShmLoader, WorkerError
+from loader._parquet import ParquetDataset
 from loader._procs import LoaderStartError
 from loader._worker import WorkerInfo, get_worker_info
 
-__all__ = ["ShmLoader", "DataLoader", "get_worker_info", "WorkerInfo", "WorkerError",
-           "LoaderTimeout", "LoaderStartError", "CollateError"]
+__all__ = ["ShmLoader", "DataLoader", "FileDataset", "FileArray", "ParquetDataset",
+           "get_worker_info", "WorkerInfo",
+           "WorkerError", "LoaderTimeout", "LoaderStartError", "CollateError"]
 
 
 def __getattr__(name):

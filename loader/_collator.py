@@ -25,6 +25,7 @@ from loader._layout import (
 )
 from loader._shared import LoaderConfig, SharedState
 from loader._slabs import Slab, SlabAllocator
+from loader._progress import stream_skips
 from loader._table import CONFIRMED, REFUSED, count_of
 from loader._worker import exit_if_orphaned
 
@@ -72,12 +73,15 @@ class _Pass:
             self.batches = O.Batches(kept, self.B, offsets)
         self.open: dict[int, _Batch] = {}
         self.lo, self.finished = 0, set()  # map-style: batches below lo, and those in `finished`, are sent
-        # iterable: each worker's stream's batches sent (a resumed run's
-        # streams start past those delivered before: see NOTE [ Runs ])
-        self.sent_by = [0] * self.workers
+        # iterable: per worker's stream, its batch numbers below low[w] are
+        # all sent, and those in above[w] too (a shuffle buffer completes
+        # batches out of order).  A resumed run's streams start past the
+        # batches delivered before (see NOTE [ Runs ]).
+        self.low = [0] * self.workers
+        self.above: list[set] = [set() for _ in range(self.workers)]
         if self.iterable and control.read(run, C.ORDER) == O.ORDER_SHIPPED:
-            skips, _ = shared.read_order(run, self.workers, 0, False)
-            self.sent_by = [int(k) // self.B for k in skips]
+            words, _ = shared.read_order(run, control.read(run, C.KEPT), 0, False)
+            self.low = [stream_skips(words, self.workers, w)[0] for w in range(self.workers)]
         self.done: dict[int, P.Done] = {}  # workers that said Done, not yet settled
         self.settled: set[int] = set()     # workers whose batches are all sent or freed
         self.sent = self.samples = self.rows_by_collator = self.relayouts = 0
@@ -94,14 +98,29 @@ class _Pass:
         """Iterable runs: the worker whose stream fills batch `index`."""
         return index % self.workers
 
+    def sent_stream_batch(self, index: int) -> None:
+        w, j = index % self.workers, index // self.workers
+        self.above[w].add(j)
+        while self.low[w] in self.above[w]:
+            self.above[w].remove(self.low[w])
+            self.low[w] += 1
+
+    def stream_end(self, w: int) -> tuple[int, tuple]:
+        """(batch numbers end, those below it never sent) of worker w's
+        stream, for StreamEnded."""
+        end = max(self.above[w], default=self.low[w] - 1) + 1
+        return max(end, self.low[w]), tuple(j for j in range(self.low[w], end)
+                                            if j not in self.above[w])
+
     def ahead(self, window: int):
         """Batches to lay out ahead of the workers: `window` past those sent
         (per worker's stream for an iterable run)."""
         if self.iterable:
             for w in range(self.workers):
                 if w not in self.done and w not in self.settled:
-                    for j in range(self.sent_by[w], self.sent_by[w] + window):
-                        yield j * self.workers + w
+                    for j in range(self.low[w], self.low[w] + window):
+                        if j not in self.above[w]:
+                            yield j * self.workers + w
             return
         yield from range(self.lo, min(self.sent + window, self.nbatches))
 
@@ -255,16 +274,57 @@ class Collator:
 
     def _end_stream(self, p: _Pass, w: int, done: P.Done, mine: list) -> None:
         """Worker w's stream of an iterable run ended: send its short last
-        batch (unless drop_last), free what it will never fill, and tell
-        main how many of its batches there are."""
-        for b in sorted(mine, key=lambda b: b.index):
+        batch, or close up the holes of a shuffle buffer's last batches
+        (unless drop_last), free what it will never fill, and tell main
+        which of its batches there are."""
+        mine = sorted(mine, key=lambda b: b.index)
+        if done.last_batch == -2:
+            self._close_up(p, mine)
+            mine = [b for b in mine if b.index in p.open]
+        for b in mine:
             rows = count_of(self.table.filled_word(p.run, b.index)) if b.published else 0
             if (b.index == done.last_batch and rows == done.last_rows and not self.cfg.drop_last
                     and not b.refused and self._values_complete(b, rows)):
                 self._finish(p, b, rows)
             else:
                 self._drop(p, b)
-        self._send(P.StreamEnded(p.run, w, max(done.batches, 0)))
+        end, dropped = p.stream_end(w)
+        self._send(P.StreamEnded(p.run, w, end, dropped))
+
+    def _close_up(self, p: _Pass, batches: list) -> None:
+        """A shuffle buffer's last batches of one stream have rows here and
+        there (holes are tagged -1): move their rows to the front, batch by
+        batch in order, among batches of the same layout, and send the full
+        batches and a last short one (unless drop_last).  The only second
+        copy of a sample, and only at the end of a stream."""
+        groups: dict = {}
+        for b in batches:
+            if b.published and not b.refused:
+                groups.setdefault(b.layout.digest, []).append(b)
+        for group in groups.values():
+            layout = group[0].layout
+            slabs = [self.arena[b.slab.offset:b.slab.offset + layout.nbytes] for b in group]
+            views = [layout.views(s) for s in slabs]
+            tags = [layout.tags(s) for s in slabs]
+            sources = [(k, r) for k, t in enumerate(tags) for r in np.flatnonzero(t >= 0)]
+            for i, (k, r) in enumerate(sources):  # target i is never a source not yet moved
+                tk, tr = divmod(i, layout.rows)
+                if (tk, tr) == (k, r):
+                    continue
+                for dst, src in zip(views[tk], views[k]):
+                    if dst is not None:
+                        dst[tr] = src[r]
+                tags[tk][tr] = tags[k][r]
+                if layout.value_leaves:
+                    group[tk].values[tr] = group[k].values[r]
+            full, short = divmod(len(sources), layout.rows)
+            for k, b in enumerate(group):
+                if k < full:
+                    self._finish(p, b, layout.rows)
+                elif k == full and short and not self.cfg.drop_last:
+                    self._finish(p, b, short)
+                else:
+                    self._drop(p, b)
 
     def _values_complete(self, b: _Batch, rows: int) -> bool:
         return not b.layout.value_leaves or all(r in b.values for r in range(rows))
@@ -361,6 +421,7 @@ class Collator:
             self.slabs.retire(b.slab.lease)
             p.relayouts += 1
         b.layout, b.slab = layout, slab
+        self._mark_holes(b)
         b.confirmed = not provisional
         b.values = {}  # rows' values are re-sent by their writers after a relayout
         self._publish(p, b)
@@ -397,8 +458,15 @@ class Collator:
             if slab is None:
                 return  # memory is short: batches wait for it when a sample asks
             b.layout, b.slab = layout, slab
+            self._mark_holes(b)
             p.open[index] = b
             self._publish(p, b)
+
+    def _mark_holes(self, b: _Batch) -> None:
+        """A fresh slab of a shuffle buffer's batch: every row's tag says
+        "not written" (-1), so that its holes can be found (_close_up)."""
+        if self.cfg.shuffle_batches:
+            b.layout.tags(self.arena[b.slab.offset:b.slab.offset + b.layout.nbytes])[:] = -1
 
     # --- messages -------------------------------------------------------------------------
 
@@ -530,7 +598,7 @@ class Collator:
         p.sent += 1
         p.samples += rows if b.batched else 1
         if p.iterable:
-            p.sent_by[p.worker_of(b.index)] += 1
+            p.sent_stream_batch(b.index)
         else:
             p.finished.add(b.index)
             while p.lo in p.finished:

@@ -12,7 +12,7 @@ LATEST_RUN (acquire) and then the block.  Nothing is sent: main never
 blocks on a send, whatever the children are doing.
 
   ctl[LATEST_RUN] ──► run block (run % 2): ID EPOCH SIZE KEPT UNITS NBATCHES ORDER ORDER_SEED
-                                             SHIPPED BASE_SEED CURSOR LIMIT ARRIVED
+                                             SHIPPED BASE_SEED SNAPSHOT CURSOR LIMIT ARRIVED
 
 - SIZE: the dataset's length, from which a computed order is made (or
   the shipped order's length); KEPT: positions of this rank's order it
@@ -35,6 +35,10 @@ blocks on a send, whatever the children are doing.
 - BASE_SEED: drawn by main for each epoch, as torch's DataLoader draws
   one per iterator; a worker process seeds itself from the first run it
   sees (see seed_worker in _worker.py).
+- SNAPSHOT: 1 when the dataset gave main a snapshot of itself for the
+  epoch, written into the run's snapshot file; each worker hands it to
+  dataset.restore_snapshot() before loading the run (NOTE [ Datasets that
+  change with the epoch ] in _epochs.py).
 - CURSOR: (run << 32) | next unit, claimed by compare-and-swap.  A worker
   still busy in an ended run can never take a unit of a newer one, and
   ending a run is one store of an untagged value.
@@ -75,8 +79,8 @@ LATEST_RUN = 1      # id of the latest run started
 OUTBOX = 2          # 1 while the collator holds messages main's full ring could not take
 RUN_BASE = 8
 RUN_WORDS = 16
-(ID, EPOCH, SIZE, KEPT, UNITS, NBATCHES, ORDER, ORDER_SEED, SHIPPED, BASE_SEED, CURSOR, LIMIT,
- ARRIVED) = range(13)
+(ID, EPOCH, SIZE, KEPT, UNITS, NBATCHES, ORDER, ORDER_SEED, SHIPPED, BASE_SEED, SNAPSHOT,
+ CURSOR, LIMIT, ARRIVED) = range(14)
 CTL_WORDS = RUN_BASE + 2 * RUN_WORDS
 RUN_SHIFT = 32      # units per run < 2**32
 
@@ -119,7 +123,7 @@ class Control:
 
     def start_run(self, run: int, epoch: int, size: int, kept: int, units: int, nbatches: int,
                   order: int, order_seed: int, shipped: int, base_seed: int, limit,
-                  ) -> None:
+                  snapshot: int = 0) -> None:
         """Fill the run's block, then publish it.  The block's previous run
         (run - 2) must have ended: see NOTE [ Runs ].  For an iterable
         dataset, `limit` is each worker's (a list)."""
@@ -128,7 +132,8 @@ class Control:
         for which, value in ((ID, run), (EPOCH, epoch), (SIZE, size), (KEPT, kept),
                              (UNITS, units), (NBATCHES, nbatches), (ORDER, order),
                              (ORDER_SEED, order_seed), (SHIPPED, shipped),
-                             (BASE_SEED, base_seed), (LIMIT, -1 if per_worker else limit),
+                             (BASE_SEED, base_seed), (SNAPSHOT, snapshot),
+                             (LIMIT, -1 if per_worker else limit),
                              (ARRIVED, tagged(run))):
             c[word(run, which)] = value
         if per_worker:

@@ -74,7 +74,7 @@ class InlineEpoch:
         ld = self.loader
         B = ld._rows
         pending, seq, k = [], 0, 0
-        skip = progress.skipped[0]  # a resumed epoch: samples delivered already
+        skip = progress.prefix[0]  # a resumed epoch: samples delivered already
         it = iter(ld.dataset)
         while True:
             saved = _SavedGenerators() if self.seeder is not None else None
@@ -95,11 +95,11 @@ class InlineEpoch:
             if len(pending) == B:
                 batch = self._collate(k, pending)
                 pending, k = [], k + 1
-                progress.mark(0)
+                progress.mark_batch(0)
                 yield batch
         if pending and not ld.drop_last:
             batch = self._collate(k, pending)
-            progress.mark(0)
+            progress.mark_batch(0)
             yield batch
         progress.complete = True
 

@@ -136,10 +136,17 @@ def rebuild(t: type, items):
 
 # --- leaves and signatures ---------------------------------------------------
 
+def is_deferred(leaf) -> bool:
+    """An array read only when it is stored (a FileDataset file): it has a
+    dtype, a shape and read_into(out)."""
+    return hasattr(type(leaf), "read_into") and not isinstance(leaf, np.ndarray)
+
+
 def as_array(leaf):
-    """The numpy array behind an array-like leaf (ndarray or CPU tensor), or
-    None.  A bfloat16 tensor gives its uint16 words."""
-    if isinstance(leaf, np.ndarray):
+    """The numpy array behind an array-like leaf (ndarray or CPU tensor; a
+    deferred array is its own), or None.  A bfloat16 tensor gives its
+    uint16 words."""
+    if isinstance(leaf, np.ndarray) or is_deferred(leaf):
         return leaf
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(leaf, torch.Tensor):
@@ -166,10 +173,10 @@ def leaf_meta(leaf):
             raise CollateError(f"cannot stack arrays of dtype {arr.dtype} into shared memory "
                                f"(their elements are Python objects); convert them to a numeric "
                                f"dtype, or return a list")
-        if type(arr) is not np.ndarray:
+        if type(arr) is not np.ndarray and not is_deferred(arr):
             raise CollateError(f"cannot stack {type(arr).__name__} arrays (an ndarray subclass "
                                f"would lose its type); return np.asarray(x), or pass collate_fn")
-        return (kind, arr.dtype.str, arr.shape)
+        return (kind, arr.dtype.str, tuple(arr.shape))
     code = _NUMBER_DTYPES.get(type(leaf))
     if code is not None:
         return (NUMBER, code, ())
@@ -336,7 +343,11 @@ class Layout:
         dtype = self.dtypes[i]
         try:
             if self.kinds[i] != NUMBER:
-                dst.view(dtype).reshape(self.shapes[i])[...] = as_array(leaf)
+                out = dst.view(dtype).reshape(self.shapes[i])
+                if is_deferred(leaf):
+                    leaf.read_into(out)  # straight into the row
+                else:
+                    out[...] = as_array(leaf)
             else:
                 dst.view(dtype)[0] = leaf
         except (OverflowError, ValueError, TypeError) as e:

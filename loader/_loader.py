@@ -22,6 +22,7 @@ from loader import _control as C
 from loader import _order as O
 from loader import _protocol as P
 from loader._collator import collator_main
+from loader._epochs import EpochInfo
 from loader._inline import InlineEpoch
 from loader._layout import materialize
 from loader._native import LeaseBook, derived_seeds
@@ -69,6 +70,7 @@ class _Plan(NamedTuple):
     base_seed: int
     rng: dict                  # generator states at the epoch's start (state_dict)
     progress: object           # MapProgress or StreamProgress of the run
+    snapshot: object = None    # the dataset's snapshot of the epoch (FileDataset: its files)
 
 
 class _Run(NamedTuple):
@@ -129,7 +131,7 @@ class ShmLoader:
                  num_workers=2, collate_fn=None, drop_last=False, in_order=True, prefetch=None,
                  persistent_workers=True, worker_init_fn=None, seed=None, generator=None,
                  reproducible=None, timeout=None, output="numpy", pin_memory=False,
-                 memory_cap_bytes=None, distributed=False):
+                 memory_cap_bytes=None, distributed=False, shuffle_buffer=None):
         if batch_size is not None:
             _positive_int("batch_size", batch_size)
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
@@ -158,6 +160,14 @@ class ShmLoader:
                 raise TypeError(f"generator must be a torch.Generator, got "
                                 f"{type(generator).__name__}")
         self.iterable = is_iterable_dataset(dataset)
+        if shuffle_buffer is not None:
+            _positive_int("shuffle_buffer", shuffle_buffer)
+            if not self.iterable:
+                raise ValueError("shuffle_buffer shuffles a stream (an iterable dataset); a "
+                                 "map-style dataset is shuffled by shuffle=True")
+            if collate_fn is not None or batch_size is None:
+                raise ValueError("shuffle_buffer places samples in random rows of pending "
+                                 "batches: it needs the default collate and a batch_size")
         if self.iterable and (sampler is not None or batch_sampler is not None or shuffle):
             raise ValueError("an iterable dataset orders its own samples: sampler, batch_sampler "
                              "and shuffle apply to map-style datasets (with __getitem__) only")
@@ -180,6 +190,7 @@ class ShmLoader:
             persistent_workers, worker_init_fn, timeout)
         self.output, self.pin_memory, self.distributed = output, pin_memory, distributed
         self.generator = generator
+        self.shuffle_buffer = shuffle_buffer or 0
         self.seed = seed if seed is not None else secrets.randbits(63)
         self.reproducible = (seed is not None) if reproducible is None else bool(reproducible)
         self.memory_cap_bytes = memory_cap_bytes or _default_memory_cap()
@@ -196,6 +207,7 @@ class ShmLoader:
         self._pinned = None
         self._drawn_base_seed = None  # torch's rules: drawn once with persistent workers
         self._resume = None           # a state to resume at the next iter()
+        self._steps_epoch = None      # (epoch, its iterator) that steps() goes on with
         self._progress = self._progress_plan = None  # of the epoch state_dict() describes
         self._closed = False
         self._stats = None
@@ -260,7 +272,8 @@ class ShmLoader:
             worker_init_fn=self.worker_init_fn, seed=self.seed, reproducible=self.reproducible,
             torch_seeding=self._torch_rules, memory_cap_bytes=self.memory_cap_bytes,
             parent_pid=os.getpid(), rank=self._rank, world=self._world,
-            static_batches=self._torch_rules and self.in_order and not self.iterable)
+            static_batches=self._torch_rules and self.in_order and not self.iterable,
+            shuffle_buffer=self.shuffle_buffer)
         try:
             shared = SharedState(cfg)
         except BaseException as e:
@@ -459,16 +472,28 @@ class ShmLoader:
         if "sampler" in states:
             self.sampler.generator.set_state(tensor(states["sampler"]))
 
-    def _plan(self, epoch: int, resume: dict | None = None) -> _Plan:
+    def _snapshot(self, epoch: int):
+        """The dataset's own view of the epoch starting, or None: see NOTE
+        [ Datasets that change with the epoch ] in _epochs.py."""
+        take = getattr(self.dataset, "epoch_snapshot", None)
+        if not callable(take):
+            return None
+        return take(EpochInfo(epoch, self.seed, self._rank, self._world))
+
+    def _plan(self, epoch: int, resume: dict | None = None, snapshot=None) -> _Plan:
         """Decide epoch's pass: which indices in which order (see NOTE
         [ Runs ]); with `resume`, only what the state says is left of it
         (NOTE [ Resuming an epoch ])."""
+        if snapshot is None:
+            snapshot = self._snapshot(epoch)
         if resume is None or "global" not in resume["rng"]:
-            return self._plan_drawn(epoch, resume)
-        import torch
+            plan = self._plan_drawn(epoch, resume)
+        else:
+            import torch
 
-        with torch.random.fork_rng(devices=[]):  # the user's global generator is left alone
-            return self._plan_drawn(epoch, resume)
+            with torch.random.fork_rng(devices=[]):  # the user's global generator is left alone
+                plan = self._plan_drawn(epoch, resume)
+        return plan._replace(snapshot=snapshot)
 
     def _plan_drawn(self, epoch: int, resume: dict | None) -> _Plan:
         if resume is not None:
@@ -482,11 +507,12 @@ class ShmLoader:
         rng = self._rng_states()
         base_seed = self._base_seed(epoch)
         if self.iterable:
-            skipped = None if resume is None else resume["stream"]
-            shipped = None if skipped is None else np.asarray(skipped, np.int64)
-            return _Plan(epoch, -1, -1, -1, -1, O.ORDER_RANGE if shipped is None else
-                         O.ORDER_SHIPPED, 0, shipped, None, base_seed, rng,
-                         StreamProgress(max(self.num_workers, 1), self._rows, skipped))
+            progress = StreamProgress(max(self.num_workers, 1), self._rows,
+                                      None if resume is None else resume["stream"])
+            shipped = None if resume is None else progress.skips()
+            return _Plan(epoch, -1, -1 if shipped is None else len(shipped), -1, -1,
+                         O.ORDER_RANGE if shipped is None else O.ORDER_SHIPPED, 0, shipped, None,
+                         base_seed, rng, progress)
         shipped = offsets = None
         if self.batch_sampler is not None:
             batches = [np.asarray(list(b), np.int64).reshape(-1) for b in self.batch_sampler]
@@ -551,21 +577,24 @@ class ShmLoader:
         """Units workers may load once `yielded` batches were yielded: those
         of the next `prefetch` batches.  (Iterable runs: per worker.)"""
         if run.batches is None:  # each stream's next batches (a resumed one starts further)
-            return [s // self._rows + self._cfg.worker_prefetch for s in run.plan.progress.skipped]
+            ahead = self._cfg.worker_prefetch + self._cfg.shuffle_batches
+            return [j + ahead for j in run.plan.progress.first_batches()]
         upto = min(yielded + self.prefetch, run.plan.nbatches)
         if run.plan.units == run.plan.nbatches:  # workers claim whole batches
             return upto
         return run.batches.span(upto - 1)[1] if upto > 0 else 0
 
-    def _start_run(self, epoch, resume: dict | None = None) -> _Run:
+    def _start_run(self, epoch, resume: dict | None = None, snapshot=None) -> _Run:
         """Start a pass over the data for `epoch` (see NOTE [ Runs ])."""
         run_id = self._runs + 1
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while run_id - 2 in self._unended:  # its block is about to be reused
             self._route(self._receive(deadline))
-        plan = self._plan(epoch, resume)
+        plan = self._plan(epoch, resume, snapshot)
         if plan.shipped is not None:
             self._shared.write_order(run_id, plan.shipped, plan.offsets)
+        if plan.snapshot is not None:
+            self._shared.write_snapshot(run_id, plan.snapshot)
         batches = None if self.iterable else O.Batches(plan.kept, self._rows, plan.offsets)
         run = _Run(run_id, plan, batches)
         self._runs = run_id
@@ -573,7 +602,8 @@ class ShmLoader:
         self._inboxes[run_id] = collections.deque()
         self._shared.control.start_run(
             run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
-            plan.order_seed, int(plan.offsets is not None), plan.base_seed, self._limit(run, 0))
+            plan.order_seed, int(plan.offsets is not None), plan.base_seed, self._limit(run, 0),
+            int(plan.snapshot is not None))
         return run
 
     def _end(self, run: _Run | None) -> None:
@@ -606,12 +636,13 @@ class ShmLoader:
         ahead, self._ahead = self._ahead, None
         self._end(self._current)  # an iterator this one supersedes
         self._current = None
+        snapshot = self._snapshot(epoch)  # the dataset as this epoch starts
         if ahead is not None and resume is None and ahead.plan.epoch == epoch and \
-                ahead.plan.size == self._dataset_len():
+                ahead.plan.size == self._dataset_len() and ahead.plan.snapshot == snapshot:
             self._current = ahead
             return ahead
         self._end(ahead)
-        self._current = self._start_run(epoch, resume)
+        self._current = self._start_run(epoch, resume, snapshot)
         return self._current
 
     # --- iteration ----------------------------------------------------------------------
@@ -637,6 +668,34 @@ class ShmLoader:
         if self.iterable:
             return self._stream_batches(self._epoch, resume)
         return self._epoch_batches(self._epoch, resume)
+
+    def steps(self, n: int | None = None):
+        """Yield n batches (None: for ever), going from one epoch into the
+        next with no pause (the next epoch's first batches are loaded
+        before the current one ends) and advancing the epoch, and so its
+        shuffle and seeds, at each boundary.  steps() called again goes on
+        where the last call stopped, mid-epoch included; state_dict() and
+        load_state_dict() work between and within calls."""
+        if n is not None:
+            _positive_int("n", n, 0)
+        count = 0
+        while n is None or count < n:
+            current = self._steps_epoch
+            if current is None or current[0] != self._epoch or self._resume is not None:
+                it = iter(self)  # the next epoch (or the one a loaded state is in)
+                current = self._steps_epoch = (self._epoch, it)
+            got = False
+            for batch in current[1]:
+                got = True
+                count += 1
+                yield batch
+                if n is not None and count >= n:
+                    return  # the epoch's iterator stays suspended here for the next call
+            self._steps_epoch = None
+            if not got and current[0] == self._epoch:
+                raise ValueError("ShmLoader.steps(): an epoch yielded no batch (an empty dataset, "
+                                 "or drop_last with fewer samples than a batch); there is nothing "
+                                 "to step through")
 
     def _epoch_batches(self, epoch, resume):
         """A map-style epoch: batches in order (or as they are ready)."""
@@ -706,9 +765,9 @@ class ShmLoader:
         progress = self._track(run.plan)
         control = self._shared.control
         workers = max(self.num_workers, 1)
-        pending, errors, ends = {}, {}, {}   # ends: worker -> its batch count
+        pending, errors, ends = {}, {}, {}   # ends: worker -> (its batch count, those dropped)
         # a resumed epoch goes on where the round-robin was (NOTE [ Resuming an epoch ])
-        next_id = min(s // self._rows * workers + w for w, s in enumerate(progress.skipped))
+        next_id = min(j * workers + w for w, j in enumerate(progress.first_batches()))
         ended = finished = False
         try:
             while True:
@@ -717,9 +776,10 @@ class ShmLoader:
                         if next_id in errors:
                             self._raise_failed(errors.pop(next_id))
                         w, j = next_id % workers, next_id // workers
-                        if w in ends and j >= ends[w]:  # that stream is over: skip its ids
+                        if w in ends and (j >= ends[w][0] or j in ends[w][1]):
+                            # a batch that stream will never fill: skip it
                             if len(ends) == workers and next_id > max(
-                                    (k - 1) * workers + v for v, k in ends.items()):
+                                    (k - 1) * workers + v for v, (k, _) in ends.items()):
                                 break  # every stream is over
                             next_id += 1
                             continue
@@ -728,11 +788,15 @@ class ShmLoader:
                         key = next(iter(pending), None)
                     if key is None:
                         break
-                    batch = self._batch(pending.pop(key))
+                    msg = pending.pop(key)
+                    batch = self._batch(msg)
                     if self.in_order:
                         next_id += 1
                     control.raise_worker_limit(run.id, key % workers)
-                    progress.mark(key % workers)
+                    if self._cfg.per_batch:
+                        progress.mark_batch(key % workers)
+                    else:
+                        progress.mark_tags(key % workers, self._tags(msg))
                     yield batch
                     self._check_current(epoch)
                 if ended and not pending:
@@ -750,7 +814,7 @@ class ShmLoader:
                     else:
                         self._raise_failed(msg)
                 elif kind is P.StreamEnded:
-                    ends[msg.worker] = msg.batches
+                    ends[msg.worker] = (msg.batches, set(msg.dropped))
                 elif kind is P.RunEnded:
                     ended = True
                     self._record_stats(epoch, msg)
@@ -847,7 +911,7 @@ class ShmLoader:
             state["map"] = progress.state()
             state["complete"] = progress.complete()
         else:
-            state["stream"] = progress.consumed()
+            state["stream"] = progress.state()
             state["complete"] = progress.complete
         return state
 
@@ -871,6 +935,7 @@ class ShmLoader:
             if state["seed"] != self.seed:
                 self._shutdown()  # the workers know the old seed: new ones start at iter()
         self._current = self._ahead = None
+        self._steps_epoch = None
         self.seed = state["seed"]
         if state["complete"]:
             self._epoch, self._resume = state["epoch"], None

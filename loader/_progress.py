@@ -107,19 +107,64 @@ class MapProgress:
 
 
 class StreamProgress:
-    """Samples of each worker's stream handed out: `skipped` read and
-    dropped on resume, then whole batches of `rows` samples.  (A short
-    batch is the stream's last: counting it whole overcounts samples that
-    do not exist, which a resumed worker finds harmlessly.)"""
+    """What each worker's stream delivered: its batches handed out, and
+    which of its samples (by their number in the stream) they held: all
+    below `prefix`, and the few in `extra` past it (a shuffle buffer sends
+    samples out of their order).  A batch whose rows are the stream's next
+    samples in order just moves the prefix.  With a collate_fn the rows
+    are whole batches of `rows` samples."""
 
-    def __init__(self, workers: int, rows: int, skipped=None):
+    def __init__(self, workers: int, rows: int, resumed: list | None = None):
         self.rows = rows
-        self.skipped = list(skipped) if skipped is not None else [0] * workers
-        self.batches = [0] * workers
+        resumed = resumed or [{"batches": 0, "prefix": 0, "extra": []}] * workers
+        self.batches = [r["batches"] for r in resumed]
+        self.prefix = [r["prefix"] for r in resumed]
+        self.extra = [set(r["extra"]) for r in resumed]
         self.complete = False  # set when the epoch's iterator ran to its end
 
-    def mark(self, worker: int) -> None:
-        self.batches[worker] += 1
+    def first_batches(self) -> list[int]:
+        """Per worker, the number its next batch has (those delivered before)."""
+        return list(self.batches)
 
-    def consumed(self) -> list[int]:
-        return [s + b * self.rows for s, b in zip(self.skipped, self.batches)]
+    def mark_batch(self, worker: int) -> None:
+        """A collated batch (of `rows` samples, in stream order) was handed out."""
+        self.batches[worker] += 1
+        self.prefix[worker] += self.rows
+
+    def mark_tags(self, worker: int, tags: np.ndarray) -> None:
+        """A batch with these samples (numbers in the worker's stream) was
+        handed out."""
+        self.batches[worker] += 1
+        p, n = self.prefix[worker], len(tags)
+        if n and not self.extra[worker] and tags[0] == p and tags[-1] == p + n - 1:
+            self.prefix[worker] = p + n  # the next samples, in order: the common case
+            return
+        extra = self.extra[worker]
+        extra.update(int(t) for t in tags)
+        while p in extra:
+            extra.remove(p)
+            p += 1
+        self.prefix[worker] = p
+
+    def state(self) -> list[dict]:
+        return [{"batches": b, "prefix": p, "extra": sorted(e)}
+                for b, p, e in zip(self.batches, self.prefix, self.extra)]
+
+    def skips(self) -> np.ndarray:
+        """For the workers of a resumed run, as int64s: per worker its
+        first batch number, its prefix and its count of extras; then every
+        worker's extras."""
+        head = []
+        for b, p, e in zip(self.batches, self.prefix, self.extra):
+            head += [b, p, len(e)]
+        tail = [x for e in self.extra for x in sorted(e)]
+        return np.asarray(head + tail, np.int64)
+
+
+def stream_skips(words: np.ndarray, workers: int, worker: int) -> tuple[int, int, set]:
+    """What StreamProgress.skips() says of one worker: (its first batch
+    number, samples below which are delivered, the delivered ones past)."""
+    head = words[:3 * workers].reshape(workers, 3)
+    start = 3 * workers + int(head[:worker, 2].sum())
+    b, p, n = (int(v) for v in head[worker])
+    return b, p, set(int(x) for x in words[start:start + n])

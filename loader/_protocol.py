@@ -111,12 +111,11 @@ class SampleRow(NamedTuple):
 
 class Done(NamedTuple):
     """The worker will not write into the run any more.  Iterable runs:
-    batches is how many batch numbers its stream used (a resumed stream
-    starts past those delivered before), last_batch its short last batch
-    (-1: none) and last_rows that batch's rows."""
+    last_batch is its stream's short last batch and last_rows that batch's
+    rows; -1: none; -2: its open batches have holes to close up (a
+    shuffle buffer's last batches)."""
     run: int
     worker: int
-    batches: int
     last_batch: int
     last_rows: int
 
@@ -142,11 +141,13 @@ class RunEnded(NamedTuple):
 
 
 class StreamEnded(NamedTuple):
-    """Iterable runs: the worker's stream ended after `batches` batches
-    (the ids it will never fill are skipped; see NOTE [ Runs ])."""
+    """Iterable runs: the worker's stream ended; its batch numbers from
+    `batches` on, and those in `dropped` (left empty in a shuffle buffer),
+    will never come (main skips them; see NOTE [ Runs ])."""
     run: int
     worker: int
     batches: int
+    dropped: tuple
 
 
 class MemoryWait(NamedTuple):

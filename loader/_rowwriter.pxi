@@ -174,6 +174,8 @@ cdef class Plan:
         cdef Py_ssize_t i
         cdef LeafSpec *s
         cdef char *dst
+        cdef void *src
+        cdef Py_ssize_t n
         cdef cnp.ndarray arr
         cdef object leaf
         for i in range(self.nleaves):
@@ -184,16 +186,26 @@ cdef class Plan:
                 continue
             dst = slab + s.offset + row * s.row_nbytes
             if s.kind == K_ARRAY:
-                arr = <cnp.ndarray>leaf
-                if cnp.PyArray_IS_C_CONTIGUOUS(arr):
-                    memcpy(dst, cnp.PyArray_DATA(arr), s.row_nbytes)
+                if type(leaf) is np.ndarray and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>leaf):
+                    arr = <cnp.ndarray>leaf
+                    src = cnp.PyArray_DATA(arr)
+                    n = s.row_nbytes
+                    if n >= NOGIL_COPY_BYTES:  # other threads (thread workers) run meanwhile
+                        with nogil:
+                            memcpy(dst, src, n)
+                    else:
+                        memcpy(dst, src, n)
                     continue
             elif _store_number(s, leaf, dst):
                 continue
-            # The reference path: strided arrays, numbers that do not fit.
+            # The reference path: strided arrays, deferred (file) arrays, numbers
+            # that do not fit.
             self.layout.write_leaf(slab_view(slab, s.offset + row * s.row_nbytes, s.row_nbytes),
                                    i, leaf)
         return values
+
+
+cdef Py_ssize_t NOGIL_COPY_BYTES = 1 << 16
 
 
 cdef object slab_view(char *p, Py_ssize_t offset, Py_ssize_t n):

@@ -5,6 +5,7 @@ memory main creates before it forks."""
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,6 +43,7 @@ class LoaderConfig:
     rank: int = 0                # distributed=True: this process's share of each epoch
     world: int = 1
     static_batches: bool = False  # worker w loads batches w, w + W, ... (torch's assignment)
+    shuffle_buffer: int = 0       # iterable datasets: samples mixed in each worker's window
 
     @property
     def per_batch(self) -> bool:
@@ -64,13 +66,24 @@ class LoaderConfig:
         return max(1, -(-self.prefetch // max(self.num_workers, 1)))
 
     @property
+    def shuffle_batches(self) -> int:
+        """shuffle_buffer: the batches of each worker's window (its share of
+        the buffer, in batches)."""
+        if not self.shuffle_buffer:
+            return 0
+        share = -(-self.shuffle_buffer // max(self.num_workers, 1))
+        return max(1, -(-share // self.rows_per_batch))
+
+    @property
     def publish_window(self) -> int:
         """How many batches past those sent the collator lays out ahead:
         workers load units below main's limit, `prefetch` batches past what
         it has yielded, plus one claim each that waits; two more batches
         of slack let the next be ready as the window moves.  (Iterable
         datasets: per worker, past that worker's batches sent.)"""
-        return (self.worker_prefetch if self.iterable else self.prefetch) + 2
+        if self.iterable:
+            return self.worker_prefetch + self.shuffle_batches + 2
+        return self.prefetch + 2
 
     @property
     def table_per_run(self) -> int:
@@ -79,7 +92,8 @@ class LoaderConfig:
         share an entry across workers, and large enough for the batches in
         flight (see NOTE [ Runs ])."""
         w = max(self.num_workers, 1)
-        return w * max(-(-64 // w), -(-2 * self.publish_window // w), self.worker_prefetch + 3)
+        return w * max(-(-64 // w), -(-2 * self.publish_window // w),
+                       self.worker_prefetch + self.shuffle_batches + 3)
 
 
 class SharedState:
@@ -93,11 +107,14 @@ class SharedState:
         self.released = shmq.shared_array(MAX_LEASES, np.int64)
         self.hazards = shmq.shared_array(max(cfg.num_workers, 1), np.int64)
         self.order_fds: list[int] = []
+        self.snapshot_fds: list[int] = []
         self.rings: list[shmq.Queue] = []
         try:
-            # A user sampler's order for each run parity (NOTE [ Runs ]).
+            # Per run parity (NOTE [ Runs ]): the order shipped to the
+            # workers, and the dataset's snapshot of the epoch.
             for _ in range(2):
                 self.order_fds.append(os.memfd_create("shmloader-order", os.MFD_CLOEXEC))
+                self.snapshot_fds.append(os.memfd_create("shmloader-snapshot", os.MFD_CLOEXEC))
             self.rings.append(shmq.Queue(TO_COLLATOR_BYTES, multi_producer=True, anonymous=True))
             self.rings.append(shmq.Queue(TO_MAIN_BYTES, anonymous=True))
         except BaseException:
@@ -108,30 +125,50 @@ class SharedState:
     def write_order(self, run: int, order: np.ndarray, offsets: np.ndarray | None) -> None:
         """The run's order (and a batch sampler's offsets), for the workers
         and the collator: see SHIPPED in NOTE [ Runs ]."""
-        fd = self.order_fds[run % 2]
         parts = [order] if offsets is None else [order, offsets]
-        data = memoryview(np.concatenate([np.asarray(p, np.int64) for p in parts])).cast("B")
-        os.ftruncate(fd, len(data))
-        done = 0
-        while done < len(data):
-            done += os.pwrite(fd, data[done:], done)
+        _write(self.order_fds[run % 2],
+               memoryview(np.concatenate([np.asarray(p, np.int64) for p in parts])).cast("B"))
 
     def read_order(self, run: int, kept: int, nbatches: int, with_offsets: bool):
         """(order, offsets or None) as write_order wrote them."""
         n = kept + (nbatches + 1 if with_offsets else 0)
         out = np.empty(n, np.int64)
-        buf = memoryview(out).cast("B")
-        done = 0
-        while done < len(buf):
-            got = os.preadv(self.order_fds[run % 2], [buf[done:]], done)
-            if got == 0:
-                raise RuntimeError(f"the run's order file holds {done} bytes, not {len(buf)}")
-            done += got
+        _read(self.order_fds[run % 2], memoryview(out).cast("B"), "order")
         return (out[:kept], out[kept:]) if with_offsets else (out, None)
+
+    def write_snapshot(self, run: int, snapshot) -> None:
+        """The dataset's snapshot of the run's epoch (see SNAPSHOT in NOTE [ Runs ])."""
+        data = pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
+        _write(self.snapshot_fds[run % 2], memoryview(len(data).to_bytes(8, "little") + data))
+
+    def read_snapshot(self, run: int):
+        fd = self.snapshot_fds[run % 2]
+        head = bytearray(8)
+        _read(fd, memoryview(head), "snapshot")
+        data = bytearray(int.from_bytes(head, "little"))
+        _read(fd, memoryview(data), "snapshot", offset=8)
+        return pickle.loads(data)
 
     def close(self) -> None:
         for q in self.rings:
             q.close()
-        for fd in self.order_fds:
+        for fd in self.order_fds + self.snapshot_fds:
             os.close(fd)
-        self.rings, self.order_fds = [], []
+        self.rings, self.order_fds, self.snapshot_fds = [], [], []
+
+
+def _write(fd: int, data: memoryview) -> None:
+    os.ftruncate(fd, len(data))
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], done)
+
+
+def _read(fd: int, buf: memoryview, what: str, offset: int = 0) -> None:
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got == 0:
+            raise RuntimeError(f"the run's {what} file holds {offset + done} bytes, "
+                               f"not {offset + len(buf)}")
+        done += got

@@ -4,6 +4,7 @@ _control.py for how runs are started and ended without messages."""
 
 from __future__ import annotations
 
+import _random
 import os
 import random
 import sys
@@ -15,8 +16,8 @@ import shmq
 from loader import _control as C
 from loader import _order as O
 from loader import _protocol as P
-from loader._layout import CollateError
 from loader._native import ENDED, RowWriter, RunCounters, derived_seeds
+from loader._progress import stream_skips
 from loader._shared import LoaderConfig, SharedState
 from loader._table import SEQ
 
@@ -89,11 +90,16 @@ class SampleSeeder:
         self.seed = seed & _U64
         torch = sys.modules.get("torch")
         self.torch_gen = torch.default_generator if torch is not None else None
+        # random.seed(int) is the C seed plus gauss_next = None (random.py);
+        # calling them directly saves a Python frame per sample.
+        self.random, self.seed_random = random._inst, _random.Random.seed
+        self.numpy = np.random.mtrand._rand
 
     def __call__(self, epoch: int, stream: int, item: int) -> None:
         s_random, s_numpy, s_torch = derived_seeds(self.seed, epoch & _U64, stream, item & _U64)
-        random.seed(s_random)
-        np.random.seed(s_numpy)
+        self.seed_random(self.random, s_random)
+        self.random.gauss_next = None
+        self.numpy.seed(s_numpy)
         if self.torch_gen is not None:
             self.torch_gen.manual_seed(s_torch)
 
@@ -132,8 +138,8 @@ class Channel:
         self.send(P.Failed(run, batch, pos, index, self.me, self.pid,
                            P.ErrorReport.of(exc, where)))
 
-    def done(self, run, batches=-1, last_batch=-1, last_rows=0):
-        self.send(P.Done(run, self.me, batches, last_batch, last_rows))
+    def done(self, run, last_batch=-1, last_rows=0):
+        self.send(P.Done(run, self.me, last_batch, last_rows))
 
     def wait_for_entry(self, run, base, seq_seen) -> bool:
         """Until the table entry at `base` changes (its SEQ word), or the run
@@ -195,16 +201,17 @@ class Worker:
                 self.broken = True
                 self.channel.failed(run, -1, -1, -1, e, f"in worker_init_fn of worker {self.id}")
 
-    def _one_run(self, run: int) -> tuple[int, int, int]:
+    def _one_run(self, run: int) -> tuple[int, int]:
         """Load this worker's part of the run.  Returns what Done says of an
-        iterable run's stream (batches, short last batch, its rows), else
-        (-1, -1, 0)."""
+        iterable run's stream (see _stream_run), else (-1, 0)."""
         if not self.control.live(run):
-            return -1, -1, 0
+            return -1, 0
         if not self.started:
             self._start(run)
         if self.broken:
-            return -1, -1, 0
+            return -1, 0
+        if self.control.read(run, C.SNAPSHOT):  # the epoch's view of the dataset (FileDataset)
+            self.cfg.dataset.restore_snapshot(self.shared.read_snapshot(run))
         if self.cfg.iterable:
             return self._stream_run(run)
         epoch = self.control.read(run, C.EPOCH)
@@ -215,7 +222,7 @@ class Worker:
             self._batch_run(run, epoch, order, batches)
         else:
             self._sample_run(run, epoch, order, batches)
-        return -1, -1, 0
+        return -1, 0
 
     def _order(self, run: int) -> tuple[np.ndarray | None, O.Batches]:
         """The run's dataset index per position (None: the position is the
@@ -272,7 +279,7 @@ class Worker:
             try:
                 if place(run, batch, row, batches.rows(batch), pos, sample) == ENDED:
                     return
-            except CollateError as e:
+            except Exception as e:  # a CollateError, or a file read failing (FileDataset)
                 self.channel.failed(run, batch if in_order else -1, pos, index, e,
                                     f"in worker {self.id}, placing sample {index} in its batch")
 
@@ -328,7 +335,7 @@ class Worker:
                 try:
                     if self.writer.place(run, batch, row, stop - start, pos, sample) == ENDED:
                         return
-                except CollateError as e:
+                except Exception as e:  # a CollateError, or a file read failing (FileDataset)
                     self.channel.failed(run, batch, pos, index, e,
                                         f"in worker {self.id}, placing sample {index} in its batch")
                     break
@@ -352,7 +359,7 @@ class Worker:
         number in the worker's stream); False once the run ended."""
         try:
             return self.writer.place(run, slot, 0, 1, tag, output, batched=False) != ENDED
-        except CollateError as e:
+        except Exception as e:  # a CollateError, or a file read failing
             self.channel.failed(run, slot if self.cfg.in_order else -1, -1, -1, e,
                                 f"in worker {self.id}, placing the output of batch {slot}")
             return True
@@ -372,25 +379,32 @@ class Worker:
             exit_if_orphaned(self.cfg.parent_pid)
         return c.live(run) and not c.stopped
 
-    def _stream_run(self, run: int) -> tuple[int, int, int]:
+    def _stream_run(self, run: int) -> tuple:
         """This worker's own pass over an iterable dataset, into its own
-        batches (see NOTE [ Runs ]).  Returns how many batch numbers it used,
-        its short last batch, if any, and that batch's rows; (-1, -1, 0)
-        when the run ended first or the stream failed."""
+        batches (see NOTE [ Runs ]).  Returns what Done says: (its short
+        last batch, its rows) when rows fill in order, (-1, 0) when there
+        is none or the run ended first; with a shuffle buffer, (-2, 0): its
+        last batches have holes the collator closes up."""
         cfg, c, N, w = self.cfg, self.control, max(self.cfg.num_workers, 1), self.id
         B = cfg.rows_per_batch
         epoch = c.read(run, C.EPOCH)
-        skip = 0                # a resumed epoch: samples of this stream delivered already
+        j0, done_below, done_past = 0, 0, set()   # a resumed epoch: what was delivered
         if c.read(run, C.ORDER) == O.ORDER_SHIPPED:
-            skip = int(self.shared.read_order(run, N, 0, False)[0][w])
-        j = skip // B           # batch j of this worker (numbered as if never interrupted)
-        row = seq = 0           # its next row, samples read
-        pending: list = []      # per_batch: the samples of batch j
-        ended = (-1, -1, 0)
+            words, _ = self.shared.read_order(run, c.read(run, C.KEPT), 0, False)
+            j0, done_below, done_past = stream_skips(words, N, w)
+        if cfg.per_batch:
+            slots = None
+        elif cfg.shuffle_batches:
+            slots = ShuffleWindow(self, run, j0, B, cfg.shuffle_batches,
+                                  derived_seeds(cfg.seed & _U64, epoch, w + 1, 1 << 62)[0])
+        else:
+            slots = InOrderSlots(self, run, j0, B)
+        j, pending, seq = j0, [], 0   # per_batch: batch j's samples so far
+        ended = (-1, 0)
         try:
             it = iter(cfg.dataset)
         except Exception as e:
-            self.channel.failed(run, j * N + w if cfg.in_order else -1, -1, -1, e,
+            self.channel.failed(run, j0 * N + w if cfg.in_order else -1, -1, -1, e,
                                 f"in iter(dataset), in worker {w}")
             return ended
         while True:
@@ -400,14 +414,15 @@ class Worker:
                 sample = next(it)
             except StopIteration:
                 break
-            except Exception as e:  # the stream is over; its batch in progress is dropped
-                self.channel.failed(run, j * N + w if cfg.in_order else -1, -1, -1, e,
+            except Exception as e:  # the stream is over; its batches in progress are dropped
+                at = (j if slots is None else slots.current) * N + w
+                self.channel.failed(run, at if cfg.in_order else -1, -1, -1, e,
                                     f"while iterating the dataset, in worker {w}")
                 return ended
             seq += 1
-            if seq <= skip:
+            if seq - 1 < done_below or seq - 1 in done_past:
                 continue  # read (and seeded) as before, so the stream goes on where it was
-            if cfg.per_batch:
+            if slots is None:
                 pending.append(sample)
                 if len(pending) < B:
                     continue
@@ -416,25 +431,23 @@ class Worker:
                     return ended
                 pending, j = [], j + 1
                 continue
-            if row == 0 and not self._wait_for_room(run, j):
+            slot = slots.next()
+            if slot is None:
                 return ended
-            batch = j * N + w
+            batch, row = slot[0] * N + w, slot[1]
             try:
                 if self.writer.place(run, batch, row, B, seq - 1, sample) == ENDED:
                     return ended
-            except CollateError as e:
+            except Exception as e:  # a CollateError, or a file read failing (FileDataset)
                 self.channel.failed(run, batch if cfg.in_order else -1, -1, -1, e,
                                     f"in worker {w}, placing a sample in its batch")
-            row += 1
-            if row == B:
-                row, j = 0, j + 1
-        if pending and not cfg.drop_last:
-            if not self._wait_for_room(run, j) or not self._place_stream_batch(run, j, pending):
-                return ended
-            j += 1
-        if row:
-            return j + 1, j * N + w, row
-        return j, -1, 0
+        if slots is None:
+            if pending and not cfg.drop_last:
+                if not self._wait_for_room(run, j) or not self._place_stream_batch(run, j,
+                                                                                    pending):
+                    return ended
+            return ended
+        return slots.at_end()
 
     def _place_stream_batch(self, run: int, j: int, samples: list) -> bool:
         """Place this worker's j-th batch of a stream (collated here)."""
@@ -444,6 +457,71 @@ class Worker:
 
 
 _FAILED = object()  # a collate_fn raised (and it was reported)
+
+
+class InOrderSlots:
+    """Rows of a stream's batches, filled in order: batch j's rows, then
+    j + 1's (waiting for main's limit before each new batch)."""
+
+    def __init__(self, worker: Worker, run: int, j0: int, rows: int):
+        self.worker, self.run, self.rows = worker, run, rows
+        self.current, self.row = j0, 0
+
+    def next(self):
+        """(batch number, row) for the next sample; None if the run ended."""
+        if self.row == self.rows:
+            self.current, self.row = self.current + 1, 0
+        if self.row == 0 and not self.worker._wait_for_room(self.run, self.current):
+            return None
+        self.row += 1
+        return self.current, self.row - 1
+
+    def at_end(self):
+        if 0 < self.row < self.rows:
+            return self.current * max(self.worker.cfg.num_workers, 1) + self.worker.id, self.row
+        return -1, 0
+
+
+class ShuffleWindow:
+    """shuffle_buffer: each sample goes to a random free row of a window of
+    this worker's pending batches (`depth` of them), so batches complete
+    as random mixes of the stream, with no second copy of any sample: the
+    window is the shuffle buffer, and it lives in the slabs.  The window
+    spans `depth` batch numbers from its lowest incomplete batch: a batch
+    opens when the lowest completes, never further, so the batches in
+    flight stay within the batch table's reach and main (which takes a
+    stream's batches in order) is never kept waiting by a batch the worker
+    has stopped filling.  With the draws of a generator seeded by (seed,
+    epoch, worker), the batches depend on the stream alone, not on
+    timing."""
+
+    def __init__(self, worker: Worker, run: int, j0: int, rows: int, depth: int, seed: int):
+        self.worker, self.run, self.rows, self.depth = worker, run, rows, depth
+        self.rng = random.Random(seed)
+        self.open: dict[int, int] = {}   # batch number -> rows still free
+        self.free: list[tuple[int, int]] = []
+        self.current = self.next_j = j0  # lowest open batch; the next to open
+
+    def next(self):
+        while self.next_j < self.current + self.depth:
+            if not self.worker._wait_for_room(self.run, self.next_j):
+                return None
+            self.open[self.next_j] = self.rows
+            self.free += [(self.next_j, r) for r in range(self.rows)]
+            self.next_j += 1
+        k = self.rng.randrange(len(self.free))
+        slot = self.free[k]
+        self.free[k] = self.free[-1]
+        self.free.pop()
+        j = slot[0]
+        self.open[j] -= 1
+        if not self.open[j]:
+            del self.open[j]
+        self.current = min(self.open, default=self.next_j)
+        return slot
+
+    def at_end(self):
+        return (-2, 0) if self.open else (-1, 0)
 
 
 def worker_main(cfg: LoaderConfig, shared: SharedState, worker_id: int) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import descendants, wait_until
 from loader import ShmLoader, WorkerError
+from loader._layout import Layout, signature
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,6 +114,11 @@ class Big:
         return np.full((256, 256), i, np.float32)
 
 
+def slab_bytes(sample, rows: int) -> int:
+    """The slab a batch of `rows` such samples takes (rows and tags)."""
+    return Layout(signature(sample), rows).nbytes
+
+
 def test_a_batch_larger_than_the_memory_cap_is_an_error_naming_both_sizes():
     with ShmLoader(Big(), batch_size=16, num_workers=2, memory_cap_bytes=1 << 20) as loader:
         t0 = time.monotonic()
@@ -120,9 +126,10 @@ def test_a_batch_larger_than_the_memory_cap_is_an_error_naming_both_sizes():
             list(loader)
         assert time.monotonic() - t0 < 5
         text = str(info.value)
-        assert "needs 4194304 bytes" in text
-        assert "memory_cap_bytes is 1048576" in text and "memory_cap_bytes >= 4194304" in text
-        with pytest.raises(MemoryError, match="needs 4194304 bytes"):
+        need = 16 * 256 * 256 * 4 + 16 * 8  # the rows, and a tag per row (see Layout)
+        assert f"needs {need} bytes" in text
+        assert "memory_cap_bytes is 1048576" in text and f"memory_cap_bytes >= {need}" in text
+        with pytest.raises(MemoryError, match=f"needs {need} bytes"):
             list(loader)  # the same answer again: the loader is still usable
 
 
@@ -131,7 +138,7 @@ def test_batches_kept_past_the_cap_wait_with_a_warning_then_resume():
     reading its inbox), main warns once with the numbers, and dropping the
     batches lets the epoch finish."""
     B = 4
-    cap = 3 * B * 256 * 256 * 4  # three batches of Big
+    cap = 3 * slab_bytes(Big()[0], B)  # three batches of Big
     with ShmLoader(Big(), batch_size=B, num_workers=2, memory_cap_bytes=cap, prefetch=1,
                    timeout=20) as loader:
         held = []
@@ -145,7 +152,7 @@ def test_batches_kept_past_the_cap_wait_with_a_warning_then_resume():
             release.join()
         text = str(w[0].message)
         assert f"all {cap} bytes" in text and "memory_cap_bytes" in text
-        assert "next batch needs 1048576" in text
+        assert f"next batch needs {slab_bytes(Big()[0], B)}" in text
         assert len(firsts) == 64 // B - 3
         for k, first in enumerate(firsts):
             np.testing.assert_array_equal(first, np.arange(4 * (k + 3), 4 * (k + 4)))
@@ -156,8 +163,8 @@ def test_batches_kept_past_the_cap_wait_with_a_warning_then_resume():
 
 def test_close_is_prompt_while_the_collator_waits_for_memory():
     B = 4
-    with ShmLoader(Big(), batch_size=B, num_workers=2, memory_cap_bytes=2 * B * (1 << 18),
-                   prefetch=1) as loader:
+    with ShmLoader(Big(), batch_size=B, num_workers=2,
+                   memory_cap_bytes=2 * slab_bytes(Big()[0], B), prefetch=1) as loader:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             it = iter(loader)
