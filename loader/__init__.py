@@ -10,7 +10,7 @@ Linux only; workers are forked.
 """
 
 from loader._files import FileArray, FileDataset
-from loader._layout import CollateError
+from loader._layout import BatchMismatch, CollateError, UnsupportedLeaf
 from loader._loader import LoaderTimeout, ShmLoader, WorkerError
 from loader._parquet import ParquetDataset
 from loader._procs import LoaderStartError
@@ -18,7 +18,8 @@ from loader._worker import WorkerInfo, get_worker_info
 
 __all__ = ["ShmLoader", "DataLoader", "FileDataset", "FileArray", "ParquetDataset",
            "get_worker_info", "WorkerInfo",
-           "WorkerError", "LoaderTimeout", "LoaderStartError", "CollateError"]
+           "WorkerError", "LoaderTimeout", "LoaderStartError", "CollateError", "BatchMismatch",
+           "UnsupportedLeaf"]
 
 
 def __getattr__(name):

@@ -82,6 +82,7 @@ class _Pass:
         if self.iterable and control.read(run, C.ORDER) == O.ORDER_SHIPPED:
             words, _ = shared.read_order(run, control.read(run, C.KEPT), 0, False)
             self.low = [stream_skips(words, self.workers, w)[0] for w in range(self.workers)]
+        self.given_up: dict[int, _Batch] = {}  # map-style: batches given up, entry still held
         self.done: dict[int, P.Done] = {}  # workers that said Done, not yet settled
         self.settled: set[int] = set()     # workers whose batches are all sent or freed
         self.sent = self.samples = self.rows_by_collator = self.relayouts = 0
@@ -342,6 +343,10 @@ class Collator:
         a complete prefix; it is short when samples failed), free the
         rest, and tell main."""
         p.ended = True
+        for b in p.given_up.values():  # every worker is done: nothing writes into them
+            self._unpublish(p, b)
+            self.slabs.release(b.slab.lease)
+        p.given_up.clear()
         arrival_order = not self.cfg.in_order and not p.iterable
         for b in sorted(p.open.values(), key=lambda b: b.index):
             rows = count_of(self.table.filled_word(p.run, b.index)) if b.published else 0
@@ -391,8 +396,49 @@ class Collator:
                 self._sample_row(p, msg)
 
     def _entry_free(self, p: _Pass, b: _Batch) -> bool:
-        owner = self.taken.get(self.table.entry(p.run, b.index))
+        entry = self.table.entry(p.run, b.index)
+        owner = self.taken.get(entry)
+        if owner is not None and owner != (p.run, b.index):
+            q = self.passes.get(owner[0])
+            if q is not None and owner[1] in q.given_up and owner[1] < q.lo:
+                # given up, and below FINISHED: no worker writes into it any more
+                self._drop_given_up(q, q.given_up.pop(owner[1]))
+                owner = None
         return owner is None or owner == (p.run, b.index)
+
+    def _give_up(self, p: _Pass, index: int) -> None:
+        """A map-style run's batch that will never be sent (a sample of it
+        failed, or it cannot be collated): it counts as finished, so the
+        FINISHED word passes it and workers drop its rows; its entry and
+        slab are freed once FINISHED has passed it (_entry_free, and at
+        the end of the run)."""
+        if index < p.lo or index in p.finished:
+            return
+        b = p.open.pop(index, None)
+        if b is not None:
+            if b.published:
+                self.table.add_flags(p.run, b.index, REFUSED)  # writers drop their rows now
+                p.given_up[index] = b
+            elif b.slab is not None:
+                self.slabs.release(b.slab.lease)
+            self.waiting = [(r, i) for r, i in self.waiting if (r, i) != (p.run, index)]
+        p.finished.add(index)
+        self._advance(p)
+
+    def _drop_given_up(self, p: _Pass, b: _Batch) -> None:
+        self._unpublish(p, b)
+        self.slabs.retire(b.slab.lease)  # a worker may be inside it: freed once no hazard names it
+
+    def _advance(self, p: _Pass) -> None:
+        """Move the run's finished prefix, and tell the workers (FINISHED)."""
+        moved = False
+        while p.lo in p.finished:
+            p.finished.remove(p.lo)
+            p.lo += 1
+            moved = True
+        if moved:
+            shmq.atomic_store(self.control.ctl, C.word(p.run, C.FINISHED), p.lo)  # SYNC POINT
+            self.control.table_bell.ring()  # workers waiting for a batch given up
 
     def _lay_out(self, p: _Pass, b: _Batch, sig, provisional: bool = False) -> bool:
         """Give b a slab with sig's layout and publish it (first layout, or
@@ -474,6 +520,9 @@ class Collator:
         kind = type(msg)
         if kind is P.Failed:
             self._send(msg)
+            p = self.passes.get(msg.run)
+            if p is not None and msg.batch >= 0 and not p.iterable:
+                self._give_up(p, msg.batch)  # main raises its error and goes on
             return
         p = self._pass(msg.run)
         if kind is P.Done:
@@ -499,7 +548,7 @@ class Collator:
     def _layout_request(self, p: _Pass, m: P.LayoutRequest) -> None:
         b = p.open.get(m.batch)
         if b is None:
-            if m.batch in p.finished or p.ended:
+            if m.batch < p.lo or m.batch in p.finished or p.ended:  # sent or given up
                 return
             b = p.open[m.batch] = _Batch(m.batch, m.rows, m.batched)
             self._lay_out(p, b, m.signature)
@@ -572,7 +621,7 @@ class Collator:
 
     def _refuse(self, p: _Pass, b: _Batch, pos: int, exc: BaseException) -> None:
         """The batch cannot be made: every worker drops its row, and main
-        raises when it reaches it."""
+        raises when it reaches it (then goes on with the next batch)."""
         if b.refused:
             return
         b.refused = True
@@ -580,6 +629,8 @@ class Collator:
             self.table.add_flags(p.run, b.index, REFUSED)
             self.control.table_bell.ring()
         self._fail(p.run, b.index, pos, exc, "in the collator")
+        if not p.iterable:
+            self._give_up(p, b.index)
 
     def _finish_if_complete(self, p: _Pass, b: _Batch) -> None:
         """Complete: every row counted and, where rows carry non-numeric
@@ -601,9 +652,7 @@ class Collator:
             p.sent_stream_batch(b.index)
         else:
             p.finished.add(b.index)
-            while p.lo in p.finished:
-                p.finished.remove(p.lo)
-                p.lo += 1
+            self._advance(p)
         if self.waiting:
             self._retry_waiting()  # its table entry is free now
         self._publish_ahead(p)

@@ -13,6 +13,7 @@ blocks on a send, whatever the children are doing.
 
   ctl[LATEST_RUN] ──► run block (run % 2): ID EPOCH SIZE KEPT UNITS NBATCHES ORDER ORDER_SEED
                                              SHIPPED BASE_SEED SNAPSHOT CURSOR LIMIT ARRIVED
+                                             FINISHED
 
 - SIZE: the dataset's length, from which a computed order is made (or
   the shipped order's length); KEPT: positions of this rank's order it
@@ -46,6 +47,11 @@ blocks on a send, whatever the children are doing.
   ahead of what it has yielded, so prefetch does not grow with workers.
 - ARRIVED: (run << 32) | samples (or batches) ready so far, in arrival
   order (first-ready mode): the k-th goes to row k % B of batch k // B.
+- FINISHED: map-style runs: every batch below it is sent, or given up (a
+  sample of it failed, or it cannot be collated: main raises its error
+  and goes on with the next batch).  Written by the collator; a worker
+  drops a row of such a batch, so a batch that will never be sent does
+  not keep its table entry, or the worker, waiting.
 
 An iterable dataset is read by every worker from its own iterator, as in
 PyTorch: worker w fills its own batches, its j-th being batch j * W + w
@@ -80,7 +86,7 @@ OUTBOX = 2          # 1 while the collator holds messages main's full ring could
 RUN_BASE = 8
 RUN_WORDS = 16
 (ID, EPOCH, SIZE, KEPT, UNITS, NBATCHES, ORDER, ORDER_SEED, SHIPPED, BASE_SEED, SNAPSHOT,
- CURSOR, LIMIT, ARRIVED) = range(14)
+ CURSOR, LIMIT, ARRIVED, FINISHED) = range(15)
 CTL_WORDS = RUN_BASE + 2 * RUN_WORDS
 RUN_SHIFT = 32      # units per run < 2**32
 
@@ -132,7 +138,7 @@ class Control:
         for which, value in ((ID, run), (EPOCH, epoch), (SIZE, size), (KEPT, kept),
                              (UNITS, units), (NBATCHES, nbatches), (ORDER, order),
                              (ORDER_SEED, order_seed), (SHIPPED, shipped),
-                             (BASE_SEED, base_seed), (SNAPSHOT, snapshot),
+                             (BASE_SEED, base_seed), (SNAPSHOT, snapshot), (FINISHED, 0),
                              (LIMIT, -1 if per_worker else limit),
                              (ARRIVED, tagged(run))):
             c[word(run, which)] = value

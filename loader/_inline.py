@@ -33,75 +33,91 @@ class _SavedGenerators:
 
 
 class InlineEpoch:
+    """One epoch loaded in the main process.  An iterator (not a generator)
+    so that an error for one batch does not end the epoch: the next next()
+    goes on with the following batch, as PyTorch's DataLoader does."""
+
     def __init__(self, loader, epoch: int, resume: dict | None):
         self.loader, self.epoch, self.resume = loader, epoch, resume
         self.cache = LayoutCache()
         self.seeder = SampleSeeder(loader.seed) if loader.reproducible else None
+        self.plan = None  # made at the first next()
 
-    def batches(self):
+    def __iter__(self):
+        return self
+
+    def close(self) -> None:
+        """Nothing runs between batches in the main process: nothing to stop."""
+
+    def _begin(self) -> None:
         ld = self.loader
-        plan = ld._plan(self.epoch, self.resume)
-        progress = ld._track(plan)
+        plan = self.plan = ld._plan(self.epoch, self.resume)
+        self.progress = ld._track(plan)
+        self.k = 0                      # the next batch
         if ld.iterable:
-            yield from self._stream(progress)
+            self.stream = iter(ld.dataset)
+            self.seq, self.ended = 0, False
             return
         order = plan.shipped
         if order is None:
             order = O.rank_order(plan.order_kind, plan.size, plan.order_seed, self.epoch,
                                  ld._rank, ld._world)
             order = None if order is None else order[:plan.kept]
-        geometry = O.Batches(plan.kept, ld._rows, plan.offsets)
-        progress.batches = geometry
-        for k in range(plan.nbatches):
-            start, stop = geometry.span(k)
-            saved = _SavedGenerators() if self.seeder is not None else None
-            try:
-                samples = [self._load(pos if order is None else int(order[pos]))
-                           for pos in range(start, stop)]
-            finally:
-                if saved is not None:
-                    saved.restore()
-            batch = self._collate(k, samples)
-            progress.mark_batch(k)
-            yield batch
+        self.geometry = self.progress.batches = O.Batches(plan.kept, ld._rows, plan.offsets)
+        self.index_of = O.index_getter(order)
 
-    def _load(self, index: int):
-        if self.seeder is not None:
-            self.seeder(self.epoch, 0, index)
+    def __next__(self):
+        if self.plan is None:
+            self._begin()
+        if self.loader.iterable:
+            return self._next_of_stream()
+        k = self.k
+        if k >= self.plan.nbatches:
+            raise StopIteration
+        self.k += 1  # (an error in this batch leaves the next one to the next call)
+        start, stop = self.geometry.span(k)
+        saved = _SavedGenerators() if self.seeder is not None else None
+        try:
+            samples = [self._load(self.index_of(pos), pos) for pos in range(start, stop)]
+        finally:
+            if saved is not None:
+                saved.restore()
+        batch = self._collate(k, samples)
+        self.progress.mark_batch(k)
+        return batch
+
+    def _load(self, index, pos: int):
+        if self.seeder is not None:  # a sampler's non-int index: seeded by its position
+            self.seeder(self.epoch, 0, index if type(index) is int else pos | (1 << 62))
         return self.loader.dataset[index]
 
-    def _stream(self, progress):
+    def _next_of_stream(self):
         ld = self.loader
-        B = ld._rows
-        pending, seq, k = [], 0, 0
-        skip = progress.prefix[0]  # a resumed epoch: samples delivered already
-        it = iter(ld.dataset)
-        while True:
+        B, skip = ld._rows, self.progress.prefix[0]  # a resumed epoch: samples delivered already
+        pending = []
+        while len(pending) < B and not self.ended:
             saved = _SavedGenerators() if self.seeder is not None else None
             try:
                 if self.seeder is not None:
-                    self.seeder(self.epoch, 1, seq)
+                    self.seeder(self.epoch, 1, self.seq)
                 try:
-                    sample = next(it)
+                    sample = next(self.stream)
                 except StopIteration:
+                    self.ended = True
                     break
             finally:
                 if saved is not None:
                     saved.restore()
-            seq += 1
-            if seq <= skip:
-                continue
-            pending.append(sample)
-            if len(pending) == B:
-                batch = self._collate(k, pending)
-                pending, k = [], k + 1
-                progress.mark_batch(0)
-                yield batch
-        if pending and not ld.drop_last:
-            batch = self._collate(k, pending)
-            progress.mark_batch(0)
-            yield batch
-        progress.complete = True
+            self.seq += 1
+            if self.seq > skip:
+                pending.append(sample)
+        if not pending or (len(pending) < B and ld.drop_last):
+            self.progress.complete = True
+            raise StopIteration
+        self.k += 1
+        batch = self._collate(self.k - 1, pending)
+        self.progress.mark_batch(0)
+        return batch
 
     def _collate(self, k: int, samples: list):
         ld = self.loader

@@ -65,10 +65,31 @@ class ArrayLeaf(NamedTuple):
 
 class Value(NamedTuple):
     value: object
+    batched: bool = True   # a column of one leaf per row (else one value: unbatched)
+
+
+class Spec(NamedTuple):
+    """A batch as main receives it: the structure of its tree and its
+    leaves (ArrayLeaf: where in the slab; Value: the values themselves).
+    The containers are built only in main, around the real arrays (a
+    container type may check what it is given: torch's PackedSequence)."""
+    structure: object
+    leaves: tuple
 
 
 class CollateError(ValueError):
     """Samples of a batch cannot be stacked into one layout."""
+
+
+class BatchMismatch(CollateError, RuntimeError):
+    """The samples of a batch differ in structure or shape (torch's
+    default_collate raises RuntimeError there, so this is one too)."""
+
+
+class UnsupportedLeaf(CollateError, TypeError):
+    """A leaf shared memory cannot hold as it is: an array of Python
+    objects, an ndarray subclass (torch's default_collate raises
+    TypeError there, so this is one too)."""
 
 
 # --- structure -------------------------------------------------------------
@@ -86,18 +107,21 @@ def flatten(obj, leaves: list):
         return (NAMEDTUPLE, t, tuple(flatten(v, leaves) for v in obj))
     if isinstance(obj, Mapping):  # OrderedDict and other mappings: rebuilt as their type
         return (MAPPING, t, tuple(obj), tuple(flatten(v, leaves) for v in obj.values()))
-    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes, bytearray, range)):
-        # a list subclass or another sequence type: rebuilt as its type
+    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes, bytearray)):
+        # a list subclass or another sequence type (a range, say): rebuilt
+        # as its type when it can be built from a list, else a list
         return (SEQUENCE, t, tuple(flatten(v, leaves) for v in obj))
     leaves.append(obj)
     return None
 
 
-def unflatten(structure, leaves):
-    return _unflatten(structure, iter(leaves))
+def unflatten(structure, leaves, tuples_as_lists: bool = False):
+    """The tree of `structure` with these leaves.  tuples_as_lists: torch's
+    default_collate makes a list of a batch of tuples."""
+    return _unflatten(structure, iter(leaves), tuples_as_lists)
 
 
-def _unflatten(s, it):
+def _unflatten(s, it, lists):
     # Module level, not a nested recursive closure: such a closure is a
     # reference cycle, and would keep what it references (in materialize:
     # the slab) alive until the cyclic GC runs.
@@ -105,16 +129,17 @@ def _unflatten(s, it):
         return next(it)
     kind = s[0]
     if kind == DICT:
-        return {k: _unflatten(v, it) for k, v in zip(s[1], s[2])}
+        return {k: _unflatten(v, it, lists) for k, v in zip(s[1], s[2])}
     if kind == LIST:
-        return [_unflatten(v, it) for v in s[1]]
+        return [_unflatten(v, it, lists) for v in s[1]]
     if kind == TUPLE:
-        return tuple(_unflatten(v, it) for v in s[1])
+        items = [_unflatten(v, it, lists) for v in s[1]]
+        return items if lists else tuple(items)
     if kind == NAMEDTUPLE:
-        return s[1](*(_unflatten(v, it) for v in s[2]))
+        return s[1](*(_unflatten(v, it, lists) for v in s[2]))
     if kind == SEQUENCE:
-        return rebuild(s[1], [_unflatten(v, it) for v in s[2]])
-    return rebuild(s[1], {k: _unflatten(v, it) for k, v in zip(s[2], s[3])})
+        return rebuild(s[1], [_unflatten(v, it, lists) for v in s[2]])
+    return rebuild(s[1], {k: _unflatten(v, it, lists) for k, v in zip(s[2], s[3])})
 
 
 def rebuild(t: type, items):
@@ -146,6 +171,8 @@ def as_array(leaf):
     """The numpy array behind an array-like leaf (ndarray or CPU tensor; a
     deferred array is its own), or None.  A bfloat16 tensor gives its
     uint16 words."""
+    if type(leaf) is np.memmap:
+        return leaf.view(np.ndarray)  # only storage: its data is what counts
     if isinstance(leaf, np.ndarray) or is_deferred(leaf):
         return leaf
     torch = sys.modules.get("torch")
@@ -166,15 +193,16 @@ def leaf_meta(leaf):
     """(kind, dtype string, shape) of one leaf."""
     arr = as_array(leaf)
     if arr is not None:
-        kind = ARRAY if arr is leaf else TENSOR
+        torch = sys.modules.get("torch")
+        kind = TENSOR if torch is not None and isinstance(leaf, torch.Tensor) else ARRAY
         if _is_bfloat16(leaf):
             return (TENSOR, BFLOAT16, arr.shape)
         if arr.dtype.hasobject:
-            raise CollateError(f"cannot stack arrays of dtype {arr.dtype} into shared memory "
+            raise UnsupportedLeaf(f"cannot stack arrays of dtype {arr.dtype} into shared memory "
                                f"(their elements are Python objects); convert them to a numeric "
                                f"dtype, or return a list")
         if type(arr) is not np.ndarray and not is_deferred(arr):
-            raise CollateError(f"cannot stack {type(arr).__name__} arrays (an ndarray subclass "
+            raise UnsupportedLeaf(f"cannot stack {type(arr).__name__} arrays (an ndarray subclass "
                                f"would lose its type); return np.asarray(x), or pass collate_fn")
         return (kind, arr.dtype.str, tuple(arr.shape))
     code = _NUMBER_DTYPES.get(type(leaf))
@@ -236,7 +264,7 @@ def describe_difference(sig_a, sig_b) -> str:
 
 def misfit(batch: int, row: int, batch_sig, sig) -> "CollateError":
     """The error for a sample that cannot join its batch."""
-    return CollateError(
+    return BatchMismatch(
         f"a sample of batch {batch} (row {row}) does not fit the batch: "
         f"{describe_difference(batch_sig, sig)}. Default collate stacks samples of equal "
         f"structure and shapes only: pad them, or pass collate_fn")
@@ -373,11 +401,11 @@ class Layout:
         for kind, code, shape, off in zip(self.kinds, self.codes, self.shapes, self.offsets):
             if kind == OTHER:
                 column = list(next(columns)) if rows else []
-                leaves.append(Value(column if self.batched else column[0]))
+                leaves.append(Value(column if self.batched else column[0], self.batched))
             else:
                 leaves.append(ArrayLeaf(off, code, (rows,) + shape if self.batched else shape,
                                         kind == TENSOR))
-        return unflatten(self.structure, leaves)
+        return Spec(self.structure, tuple(leaves))
 
 
 def castable(sig, layout: Layout) -> bool:
@@ -416,7 +444,7 @@ class LayoutCache:
         return layout
 
 
-def materialize(spec, slab: np.ndarray, output: str = "numpy", torch_rules: bool = False):
+def materialize(spec: Spec, slab: np.ndarray, output: str = "numpy", torch_rules: bool = False):
     """Main side: the batch, with every array a view of the slab.  No
     reference cycle may hold the slab (see _unflatten): the slab is freed,
     and its lease released, the moment the user drops the batch.
@@ -424,44 +452,44 @@ def materialize(spec, slab: np.ndarray, output: str = "numpy", torch_rules: bool
     output: "numpy" (arrays), "torch" (tensors sharing the slab; arrays of
     dtypes torch has no tensor for, strings or dates, stay arrays) or
     "keep" (what each leaf was in the sample: a collate_fn's output comes
-    back as it returned it).  torch_rules (DataLoader): the structure
-    torch's default_collate gives (tuples become lists; a numpy scalar
-    given unbatched becomes a 0-d tensor)."""
-    if isinstance(spec, ArrayLeaf):
-        dtype = storage_dtype(spec.dtype)
-        n = dtype.itemsize * math.prod(spec.shape)
-        arr = slab[spec.offset:spec.offset + n].view(dtype=dtype, type=np.ndarray).reshape(spec.shape)
-        as_torch = output == "torch" or (output == "keep" and spec.tensor)
-        if spec.dtype == BFLOAT16:
-            return _bfloat16(arr, as_torch)
-        if as_torch and dtype.kind in "biufc":
-            import torch
+    back as it returned it).  torch_rules (DataLoader): what torch's
+    default_collate gives (tuples become lists; a numpy scalar given
+    unbatched becomes a 0-d tensor; arrays of strings or objects are a
+    TypeError)."""
+    leaves = [_leaf(leaf, slab, output, torch_rules) for leaf in spec.leaves]
+    return unflatten(spec.structure, leaves, torch_rules and output == "torch")
 
-            return torch.from_numpy(arr)
-        return arr
-    if isinstance(spec, Value):
-        if torch_rules and output == "torch" and isinstance(spec.value, (np.generic, np.ndarray)):
-            import torch
 
-            return torch.as_tensor(spec.value)
-        return spec.value
-    t = type(spec)
-    if t is dict:
-        return {k: materialize(v, slab, output, torch_rules) for k, v in spec.items()}
-    if t is list:
-        return [materialize(v, slab, output, torch_rules) for v in spec]
-    if t is tuple:
-        items = [materialize(v, slab, output, torch_rules) for v in spec]
-        # torch's default_collate makes lists of tuples ("backwards
-        # compatibility"); a collate_fn's tuple stays a tuple
-        return items if torch_rules and output == "torch" else tuple(items)
-    if isinstance(spec, tuple) and hasattr(t, "_fields"):
-        return t(*(materialize(v, slab, output, torch_rules) for v in spec))
-    if isinstance(spec, Mapping):
-        return rebuild(t, {k: materialize(v, slab, output, torch_rules) for k, v in spec.items()})
-    if isinstance(spec, Sequence) and not isinstance(spec, (str, bytes, bytearray, range)):
-        return rebuild(t, [materialize(v, slab, output, torch_rules) for v in spec])
-    return spec
+def _leaf(leaf, slab: np.ndarray, output: str, torch_rules: bool):
+    if isinstance(leaf, Value):
+        if torch_rules and output == "torch":
+            if not leaf.batched and isinstance(leaf.value, (np.generic, np.ndarray)):
+                import torch
+
+                return torch.as_tensor(leaf.value)  # default_convert
+            if leaf.batched:
+                odd = next((v for v in leaf.value if not isinstance(v, (str, bytes))), _NONE)
+                if odd is not _NONE:  # torch's default_collate refuses the rest, so do we
+                    raise TypeError(f"default_collate: batch must contain tensors, numpy "
+                                    f"arrays, numbers, dicts or lists; found {type(odd)}")
+        return leaf.value
+    dtype = storage_dtype(leaf.dtype)
+    n = dtype.itemsize * math.prod(leaf.shape)
+    arr = slab[leaf.offset:leaf.offset + n].view(dtype=dtype, type=np.ndarray).reshape(leaf.shape)
+    as_torch = output == "torch" or (output == "keep" and leaf.tensor)
+    if leaf.dtype == BFLOAT16:
+        return _bfloat16(arr, as_torch)
+    if as_torch and dtype.kind in "biufc":
+        import torch
+
+        return torch.from_numpy(arr)
+    if torch_rules and output == "torch":
+        raise TypeError(f"default_collate: batch must contain tensors, numpy arrays, numbers, "
+                        f"dicts or lists; found {dtype}")  # torch's words (arrays of strings)
+    return arr
+
+
+_NONE = object()
 
 
 def _bfloat16(words: np.ndarray, as_torch: bool):

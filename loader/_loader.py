@@ -22,6 +22,8 @@ from loader import _control as C
 from loader import _order as O
 from loader import _protocol as P
 from loader._collator import collator_main
+from loader._epoch_iter import MapEpoch, StreamEpoch
+from loader._errors import LoaderTimeout, WorkerError
 from loader._epochs import EpochInfo
 from loader._inline import InlineEpoch
 from loader._layout import materialize
@@ -36,16 +38,6 @@ from loader._worker import worker_main
 __all__ = ["ShmLoader", "WorkerError", "LoaderTimeout", "LoaderStartError"]
 
 _live_loaders: "weakref.WeakSet[ShmLoader]" = weakref.WeakSet()
-
-
-class WorkerError(RuntimeError):
-    """A worker or the collator died, or raised an exception that cannot be
-    raised again in main with its own type.  The message carries the
-    traceback (or the signal or exit code), the worker id and its pid."""
-
-
-class LoaderTimeout(WorkerError, TimeoutError):
-    """No batch arrived within the loader's ``timeout``."""
 
 
 class _KeyErrorMessage(str):
@@ -278,7 +270,7 @@ class ShmLoader:
             torch_seeding=self._torch_rules, memory_cap_bytes=self.memory_cap_bytes,
             parent_pid=0 if self._threads else os.getpid(), rank=self._rank, world=self._world,
             threads=self._threads,
-            static_batches=self._torch_rules and self.in_order and not self.iterable,
+            whole_batches=self._torch_rules and not self.iterable,
             shuffle_buffer=self.shuffle_buffer)
         try:
             shared = SharedState(cfg)
@@ -304,6 +296,15 @@ class ShmLoader:
     def _death_report(self, child) -> str:
         words = child.last_words()
         text = f"ShmLoader: {child.role} (pid {child.pid}) {child.how_it_ended()}"
+        code = child.exitcode
+        if self._torch_rules and code is not None and child.role != "the collator":
+            # torch's own words first, for code that matches them
+            if code < 0:
+                torch_text = (f"DataLoader worker (pid {child.pid}) is killed by signal: "
+                              f"{signal.strsignal(-code)}.")
+            else:
+                torch_text = f"DataLoader worker (pid(s) {child.pid}) exited unexpectedly."
+            text = f"{torch_text} {text}"
         return f"{text}; it wrote:\n{words}" if words else text
 
     def _report_dead_children(self, cause: BaseException):
@@ -376,9 +377,12 @@ class ShmLoader:
             except shmq.Empty:
                 self._check_children()
                 if deadline is not None and time.monotonic() > deadline:
+                    torch_text = (f"DataLoader timed out after {self.timeout} seconds. "
+                                  if self._torch_rules else "")
                     raise LoaderTimeout(
-                        f"ShmLoader: no batch within timeout={self.timeout}s; a worker may be "
-                        f"stuck in dataset[...]. Their stacks:\n{self._worker_stacks()}") from None
+                        f"{torch_text}ShmLoader: no batch within timeout={self.timeout}s; a "
+                        f"worker may be stuck in dataset[...]. Their stacks:\n"
+                        f"{self._worker_stacks()}") from None
                 continue
             except (shmq.PeerLost, shmq.Closed) as e:
                 self._report_dead_children(e)
@@ -533,8 +537,12 @@ class ShmLoader:
             np.cumsum([len(b) for b in batches], out=offsets[1:])
             kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
         elif self.sampler is not None:
-            shipped = np.fromiter((int(i) for i in self.sampler), dtype=np.int64)
-            kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
+            items = list(self.sampler)
+            if all(isinstance(i, (int, np.integer)) for i in items):
+                shipped, kind = np.asarray(items, np.int64).reshape(-1), O.ORDER_SHIPPED
+            else:  # indices of other kinds (lists, keys): dataset[...] gets them as they are
+                shipped, kind = items, O.ORDER_OBJECTS
+            order_seed, size = 0, len(shipped)
         elif self.shuffle and self.generator is not None:
             from torch.utils.data import RandomSampler
 
@@ -549,7 +557,8 @@ class ShmLoader:
             kind = O.ORDER_PERMUTATION if self.shuffle else O.ORDER_RANGE
             order_seed = self.seed if self.shuffle else 0
             size = self._dataset_len()
-        share = size if kind == O.ORDER_SHIPPED else O.shard_size(size, self._world)
+        share = size if kind in (O.ORDER_SHIPPED, O.ORDER_OBJECTS) else O.shard_size(
+            size, self._world)
         if offsets is not None:
             kept = share
         else:
@@ -567,21 +576,25 @@ class ShmLoader:
             full = shipped if shipped is not None else O.rank_order(
                 kind, size, order_seed, epoch, self._rank, self._world)
             remap = np.flatnonzero(~done)
-            shipped = (remap if full is None else full[:kept][remap]).astype(np.int64)
+            if isinstance(full, list):
+                shipped = [full[i] for i in remap]
+            else:
+                shipped = (remap if full is None else full[:kept][remap]).astype(np.int64)
+                kind = O.ORDER_SHIPPED
             if offsets is not None:  # each batch keeps its remaining positions
                 counts = np.diff(np.searchsorted(remap, offsets))
                 counts = counts[counts > 0]
                 offsets = np.zeros(len(counts) + 1, np.int64)
                 np.cumsum(counts, out=offsets[1:])
-            kind, order_seed, kept = O.ORDER_SHIPPED, 0, len(remap)
+            order_seed, kept = 0, len(remap)
             size = kept
         nbatches = len(offsets) - 1 if offsets is not None else (
             kept if self.batch_size is None else -(-kept // self.batch_size))
-        claims_batches = self.collate_fn is not None or self.batch_size is None or (
-            self._torch_rules and self.in_order and self.num_workers > 0)
+        per_batch = self.collate_fn is not None or self.batch_size is None  # tags are units
+        claims_batches = per_batch or (self._torch_rules and self.num_workers > 0)
         units = nbatches if claims_batches else kept
         progress = MapProgress(len(done) if done is not None else kept, done, remap,
-                               O.Batches(kept, self._rows, offsets), claims_batches)
+                               O.Batches(kept, self._rows, offsets), per_batch)
         return _Plan(epoch, size, kept, units, nbatches, kind, order_seed, shipped, offsets,
                      base_seed, rng, progress)
 
@@ -603,7 +616,9 @@ class ShmLoader:
         while run_id - 2 in self._unended:  # its block is about to be reused
             self._route(self._receive(deadline))
         plan = self._plan(epoch, resume, snapshot)
-        if plan.shipped is not None:
+        if isinstance(plan.shipped, list):
+            self._shared.write_objects(run_id, plan.shipped)
+        elif plan.shipped is not None:
             self._shared.write_order(run_id, plan.shipped, plan.offsets)
         if plan.snapshot is not None:
             self._shared.write_snapshot(run_id, plan.snapshot)
@@ -674,12 +689,10 @@ class ShmLoader:
                           "pinned (pin_memory=False says the same without this warning)",
                           UserWarning, stacklevel=2)
         if self.num_workers == 0:
-            return InlineEpoch(self, self._epoch, resume).batches()
+            return InlineEpoch(self, self._epoch, resume)
         if self._shared is None:
             self._start()
-        if self.iterable:
-            return self._stream_batches(self._epoch, resume)
-        return self._epoch_batches(self._epoch, resume)
+        return (StreamEpoch if self.iterable else MapEpoch)(self, self._epoch, resume)
 
     def steps(self, n: int | None = None):
         """Yield n batches (None: for ever), going from one epoch into the
@@ -709,151 +722,11 @@ class ShmLoader:
                                  "or drop_last with fewer samples than a batch); there is nothing "
                                  "to step through")
 
-    def _epoch_batches(self, epoch, resume):
-        """A map-style epoch: batches in order (or as they are ready)."""
-        run = self._run_for(epoch, resume)
-        progress = self._track(run.plan)
-        control = self._shared.control
-        pending, errors = {}, {}
-        yielded = 0
-        total = run.plan.nbatches
-        ended = finished = False
-        try:
-            while not (ended and yielded == total):
-                self._check_current(epoch)
-                deadline = None if self.timeout is None else time.monotonic() + self.timeout
-                msg = self._next_of(run.id, deadline)
-                if (self._ahead is None and self._runs_ahead() and run.id - 1 not in self._unended
-                        and control.claimed(run.id) >= run.plan.units):
-                    self._ahead = self._start_run(epoch + 1)  # every unit is claimed
-                kind = type(msg)
-                if kind is P.Failed:
-                    if self.in_order and msg.batch >= 0:
-                        errors[msg.batch] = msg  # raised when its turn comes
-                    else:
-                        self._raise_failed(msg)
-                elif kind is P.RunEnded:
-                    if msg.batches != total and not errors:
-                        raise WorkerError(
-                            f"ShmLoader: epoch {epoch} ended after {msg.batches} of {total} "
-                            f"batches without an error; its shared state was changed from outside "
-                            f"(another process writing into this process's memory?)")
-                    total, ended = msg.batches, True
-                    self._record_stats(epoch, msg)
-                else:
-                    pending[msg.batch] = msg
-                while True:
-                    if self.in_order:
-                        if yielded in errors:
-                            self._raise_failed(errors[yielded])
-                        key = yielded if yielded in pending else None
-                    else:
-                        key = next(iter(pending), None)
-                    if key is None:
-                        break
-                    msg = pending.pop(key)
-                    batch = self._batch(msg)
-                    if self.in_order:
-                        progress.mark_batch(msg.batch)
-                    else:
-                        progress.mark_tags(self._tags(msg))
-                    yielded += 1
-                    control.set_limit(run.id, self._limit(run, yielded))
-                    yield batch
-                    self._check_current(epoch)
-                if ended and self.in_order and yielded != total and yielded not in pending:
-                    raise WorkerError(f"ShmLoader: the run ended without batch {yielded} of "
-                                      f"{total} and without an error for it")
-            finished = True
-        finally:
-            if os.getpid() == self._owner_pid:  # not a forked copy finalized in a child
-                self._finish_iterator(run, pending, finished)
-
-    def _stream_batches(self, epoch, resume):
-        """An iterable dataset's epoch: each worker fills its own batches;
-        in order, they come round-robin over the workers still going, as
-        PyTorch delivers them (see NOTE [ Runs ])."""
-        run = self._run_for(epoch, resume)
-        progress = self._track(run.plan)
-        control = self._shared.control
-        workers = max(self.num_workers, 1)
-        pending, errors, ends = {}, {}, {}   # ends: worker -> (its batch count, those dropped)
-        # a resumed epoch goes on where the round-robin was (NOTE [ Resuming an epoch ])
-        next_id = min(j * workers + w for w, j in enumerate(progress.first_batches()))
-        ended = finished = False
-        try:
-            while True:
-                while True:  # hand out what can be handed out
-                    if self.in_order:
-                        if next_id in errors:
-                            self._raise_failed(errors.pop(next_id))
-                        w, j = next_id % workers, next_id // workers
-                        if w in ends and (j >= ends[w][0] or j in ends[w][1]):
-                            # a batch that stream will never fill: skip it
-                            if len(ends) == workers and next_id > max(
-                                    (k - 1) * workers + v for v, (k, _) in ends.items()):
-                                break  # every stream is over
-                            next_id += 1
-                            continue
-                        key = next_id if next_id in pending else None
-                    else:
-                        key = next(iter(pending), None)
-                    if key is None:
-                        break
-                    msg = pending.pop(key)
-                    batch = self._batch(msg)
-                    if self.in_order:
-                        next_id += 1
-                    control.raise_worker_limit(run.id, key % workers)
-                    if self._cfg.per_batch:
-                        progress.mark_batch(key % workers)
-                    else:
-                        progress.mark_tags(key % workers, self._tags(msg))
-                    yield batch
-                    self._check_current(epoch)
-                if ended and not pending:
-                    if errors:
-                        self._raise_failed(errors[min(errors)])
-                    progress.complete = True
-                    break
-                self._check_current(epoch)
-                deadline = None if self.timeout is None else time.monotonic() + self.timeout
-                msg = self._next_of(run.id, deadline)
-                kind = type(msg)
-                if kind is P.Failed:
-                    if self.in_order and msg.batch >= 0:
-                        errors[msg.batch] = msg
-                    else:
-                        self._raise_failed(msg)
-                elif kind is P.StreamEnded:
-                    ends[msg.worker] = (msg.batches, set(msg.dropped))
-                elif kind is P.RunEnded:
-                    ended = True
-                    self._record_stats(epoch, msg)
-                else:
-                    pending[msg.batch] = msg
-            finished = True
-        finally:
-            if os.getpid() == self._owner_pid:
-                self._finish_iterator(run, pending, finished)
-
     def _record_stats(self, epoch: int, msg: P.RunEnded) -> None:
         self._stats = {"epoch": epoch, "batches": msg.batches, "samples": msg.samples,
                        "samples_written_by_workers": msg.samples - msg.rows_by_collator,
                        "samples_written_by_collator": msg.rows_by_collator,
                        "relayouts": msg.relayouts}
-
-    def _finish_iterator(self, run: _Run, pending: dict, finished: bool) -> None:
-        """An epoch's iterator ends (exhausted, broken out of, dropped)."""
-        if self._current is run and not finished:
-            for msg in pending.values():  # received but never handed out
-                self._give_back(msg)
-            self._end(run)
-            self._current = None
-        elif self._current is run:
-            self._inboxes.pop(run.id, None)
-        if not self.persistent_workers:
-            self._shutdown()
 
     def _check_current(self, epoch):
         """An iterator is resumed: it must still be the loader's current one,

@@ -10,8 +10,20 @@ from __future__ import annotations
 
 import numpy as np
 
-# How a run's order is described (its ORDER word)
-ORDER_RANGE, ORDER_PERMUTATION, ORDER_SHIPPED = 0, 1, 2
+# How a run's order is described (its ORDER word): computed (RANGE,
+# PERMUTATION), or written out by main as int64 indices (SHIPPED) or as
+# pickled index objects (OBJECTS: a sampler's indices that are not ints,
+# which torch passes to dataset[...] as they are)
+ORDER_RANGE, ORDER_PERMUTATION, ORDER_SHIPPED, ORDER_OBJECTS = 0, 1, 2, 3
+
+
+def index_getter(order):
+    """position -> the dataset index (an int, or the sampler's object)."""
+    if order is None:
+        return lambda pos: pos
+    if isinstance(order, np.ndarray):
+        return order.item
+    return order.__getitem__
 
 
 def permutation(size: int, seed: int, epoch: int) -> np.ndarray:

@@ -47,12 +47,12 @@ class MapProgress:
     run goes over the remaining positions only); None: the identity."""
 
     def __init__(self, kept: int, done: np.ndarray | None = None, remap=None, batches=None,
-                 claims_batches: bool = False):
+                 tags_are_units: bool = False):
         self.kept = kept
         self.done = np.zeros(kept, bool) if done is None else done
         self.remap = remap
         self.batches = batches            # the run's geometry: batch -> positions
-        self.claims_batches = claims_batches
+        self.tags_are_units = tags_are_units  # a collated batch's tag is its unit
         self.prefix = 0                   # done[:prefix] are all True
         self.high = 0                     # nothing at or past it is done
         self._advance()
@@ -74,7 +74,7 @@ class MapProgress:
     def mark_tags(self, tags: np.ndarray) -> None:
         """First-ready: a batch with these row tags was handed out (run
         positions, or the unit when workers claim whole batches)."""
-        if self.claims_batches:
+        if self.tags_are_units:
             spans = [self.batches.span(int(u)) for u in tags]
             positions = np.concatenate([np.arange(a, b) for a, b in spans]) if spans else tags[:0]
         else:

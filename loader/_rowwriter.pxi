@@ -338,8 +338,10 @@ cdef class RowWriter:
     """Worker side of NOTE [ Direct row writes ]: place one sample in its
     row, writing it directly whenever the batch's layout is its own."""
 
-    cdef object table, arena, hazards, channel, plans, layouts
+    cdef object table, arena, hazards, channel, plans, layouts, ctl_array
     cdef Plan last
+    cdef int64_t *ctl
+    cdef Py_ssize_t finished_word[2]
     cdef int64_t *words
     cdef Py_ssize_t per_run, nwords
     cdef int64_t *hazard
@@ -347,7 +349,10 @@ cdef class RowWriter:
     cdef Py_ssize_t arena_bytes
 
     def __init__(self, table, cnp.ndarray arena not None, cnp.ndarray hazards not None,
-                 int worker_id, channel):
+                 int worker_id, channel, cnp.ndarray ctl=None, finished_words=(-1, -1)):
+        """ctl and finished_words: the ctl array and, per run parity, the
+        index of its FINISHED word (NOTE [ Runs ]): a row of a batch below
+        it is dropped."""
         cdef cnp.ndarray words = table.words
         if words.dtype != np.int64 or hazards.dtype != np.int64 or arena.dtype != np.uint8:
             raise TypeError("table words and hazards are int64, the arena uint8")
@@ -363,6 +368,14 @@ cdef class RowWriter:
         self.plans = {}
         self.layouts = _layout.LayoutCache()
         self.last = None
+        self.ctl = NULL
+        if ctl is not None:
+            if ctl.dtype != np.int64 or not 0 <= min(finished_words) <= max(finished_words) \
+                    < ctl.shape[0]:
+                raise IndexError("finished_words must index the int64 ctl array")
+            self.ctl_array = ctl
+            self.ctl = <int64_t *>cnp.PyArray_DATA(ctl)
+            self.finished_word[0], self.finished_word[1] = finished_words
 
     cdef Plan _plan(self, object sample, Py_ssize_t rows, bint batched):
         """The plan whose layout is sample's own, with its leaves found."""
@@ -403,9 +416,12 @@ cdef class RowWriter:
         if (entry + 1) * ENTRY_WORDS > self.nwords:
             raise IndexError("batch table entry out of range")
         while True:
+            if self.ctl != NULL and batch < __atomic_load_n64(
+                    self.ctl + self.finished_word[run % 2], __ATOMIC_ACQUIRE):
+                return P_DROPPED  # given up (a sample of it failed): see FINISHED in NOTE [ Runs ]
             seq = __atomic_load_n64(e + W_SEQ, __ATOMIC_ACQUIRE)
             if seq & 1:  # the collator is changing it
-                if not self.channel.wait_for_entry(run, entry * ENTRY_WORDS, seq):
+                if not self.channel.wait_for_entry(run, batch, entry * ENTRY_WORDS, seq):
                     return P_ENDED
                 continue
             filled = __atomic_load_n64(e + W_FILLED, __ATOMIC_ACQUIRE)
@@ -421,7 +437,7 @@ cdef class RowWriter:
                     self.channel.request_layout(run, batch, row, plan.layout.signature, -1,
                                                 rows, batched)
                     asked = seq
-                if not self.channel.wait_for_entry(run, entry * ENTRY_WORDS, seq):
+                if not self.channel.wait_for_entry(run, batch, entry * ENTRY_WORDS, seq):
                     return P_ENDED
                 continue
             flags = (filled >> 32) & ~VERSION_MASK
@@ -460,7 +476,7 @@ cdef class RowWriter:
                     self.channel.request_layout(run, batch, row, plan.layout.signature, version,
                                                 rows, batched)
                     asked = seq
-                if not self.channel.wait_for_entry(run, entry * ENTRY_WORDS, seq):
+                if not self.channel.wait_for_entry(run, batch, entry * ENTRY_WORDS, seq):
                     return P_ENDED
                 continue
             self.channel.sample_row(run, batch, row, pos, sample, version)

@@ -43,7 +43,8 @@ class LoaderConfig:
     parent_pid: int
     rank: int = 0                # distributed=True: this process's share of each epoch
     world: int = 1
-    static_batches: bool = False  # worker w loads batches w, w + W, ... (torch's assignment)
+    whole_batches: bool = False   # a worker loads whole batches of samples (torch's way):
+                                  # in order, worker w batches w, w + W, ...; else as claimed
     shuffle_buffer: int = 0       # iterable datasets: samples mixed in each worker's window
     threads: bool = False         # worker_mode="thread": workers and collator are threads
 
@@ -56,7 +57,7 @@ class LoaderConfig:
     @property
     def claims_batches(self) -> bool:
         """A run's units are batches, not positions."""
-        return self.per_batch or self.static_batches
+        return self.per_batch or self.whole_batches
 
     @property
     def rows_per_batch(self) -> int:
@@ -144,16 +145,17 @@ class SharedState:
 
     def write_snapshot(self, run: int, snapshot) -> None:
         """The dataset's snapshot of the run's epoch (see SNAPSHOT in NOTE [ Runs ])."""
-        data = pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
-        _write(self.snapshot_fds[run % 2], memoryview(len(data).to_bytes(8, "little") + data))
+        _write_pickle(self.snapshot_fds[run % 2], snapshot)
 
     def read_snapshot(self, run: int):
-        fd = self.snapshot_fds[run % 2]
-        head = bytearray(8)
-        _read(fd, memoryview(head), "snapshot")
-        data = bytearray(int.from_bytes(head, "little"))
-        _read(fd, memoryview(data), "snapshot", offset=8)
-        return pickle.loads(data)
+        return _read_pickle(self.snapshot_fds[run % 2], "snapshot")
+
+    def write_objects(self, run: int, order: list) -> None:
+        """A sampler's indices that are not ints (ORDER_OBJECTS), pickled."""
+        _write_pickle(self.order_fds[run % 2], order)
+
+    def read_objects(self, run: int) -> list:
+        return _read_pickle(self.order_fds[run % 2], "order")
 
     def close(self) -> None:
         for q in self.rings:
@@ -161,6 +163,19 @@ class SharedState:
         for fd in self.order_fds + self.snapshot_fds:
             os.close(fd)
         self.rings, self.order_fds, self.snapshot_fds = [], [], []
+
+
+def _write_pickle(fd: int, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    _write(fd, memoryview(len(data).to_bytes(8, "little") + data))
+
+
+def _read_pickle(fd: int, what: str):
+    head = bytearray(8)
+    _read(fd, memoryview(head), what)
+    data = bytearray(int.from_bytes(head, "little"))
+    _read(fd, memoryview(data), what, offset=8)
+    return pickle.loads(data)
 
 
 def _write(fd: int, data: memoryview) -> None:

@@ -22,6 +22,7 @@ What has no meaning here is accepted and documented:
 from __future__ import annotations
 
 import warnings
+from typing import TypeVar
 
 import torch
 from torch.utils.data import BatchSampler, SequentialSampler
@@ -34,7 +35,10 @@ from loader._loader import ShmLoader
 __all__ = ["DataLoader"]
 
 
-class DataLoader(_TorchDataLoader):
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class DataLoader(_TorchDataLoader[_T_co]):
     """torch.utils.data.DataLoader's signature, defaults and batches, with
     ShmLoader's shared-memory workers underneath.  See the module docstring
     for what differs (nothing a training loop sees)."""

@@ -17,7 +17,7 @@ import shmq
 from loader import _control as C
 from loader import _order as O
 from loader import _protocol as P
-from loader._native import ENDED, RowWriter, RunCounters, StreamSlots, derived_seeds
+from loader._native import DROPPED, ENDED, RowWriter, RunCounters, StreamSlots, derived_seeds
 from loader._progress import stream_skips
 from loader._shared import LoaderConfig, SharedState
 from loader._table import SEQ
@@ -161,19 +161,23 @@ class Channel:
         self.send(P.SampleRow(run, batch, row, pos, sample, version))
 
     def failed(self, run, batch, pos, index, exc: BaseException, where: str):
+        if type(index) is not int:  # a sampler's index object: named in the message only
+            where, index = f"{where}, on dataset[{index!r}]"[:500], -1
         self.send(P.Failed(run, batch, pos, index, self.me, self.pid,
                            P.ErrorReport.of(exc, where)))
 
     def done(self, run, last_batch=-1, last_rows=0):
         self.send(P.Done(run, self.me, last_batch, last_rows))
 
-    def wait_for_entry(self, run, base, seq_seen) -> bool:
-        """Until the table entry at `base` changes (its SEQ word), or the run
-        ended.  False if it ended."""
+    def wait_for_entry(self, run, batch, base, seq_seen) -> bool:
+        """Until the table entry at `base` changes (its SEQ word), the batch
+        is given up (FINISHED), or the run ended.  False if it ended."""
         c, words = self.control, self.table.words
+        finished = C.word(run, C.FINISHED)
 
         def ready():
-            return not c.live(run) or c.stopped or shmq.atomic_load(words, base + SEQ) != seq_seen
+            return (not c.live(run) or c.stopped or shmq.atomic_load(words, base + SEQ) != seq_seen
+                    or shmq.atomic_load(c.ctl, finished) > batch)
 
         while not c.table_bell.wait(ready, P.IDLE_SLICE_S):
             exit_if_orphaned(self.parent_pid)
@@ -185,7 +189,8 @@ class Worker:
         self.cfg, self.shared, self.id = cfg, shared, worker_id
         self.control = shared.control
         self.channel = Channel(shared, worker_id, cfg.parent_pid)
-        self.writer = RowWriter(shared.table, shared.arena, shared.hazards, worker_id, self.channel)
+        self.writer = RowWriter(shared.table, shared.arena, shared.hazards, worker_id, self.channel,
+                                shared.control.ctl, (C.word(0, C.FINISHED), C.word(1, C.FINISHED)))
         self.counters = RunCounters(shared.control.ctl, C.RUN_BASE, C.RUN_WORDS, C.CURSOR, C.LIMIT,
                                     C.ARRIVED, C.RUN_SHIFT)
         self.started = False   # seeded, worker_init_fn called
@@ -250,8 +255,8 @@ class Worker:
             return self._stream_run(run)
         epoch = self.control.read(run, C.EPOCH)
         order, batches = self._order(run)
-        if self.cfg.static_batches:
-            self._static_run(run, epoch, order, batches)
+        if self.cfg.whole_batches:
+            self._whole_batch_run(run, epoch, order, batches)
         elif self.cfg.per_batch:
             self._batch_run(run, epoch, order, batches)
         else:
@@ -264,7 +269,9 @@ class Worker:
         c, cfg = self.control, self.cfg
         kept, kind = c.read(run, C.KEPT), c.read(run, C.ORDER)
         offsets = None
-        if kind == O.ORDER_SHIPPED:
+        if kind == O.ORDER_OBJECTS:
+            order = self.shared.read_objects(run)
+        elif kind == O.ORDER_SHIPPED:
             order, offsets = self.shared.read_order(run, kept, c.read(run, C.NBATCHES),
                                                     bool(c.read(run, C.SHIPPED)))
         else:
@@ -284,13 +291,14 @@ class Worker:
             exit_if_orphaned(self.cfg.parent_pid)
         return counters.below_limit(run, unit) and c.live(run) and not c.stopped
 
-    def _load(self, epoch: int, index: int):
-        if self.seeder is not None:
-            self.seeder(epoch, 0, index)
+    def _load(self, epoch: int, index, pos: int):
+        if self.seeder is not None:  # a sampler's non-int index: seeded by its position
+            self.seeder(epoch, 0, index if type(index) is int else pos | (1 << 62))
         return self.cfg.dataset[index]
 
     def _sample_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
         """Default collate: claim a position, load it, place it in its row."""
+        index_of = O.index_getter(order)
         counters, place, in_order = self.counters, self.writer.place, self.cfg.in_order
         units = self.control.read(run, C.UNITS)
         while True:
@@ -299,9 +307,9 @@ class Worker:
                 return
             if not counters.below_limit(run, pos) and not self._wait_to_load(run, pos):
                 return
-            index = pos if order is None else int(order[pos])
+            index = index_of(pos)
             try:
-                sample = self._load(epoch, index)
+                sample = self._load(epoch, index, pos)
             except Exception as e:
                 batch = batches.locate(pos)[0] if in_order else -1
                 self.channel.failed(run, batch, pos, index, e, f"in worker {self.id}")
@@ -314,13 +322,16 @@ class Worker:
                 if place(run, batch, row, batches.rows(batch), pos, sample) == ENDED:
                     return
             except Exception as e:  # a CollateError, or a file read failing (FileDataset)
-                self.channel.failed(run, batch if in_order else -1, pos, index, e,
+                # (first-ready too: the batch's slot is taken, so the collator must give
+                # the batch up; main raises at once all the same)
+                self.channel.failed(run, batch, pos, index, e,
                                     f"in worker {self.id}, placing sample {index} in its batch")
 
     def _batch_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
         """A collate_fn (or batch_size=None): claim a batch, load its
         samples, collate them here (as PyTorch's workers do), place the
         output as the batch."""
+        index_of = O.index_getter(order)
         cfg, counters = self.cfg, self.counters
         units = self.control.read(run, C.UNITS)
         while True:
@@ -331,9 +342,9 @@ class Worker:
             samples = []
             start, stop = batches.span(unit)
             for pos in range(start, stop):
-                index = pos if order is None else int(order[pos])
+                index = index_of(pos)
                 try:
-                    samples.append(self._load(epoch, index))
+                    samples.append(self._load(epoch, index, pos))
                 except Exception as e:
                     self.channel.failed(run, batch, pos, index, e, f"in worker {self.id}")
                     break
@@ -345,21 +356,32 @@ class Worker:
                 if slot < 0 or not self._place_output(run, slot, output, unit):
                     return
 
-    def _static_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
-        """DataLoader in order: this worker loads batches id, id + W, id + 2W...
-        in turn, as torch assigns them, so that what a dataset draws from the
-        generators torch seeded per worker lands in the same samples."""
+    def _next_batches(self, run: int, count: int):
+        """The batches this worker loads whole: in order, id, id + W,
+        id + 2W... as torch assigns them (so that what a dataset draws from
+        the generators torch seeded per worker lands in the same samples);
+        out of order, as claimed."""
+        if self.cfg.in_order:
+            yield from range(self.id, count, max(self.cfg.num_workers, 1))
+            return
+        while (unit := self.counters.claim(run)) >= 0 and unit < count:
+            yield unit
+
+    def _whole_batch_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
+        """DataLoader: a worker loads whole batches (their composition is
+        the sampler's, in either ordering mode), writing each sample into
+        its row."""
+        index_of = O.index_getter(order)
         cfg = self.cfg
-        step = max(cfg.num_workers, 1)
-        for batch in range(self.id, batches.count, step):
+        for batch in self._next_batches(run, batches.count):
             if not self._wait_to_load(run, batch):
                 return
             start, stop = batches.span(batch)
             samples = []
             for row, pos in enumerate(range(start, stop)):
-                index = pos if order is None else int(order[pos])
+                index = index_of(pos)
                 try:
-                    sample = self._load(epoch, index)
+                    sample = self._load(epoch, index, pos)
                 except Exception as e:
                     self.channel.failed(run, batch, pos, index, e, f"in worker {self.id}")
                     break
@@ -466,7 +488,10 @@ class Worker:
                 return ended
             batch, row = slot[0] * N + w, slot[1]
             try:
-                if self.writer.place(run, batch, row, B, seq - 1, sample) == ENDED:
+                if self.writer.place(run, batch, row, B, seq - 1, sample) in (ENDED, DROPPED):
+                    # ended, or the collator gave up a batch of this stream (it cannot
+                    # collate it): the stream is over for this epoch; main raises the
+                    # batch's error and goes on with the other workers' batches
                     return ended
             except Exception as e:  # a CollateError, or a file read failing (FileDataset)
                 self.channel.failed(run, batch if cfg.in_order else -1, -1, -1, e,

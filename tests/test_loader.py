@@ -274,12 +274,31 @@ def test_no_run_ahead_with_a_sampler_whose_next_order_is_unknown():
         assert ds.loads[0] == 20
 
 
+class FailsOnSecondLoad(Numbers):
+    """Sample `bad` fails when it is loaded the second time (its next epoch)."""
+
+    def __init__(self, n, bad):
+        super().__init__(n)
+        self.bad, self.seen = bad, shmq.shared_array(1, np.int64)
+
+    def __getitem__(self, i):
+        if i == self.bad and shmq.atomic_add(self.seen, 0, 1) >= 1:
+            raise ValueError(f"bad sample {i}")
+        return super().__getitem__(i)
+
+
 def test_an_error_in_the_epoch_run_ahead_is_raised_in_that_epoch():
-    ds = Counted(20, fail_after=20)
+    ds = FailsOnSecondLoad(20, 12)
     with ShmLoader(ds, batch_size=4, num_workers=2) as loader:
         assert [k for b in loader for k in indices(b)] == list(range(20))
-        with pytest.raises(ValueError, match="bad sample"):
-            list(loader)
+        it = iter(loader)  # the epoch that ran ahead: batches 0-2, then sample 12's error
+        assert [indices(next(it)) for _ in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                         [8, 9, 10, 11]]
+        with pytest.raises(ValueError, match="bad sample 12"):
+            next(it)
+        assert indices(next(it)) == [16, 17, 18, 19]  # and the epoch goes on
+        with pytest.raises(StopIteration):
+            next(it)
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

@@ -189,7 +189,7 @@ class Recorder:
     def sample_row(self, *a):
         self.sent.append(("row", a))
 
-    def wait_for_entry(self, run, base, seq):
+    def wait_for_entry(self, run, batch, base, seq):
         self.sent.append(("wait", seq))
         return False  # as if the run ended
 
@@ -353,15 +353,16 @@ def test_layout_offsets_are_aligned_and_values_are_kept_apart():
     assert lay.tags_offset == 192 and lay.nbytes == 256   # 5 int64 tags after the leaves
     assert lay.value_leaves == [1]
     spec = lay.spec(3, {0: ["x"], 1: ["y"], 2: ["z"]})
-    assert spec == {"a": L.ArrayLeaf(0, "<f4", (3, 2, 3), False), "b": L.Value(["x", "y", "z"]),
-                    "c": L.ArrayLeaf(128, "<i8", (3,), False)}
+    assert spec.leaves == (L.ArrayLeaf(0, "<f4", (3, 2, 3), False), L.Value(["x", "y", "z"]),
+                           L.ArrayLeaf(128, "<i8", (3,), False))
+    assert L.unflatten(spec.structure, [1, 2, 3]) == {"a": 1, "b": 2, "c": 3}
 
 
 def test_unbatched_layouts_keep_numbers_as_values_and_no_leading_axis():
     sig = L.signature({"x": np.zeros((2, 2), np.int8), "n": 7})
     lay = L.Layout(sig, rows=1, batched=False)
     assert lay.value_leaves == [1]
-    assert lay.spec(1, {0: [7]}) == {"x": L.ArrayLeaf(0, "|i1", (2, 2), False), "n": L.Value(7)}
+    assert lay.spec(1, {0: [7]}).leaves == (L.ArrayLeaf(0, "|i1", (2, 2), False), L.Value(7, False))
 
 
 def test_digests_name_signature_rows_and_batching_exactly():

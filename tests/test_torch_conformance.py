@@ -1810,11 +1810,24 @@ def test_in_order_index_ds(impl):
     assert data == list(range(10))
 
 
+def _deliberate_difference(impl):
+    if impl.name == "loader":
+        pytest.xfail("deliberate difference (README, 'Switching from PyTorch's DataLoader'): with "
+                     "in_order=False torch hands each worker its next batches in advance, so item "
+                     "2 waits behind the slow item 0 on worker 0; here a batch is taken by the "
+                     "first free worker and waits behind nothing: [1, 2, 3, ..., 9, 0]")
+
+
 def test_out_of_order_index_ds(impl):
     """upstream: TestOutOfOrderDataLoader.test_out_of_order_index_ds (worker 0
     is stuck on item 0 and holds item 2 too (prefetch_factor 2), so 0 and 2
     come last)"""
     loader = impl.DataLoader(cds.SlowIndex(10, slow_index=0), num_workers=2, prefetch_factor=2, in_order=False)
+    if impl.name == "loader":  # what the loader does instead, asserted exactly
+        worker_ids, data = ids_and_items(list(loader))
+        assert data == [1, 2, 3, 4, 5, 6, 7, 8, 9, 0]
+        assert set(worker_ids[:-1]) == {1 - worker_ids[-1]}  # the other worker did the rest
+        _deliberate_difference(impl)
     worker_ids, data = ids_and_items(list(loader))
     assert worker_ids == [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]
     assert data != list(range(10))

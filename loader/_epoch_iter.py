@@ -1,0 +1,247 @@
+"""The iterator of one epoch: what iter(ShmLoader) returns.
+
+An iterator object rather than a generator: an exception raised for one
+batch (an error in dataset[i], say) does not end the epoch, so the next
+next() goes on with the following batch, as PyTorch's DataLoader does.
+Dropping an iterator before its end (break, del, garbage collection)
+ends its run; see NOTE [ Runs ] in _control.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from loader import _protocol as P
+from loader._errors import WorkerError
+
+
+class _Epoch:
+    """What the map-style and stream epochs share: their run, the checks
+    at every resumption, and the end."""
+
+    def __init__(self, loader, epoch: int, resume: dict | None):
+        self.loader, self.epoch, self.resume = loader, epoch, resume
+        self.run = self.progress = None  # started by the first next(), as a generator would
+        self.control = loader._shared.control
+        self.pending: dict = {}   # batch -> BatchReady received, not yet handed out
+        self.errors: dict = {}    # batch -> Failed, raised when its turn comes (in order)
+        self.ended = False        # RunEnded received
+        self.finished = False     # every batch handed out (or raised)
+        self.pid = os.getpid()
+
+    def __iter__(self):
+        return self
+
+    def _begin(self) -> None:
+        """The first next(): the epoch's run (NOTE [ Runs ])."""
+        ld = self.loader
+        self.run = ld._run_for(self.epoch, self.resume)
+        self.progress = ld._track(self.run.plan)
+        self._started()
+
+    def _started(self) -> None:
+        pass
+
+    def _receive(self):
+        ld = self.loader
+        deadline = None if ld.timeout is None else time.monotonic() + ld.timeout
+        return ld._next_of(self.run.id, deadline)
+
+    def _hand_out(self, msg: P.BatchReady):
+        return self.loader._batch(msg)
+
+    def _done(self):
+        self.finished = True
+        self.close()
+        raise StopIteration
+
+    def close(self) -> None:
+        """End the epoch here: batches received but not handed out go back,
+        and the run ends unless it ran to its end."""
+        ld = self.loader
+        if self.pid != os.getpid() or getattr(self, "_closed", False):
+            return  # a forked copy, finalized in a child: not its run
+        self._closed = True
+        if self.run is None:  # never started
+            return
+        if ld._current is self.run and not self.finished:
+            for msg in self.pending.values():
+                ld._give_back(msg)
+            self.pending.clear()
+            ld._end(self.run)
+            ld._current = None
+        elif ld._current is self.run:
+            ld._inboxes.pop(self.run.id, None)
+        if not ld.persistent_workers and ld._epoch == self.epoch:
+            ld._shutdown()  # (a newer iterator, already made, owns the processes)
+
+    def __del__(self):
+        if hasattr(self, "finished"):
+            self.close()
+
+
+class MapEpoch(_Epoch):
+    """A map-style epoch: batches in order, or as they are ready."""
+
+    def __init__(self, loader, epoch: int, resume: dict | None):
+        super().__init__(loader, epoch, resume)
+        self.yielded = 0                    # batches handed out or raised
+        self.failed: set = set()            # in order: batches an error was reported for
+
+    def _started(self) -> None:
+        self.total = self.run.plan.nbatches
+
+    def __next__(self):
+        ld = self.loader
+        if self.finished:
+            raise StopIteration
+        ld._check_current(self.epoch)
+        if self.run is None:
+            self._begin()
+        while True:
+            batch = self._next_ready()
+            if batch is not None:
+                return batch
+            if self.ended:
+                if not ld.in_order or self.yielded == self.total:
+                    self._done()
+                raise WorkerError(f"ShmLoader: the run ended without batch {self.yielded} of "
+                                  f"{self.total} and without an error for it")
+            msg = self._receive()
+            self._maybe_run_ahead()
+            kind = type(msg)
+            if kind is P.Failed:
+                if ld.in_order and msg.batch >= 0:
+                    self.errors.setdefault(msg.batch, msg)  # raised when its turn comes
+                    self.failed.add(msg.batch)
+                else:
+                    ld._raise_failed(msg)
+            elif kind is P.RunEnded:
+                if ld.in_order and msg.batches != self.total - len(self.failed):
+                    raise WorkerError(
+                        f"ShmLoader: epoch {self.epoch} ended after {msg.batches} of "
+                        f"{self.total - len(self.failed)} batches without an error; its shared "
+                        f"state was changed from outside (another process writing into this "
+                        f"process's memory?)")
+                self.ended = True
+                ld._record_stats(self.epoch, msg)
+            else:
+                self.pending[msg.batch] = msg
+
+    def _maybe_run_ahead(self) -> None:
+        ld, run = self.loader, self.run
+        if (ld._ahead is None and ld._runs_ahead() and run.id - 1 not in ld._unended
+                and self.control.claimed(run.id) >= run.plan.units):
+            ld._ahead = ld._start_run(self.epoch + 1)  # every unit is claimed
+
+    def _advance(self) -> None:
+        self.yielded += 1
+        self.control.set_limit(self.run.id, self.loader._limit(self.run, self.yielded))
+
+    def _next_ready(self):
+        """The next batch to hand out, if it is here (or raise its error:
+        the next call goes on with the following batch)."""
+        ld = self.loader
+        if ld.in_order:
+            failed = self.errors.pop(self.yielded, None)
+            if failed is not None:
+                self._advance()
+                ld._raise_failed(failed)
+            key = self.yielded if self.yielded in self.pending else None
+        else:
+            key = next(iter(self.pending), None)
+        if key is None:
+            return None
+        msg = self.pending.pop(key)
+        batch = self._hand_out(msg)
+        if ld.in_order:
+            self.progress.mark_batch(msg.batch)
+        else:
+            self.progress.mark_tags(ld._tags(msg))
+        self._advance()
+        return batch
+
+
+class StreamEpoch(_Epoch):
+    """An iterable dataset's epoch: each worker fills its own batches; in
+    order, they come round-robin over the workers still going, as
+    PyTorch delivers them (see NOTE [ Runs ])."""
+
+    def __init__(self, loader, epoch: int, resume: dict | None):
+        super().__init__(loader, epoch, resume)
+        self.workers = max(loader.num_workers, 1)
+        self.ends: dict = {}  # worker -> (its batch count, those it left empty)
+
+    def _started(self) -> None:
+        # a resumed epoch goes on where the round-robin was (NOTE [ Resuming an epoch ])
+        self.next_id = min(j * self.workers + w
+                           for w, j in enumerate(self.progress.first_batches()))
+
+    def _skipped(self, batch: int) -> bool:
+        w, j = batch % self.workers, batch // self.workers
+        return w in self.ends and (j >= self.ends[w][0] or j in self.ends[w][1])
+
+    def _all_over(self) -> bool:
+        return len(self.ends) == self.workers and self.next_id > max(
+            (k - 1) * self.workers + w for w, (k, _) in self.ends.items())
+
+    def __next__(self):
+        ld = self.loader
+        if self.finished:
+            raise StopIteration
+        ld._check_current(self.epoch)
+        if self.run is None:
+            self._begin()
+        while True:
+            batch = self._next_ready()
+            if batch is not None:
+                return batch
+            if self.ended and not self.pending:
+                if self.errors:
+                    ld._raise_failed(self.errors.pop(min(self.errors)))
+                self.progress.complete = True
+                self._done()
+            msg = self._receive()
+            kind = type(msg)
+            if kind is P.Failed:
+                if ld.in_order and msg.batch >= 0:
+                    self.errors[msg.batch] = msg
+                else:
+                    ld._raise_failed(msg)
+            elif kind is P.StreamEnded:
+                self.ends[msg.worker] = (msg.batches, set(msg.dropped))
+            elif kind is P.RunEnded:
+                self.ended = True
+                ld._record_stats(self.epoch, msg)
+            else:
+                self.pending[msg.batch] = msg
+
+    def _next_ready(self):
+        ld = self.loader
+        if ld.in_order:
+            while True:
+                failed = self.errors.pop(self.next_id, None)
+                if failed is not None:
+                    self.next_id += 1
+                    ld._raise_failed(failed)
+                if self._skipped(self.next_id) and not self._all_over():
+                    self.next_id += 1  # a batch that stream will never fill
+                    continue
+                break
+            key = self.next_id if self.next_id in self.pending else None
+        else:
+            key = next(iter(self.pending), None)
+        if key is None:
+            return None
+        msg = self.pending.pop(key)
+        batch = self._hand_out(msg)
+        if ld.in_order:
+            self.next_id += 1
+        worker = key % self.workers
+        self.control.raise_worker_limit(self.run.id, worker)
+        if ld._cfg.per_batch:
+            self.progress.mark_batch(worker)
+        else:
+            self.progress.mark_tags(worker, ld._tags(msg))
+        return batch
