@@ -604,6 +604,58 @@ def run_w10(samples, workers):
         print(f"{kind:<30} {sps:>10.0f} {gbs:>6.2f} {pss:>6.2f} GB {ours / sps:>11.2f}x")
 
 
+class SleepySamples:
+    """IO-bound: 4 ms of waiting per sample."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(0.004)
+        return np.full(256, i, np.float32)
+
+
+class BusySamples(SleepySamples):
+    """Compute-bound: about 1 ms of a CPU per sample."""
+
+    def __getitem__(self, i):
+        end = time.perf_counter() + 0.001
+        while time.perf_counter() < end:
+            pass
+        return np.full(256, i, np.float32)
+
+
+def run_auto(samples, epochs):
+    """num_workers="auto" beside fixed pools, on an IO-bound and on a
+    compute-bound workload: batches/s over the whole run (adaptation
+    included) and over its last epoch."""
+    print(f"\nAuto: {epochs} epochs of {samples} samples, batch 32, prefetch 16 batches; "
+          f"batches/s over the whole run and its last epoch")
+    print(f"{'workload':<14} {'workers':>8} {'run':>8} {'last':>8} {'chosen':>7}  worker counts")
+    for name, cls in (("IO-bound", SleepySamples), ("compute-bound", BusySamples)):
+        rates = {}
+        for workers in (2, 4, 8, 16, 32, "auto"):
+            with ShmLoader(cls(samples), batch_size=32, num_workers=workers, prefetch=16) as ld:
+                t0, n = time.perf_counter(), 0
+                for _ in range(epochs):
+                    t1 = time.perf_counter()
+                    k = sum(1 for _ in ld)
+                    last = k / (time.perf_counter() - t1)
+                    n += k
+                rates[workers] = (n / (time.perf_counter() - t0), last)
+                stats = ld.stats()
+            counts = stats.get("worker_counts", "")
+            print(f"{name:<14} {str(workers):>8} {rates[workers][0]:>8.1f} {last:>8.1f} "
+                  f"{stats['workers']:>7}  {counts}", flush=True)
+        best = max(v[0] for k, v in rates.items() if k != "auto")
+        best_last = max(v[1] for k, v in rates.items() if k != "auto")
+        print(f"{name}: auto is {rates['auto'][0] / best:.2f} of the best fixed pool over the "
+              f"run, {rates['auto'][1] / best_last:.2f} over the last epoch")
+
+
 WORKLOADS = {
     "W1": lambda args: run_w1(args.batches, args.warmup),
     "W2": lambda args: run_small("W2 tiny (10, 150) float64", W2, BATCH, 60),
@@ -613,13 +665,14 @@ WORKLOADS = {
     "W8": lambda args: run_w8(4, 256, (2, 4)),  # 1 GB of files
     "W9": lambda args: run_w9(400_000, 4, 256, 8192),
     "W10": lambda args: run_w10(512, 4),
+    "AUTO": lambda args: run_auto(3000, 6),
 }
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="W1,W2,W3,W4,W7,W8,W9,W10",
+    parser.add_argument("--workloads", default="W1,W2,W3,W4,W7,W8,W9,W10,AUTO",
                         help="comma-separated, of " + ", ".join(WORKLOADS))
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--w3-batches", type=int, default=8)

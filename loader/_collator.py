@@ -83,6 +83,7 @@ class _Pass:
             words, _ = shared.read_order(run, control.read(run, C.KEPT), 0, False)
             self.low = [stream_skips(words, self.workers, w)[0] for w in range(self.workers)]
         self.given_up: dict[int, _Batch] = {}  # map-style: batches given up, entry still held
+        self.expected: set[int] = set(range(self.workers))  # workers whose Done it waits for
         self.done: dict[int, P.Done] = {}  # workers that said Done, not yet settled
         self.settled: set[int] = set()     # workers whose batches are all sent or freed
         self.sent = self.samples = self.rows_by_collator = self.relayouts = 0
@@ -136,6 +137,7 @@ class Collator:
                                    2 * cfg.publish_window + 2)
         self.passes: dict[int, _Pass] = {}
         self.known_run = 0
+        self.joined: dict[int, int] = {}  # workers added while running -> their first run
         self.taken: dict[int, tuple[int, int]] = {}   # table entry -> (run, batch) published there
         self.layouts = LayoutCache()
         self.guess = None              # signature of the latest batch's layout
@@ -250,6 +252,7 @@ class Collator:
             self.known_run += 1
             p = self.passes[self.known_run] = _Pass(self.known_run, self.control, self.cfg,
                                                     self.shared)
+            p.expected |= {w for w, first in self.joined.items() if first <= p.run}
             self._publish_ahead(p)
 
     def _pass(self, run: int) -> _Pass:
@@ -270,7 +273,7 @@ class Collator:
             p.settled.add(w)
             if p.iterable:
                 self._end_stream(p, w, done, mine)
-        if len(p.settled) == p.workers and not p.ended:
+        if p.settled >= p.expected and not p.ended:
             self._end_pass(p)
 
     def _end_stream(self, p: _Pass, w: int, done: P.Done, mine: list) -> None:
@@ -524,6 +527,15 @@ class Collator:
             if p is not None and msg.batch >= 0 and not p.iterable:
                 self._give_up(p, msg.batch)  # main raises its error and goes on
             return
+        if kind is P.Joined:  # num_workers="auto" added a worker: its Done counts too
+            self._look_at_runs()
+            self.joined[msg.worker] = msg.first_run
+            for q in self.passes.values():
+                if q.run >= msg.first_run:
+                    q.expected.add(msg.worker)
+            return
+        if msg.run <= self.known_run and msg.run not in self.passes:
+            return  # a run that ended before a worker added late said Done for it
         p = self._pass(msg.run)
         if kind is P.Done:
             p.done[msg.worker] = msg

@@ -83,6 +83,7 @@ from loader._native import Bell  # an eventcount: see its docstring
 STOP = 0            # 1 once main stops the loader (see NOTE [ ShmLoader processes and shutdown ])
 LATEST_RUN = 1      # id of the latest run started
 OUTBOX = 2          # 1 while the collator holds messages main's full ring could not take
+ACTIVE = 3          # num_workers="auto": workers with a lower id claim units (see _autoscale.py)
 RUN_BASE = 8
 RUN_WORDS = 16
 (ID, EPOCH, SIZE, KEPT, UNITS, NBATCHES, ORDER, ORDER_SEED, SHIPPED, BASE_SEED, SNAPSHOT,
@@ -167,6 +168,14 @@ class Control:
         """An iterable run: worker may fill one more batch."""
         shmq.atomic_add(self.limits, (run % 2) * max(self.num_workers, 1) + worker, 1)
         self.limit_bell.ring()
+
+    def set_active(self, active: int) -> None:
+        """num_workers="auto": how many workers may claim units now."""
+        shmq.atomic_store(self.ctl, ACTIVE, active)
+        self.run_bell.ring()   # waiting workers look again
+
+    def active(self) -> int:
+        return shmq.atomic_load(self.ctl, ACTIVE)
 
     def stop(self) -> None:
         shmq.atomic_store(self.ctl, STOP, 1)

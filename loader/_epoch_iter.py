@@ -46,9 +46,18 @@ class _Epoch:
     def _receive(self):
         ld = self.loader
         deadline = None if ld.timeout is None else time.monotonic() + ld.timeout
-        return ld._next_of(self.run.id, deadline)
+        scaler = getattr(ld, "_autoscaler", None)
+        if scaler is None:
+            return ld._next_of(self.run.id, deadline)
+        t0 = time.perf_counter()  # the training loop waits from here (see _autoscale.py)
+        msg = ld._next_of(self.run.id, deadline)
+        scaler.waited_for(time.perf_counter() - t0)
+        return msg
 
     def _hand_out(self, msg: P.BatchReady):
+        scaler = getattr(self.loader, "_autoscaler", None)
+        if scaler is not None:
+            scaler.batch_handed_out()
         return self.loader._batch(msg)
 
     def _done(self):

@@ -21,6 +21,7 @@ import shmq
 from loader import _control as C
 from loader import _order as O
 from loader import _protocol as P
+from loader._autoscale import Autoscaler, cpu_count, default_max_workers
 from loader._collator import collator_main
 from loader._epoch_iter import MapEpoch, StreamEpoch
 from loader._errors import LoaderTimeout, WorkerError
@@ -125,12 +126,21 @@ class ShmLoader:
                  persistent_workers=True, worker_init_fn=None, seed=None, generator=None,
                  reproducible=None, timeout=None, output="numpy", pin_memory=False,
                  memory_cap_bytes=None, distributed=False, shuffle_buffer=None,
-                 worker_mode="process"):
+                 worker_mode="process", max_workers=None):
         if batch_size is not None:
             _positive_int("batch_size", batch_size)
+        self.auto = num_workers == "auto"
+        if self.auto:
+            max_workers = default_max_workers() if max_workers is None else max_workers
+            _positive_int("max_workers", max_workers)
+            num_workers = min(cpu_count(), max_workers)  # where the pool starts (_autoscale.py)
+        elif max_workers is not None:
+            raise ValueError("max_workers caps num_workers='auto'; with a fixed num_workers, "
+                             "leave it out")
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
-            raise ValueError(f"num_workers must be an int >= 0 (0 loads in the main process), "
-                             f"got {num_workers!r}")
+            raise ValueError(f"num_workers must be an int >= 0 (0 loads in the main process) or "
+                             f"'auto', got {num_workers!r}")
+        self.max_workers = max_workers or 0
         if worker_mode not in ("process", "thread"):
             raise ValueError(f"worker_mode must be 'process' or 'thread', got {worker_mode!r}")
         if output not in ("numpy", "torch", "keep"):
@@ -156,6 +166,9 @@ class ShmLoader:
                 raise TypeError(f"generator must be a torch.Generator, got "
                                 f"{type(generator).__name__}")
         self.iterable = is_iterable_dataset(dataset)
+        if self.auto and self.iterable:
+            raise ValueError("num_workers='auto' needs a map-style dataset: an iterable dataset "
+                             "is split into one stream per worker, so its workers are fixed")
         if shuffle_buffer is not None:
             _positive_int("shuffle_buffer", shuffle_buffer)
             if not self.iterable:
@@ -240,10 +253,18 @@ class ShmLoader:
     def stats(self) -> dict | None:
         """How the last epoch whose end was seen was delivered: batches,
         samples, rows the collator had to write itself (samples of a batch
-        whose dtypes differ) and batches laid out again (shapes that change
-        between batches, promotions).  None before the end of the first
-        epoch."""
-        return None if self._stats is None else dict(self._stats)
+        whose dtypes differ), batches laid out again (shapes that change
+        between batches, promotions), and the workers loading now (with
+        num_workers="auto", the count it chose, and "worker_counts": the
+        counts it went through).  None before the end of the first epoch."""
+        if self._stats is None:
+            return None
+        out = dict(self._stats)
+        scaler = getattr(self, "_autoscaler", None)
+        out["workers"] = scaler.active if scaler is not None else self.num_workers
+        if scaler is not None:
+            out["worker_counts"] = list(scaler.history)
+        return out
 
     # --- processes ----------------------------------------------------------------------
 
@@ -269,7 +290,7 @@ class ShmLoader:
             worker_init_fn=self.worker_init_fn, seed=self.seed, reproducible=self.reproducible,
             torch_seeding=self._torch_rules, memory_cap_bytes=self.memory_cap_bytes,
             parent_pid=0 if self._threads else os.getpid(), rank=self._rank, world=self._world,
-            threads=self._threads,
+            threads=self._threads, max_workers=self.max_workers,
             whole_batches=self._torch_rules and not self.iterable,
             shuffle_buffer=self.shuffle_buffer)
         try:
@@ -284,9 +305,25 @@ class ShmLoader:
             shared.close()
             raise
         self._cfg, self._shared = cfg, shared
+        if self.auto:
+            shared.control.set_active(self.num_workers)
+            self._autoscaler = Autoscaler(self, self.num_workers, self.max_workers)
         self._leases = LeaseBook(shared.arena, shared.released, shared.control.collator_bell)
         self._pinned = PinnedChunks(shared.arena) if self.pin_memory and cuda_available() else None
         self._next_child_check = 0.0
+
+    def _set_active_workers(self, active: int) -> None:
+        """num_workers="auto": let `active` workers claim units, starting
+        workers the pool never had (they join the run in progress)."""
+        workers = [c for c in self._procs if c.role != "the collator"]
+        if active > len(workers):
+            first_run = self._current.id if self._current is not None else max(self._runs, 1)
+            specs = [(f"worker {i}", worker_main, (self._cfg, self._shared, i, first_run))
+                     for i in range(len(workers), active)]
+            started = start_threads(specs) if self._threads else fork_children(specs)
+            self._procs[len(workers):len(workers)] = started  # before the collator
+            self.num_workers = active
+        self._shared.control.set_active(active)
 
     def _check_children(self):
         dead = [c for c in self._procs if c.exitcode is not None]

@@ -9,7 +9,7 @@ NOTE [ ShmLoader processes and shutdown ]
    │ BatchReady / StreamEnded / RunEnded / Failed         worker 0..N-1: claim a unit, load it,
    │ / MemoryWait (to_main: SPSC)                         write its row (NOTE [ Direct row
    │                                                      writes ], _table.py)
-  collator ◄── LayoutRequest / RowValues / Filled / SampleRow / Failed / Done ──┘
+  collator ◄── LayoutRequest / RowValues / Filled / SampleRow / Failed / Done / Joined ─┘
                (to_collator: MPSC)
    └── lays out slabs in the shared arena and publishes them in the batch table
 
@@ -107,6 +107,13 @@ class SampleRow(NamedTuple):
     pos: int
     sample: Any
     version: int
+
+
+class Joined(NamedTuple):
+    """A worker added while the loader runs (num_workers="auto") will write
+    into runs from first_run on: it is one more Done to wait for."""
+    worker: int
+    first_run: int
 
 
 class Done(NamedTuple):

@@ -47,6 +47,7 @@ class LoaderConfig:
                                   # in order, worker w batches w, w + W, ...; else as claimed
     shuffle_buffer: int = 0       # iterable datasets: samples mixed in each worker's window
     threads: bool = False         # worker_mode="thread": workers and collator are threads
+    max_workers: int = 0          # num_workers="auto": the most workers there can be (else 0)
 
     @property
     def per_batch(self) -> bool:
@@ -108,7 +109,11 @@ class SharedState:
         self.table = BatchTable(cfg.table_per_run)
         self.arena = shmq.shared_array(cfg.memory_cap_bytes, np.uint8)
         self.released = shmq.shared_array(MAX_LEASES, np.int64)
-        self.hazards = shmq.shared_array(max(cfg.num_workers, 1), np.int64)
+        workers = max(cfg.num_workers, cfg.max_workers, 1)  # ids of workers added later too
+        self.hazards = shmq.shared_array(workers, np.int64)
+        # num_workers="auto": per worker, ns it spent waiting (for main's limit, a
+        # layout, its turn), for _autoscale.py; the rest of its time it was busy
+        self.waited = shmq.shared_array(workers, np.int64)
         self.order_fds: list[int] = []
         self.snapshot_fds: list[int] = []
         self.rings: list[shmq.Queue] = []

@@ -9,6 +9,7 @@ import os
 import random
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,13 +137,30 @@ def exit_if_orphaned(parent_pid: int) -> None:
         os._exit(1)
 
 
+class Sleeper:
+    """A worker's one way to wait: on a bell, in bounded slices that check
+    its parent is alive, adding the time to its `waited` word (what
+    num_workers="auto" reads, see _autoscale.py)."""
+
+    def __init__(self, shared: SharedState, worker_id: int, parent_pid: int):
+        self.waited, self.index, self.parent_pid = shared.waited, worker_id, parent_pid
+        self.total = 0
+
+    def until(self, bell, ready) -> None:
+        t0 = time.perf_counter_ns()
+        while not bell.wait(ready, P.IDLE_SLICE_S):
+            exit_if_orphaned(self.parent_pid)
+        self.total += time.perf_counter_ns() - t0
+        shmq.atomic_store(self.waited, self.index, self.total)
+
+
 class Channel:
     """A worker's messages to the collator (each followed by a ring of the
     collator's bell) and its waits for table entries."""
 
-    def __init__(self, shared: SharedState, worker_id: int, parent_pid: int):
+    def __init__(self, shared: SharedState, worker_id: int, sleeper: Sleeper):
         self.ring, self.control, self.table = shared.to_collator, shared.control, shared.table
-        self.me, self.pid, self.parent_pid = worker_id, os.getpid(), parent_pid
+        self.me, self.pid, self.sleeper = worker_id, os.getpid(), sleeper
 
     def send(self, msg) -> None:
         self.ring.put(msg)
@@ -179,16 +197,20 @@ class Channel:
             return (not c.live(run) or c.stopped or shmq.atomic_load(words, base + SEQ) != seq_seen
                     or shmq.atomic_load(c.ctl, finished) > batch)
 
-        while not c.table_bell.wait(ready, P.IDLE_SLICE_S):
-            exit_if_orphaned(self.parent_pid)
+        self.sleeper.until(c.table_bell, ready)
         return c.live(run) and not c.stopped
 
 
 class Worker:
-    def __init__(self, cfg: LoaderConfig, shared: SharedState, worker_id: int):
+    def __init__(self, cfg: LoaderConfig, shared: SharedState, worker_id: int,
+                 joining_run: int = 0):
         self.cfg, self.shared, self.id = cfg, shared, worker_id
+        # a worker added while the loader runs (num_workers="auto") starts with
+        # the run in progress; 0: it started with the loader
+        self.joining_run = joining_run
         self.control = shared.control
-        self.channel = Channel(shared, worker_id, cfg.parent_pid)
+        self.sleeper = Sleeper(shared, worker_id, cfg.parent_pid)
+        self.channel = Channel(shared, worker_id, self.sleeper)
         self.writer = RowWriter(shared.table, shared.arena, shared.hazards, worker_id, self.channel,
                                 shared.control.ctl, (C.word(0, C.FINISHED), C.word(1, C.FINISHED)))
         self.counters = RunCounters(shared.control.ctl, C.RUN_BASE, C.RUN_WORDS, C.CURSOR, C.LIMIT,
@@ -196,6 +218,7 @@ class Worker:
         self.started = False   # seeded, worker_init_fn called
         self.broken = False    # worker_init_fn raised: load nothing more
         self.seeder = None     # reproducible=True: made at the start (a thread's own generators)
+        self.autoscaled = bool(cfg.max_workers)  # num_workers="auto" (see _autoscale.py)
 
     def run(self) -> None:
         torch = sys.modules.get("torch")
@@ -203,7 +226,9 @@ class Worker:
             # One intra-op thread per worker, as PyTorch's workers have: the
             # parent's thread pool does not survive the fork.
             torch.set_num_threads(1)
-        seen = 0
+        seen = max(self.joining_run - 1, 0)
+        if self.joining_run:  # added while the loader runs: one more Done for the collator
+            self.channel.send(P.Joined(self.id, self.joining_run))
         while (latest := self._wait_for_run(seen)) is not None:
             for run in range(seen + 1, latest + 1):
                 ended = self._one_run(run)
@@ -212,9 +237,7 @@ class Worker:
 
     def _wait_for_run(self, seen: int) -> int | None:
         c = self.control
-        ready = lambda: c.stopped or c.latest_run() > seen  # noqa: E731
-        while not c.run_bell.wait(ready, P.IDLE_SLICE_S):
-            exit_if_orphaned(self.cfg.parent_pid)
+        self.sleeper.until(c.run_bell, lambda: c.stopped or c.latest_run() > seen)
         return None if c.stopped else c.latest_run()
 
     def _start(self, run: int) -> None:
@@ -286,9 +309,8 @@ class Worker:
         c, counters = self.control, self.counters
         if counters.below_limit(run, unit):
             return True
-        ready = lambda: counters.below_limit(run, unit) or not c.live(run) or c.stopped  # noqa: E731
-        while not c.limit_bell.wait(ready, P.IDLE_SLICE_S):
-            exit_if_orphaned(self.cfg.parent_pid)
+        self.sleeper.until(c.limit_bell, lambda: counters.below_limit(run, unit)
+                           or not c.live(run) or c.stopped)
         return counters.below_limit(run, unit) and c.live(run) and not c.stopped
 
     def _load(self, epoch: int, index, pos: int):
@@ -296,12 +318,27 @@ class Worker:
             self.seeder(epoch, 0, index if type(index) is int else pos | (1 << 62))
         return self.cfg.dataset[index]
 
+    def _may_claim(self, run: int, units: int) -> bool:
+        """num_workers="auto": wait while this worker is not among the
+        active ones, unless every unit of the run is claimed (then it says
+        Done like the others).  False once the run ended."""
+        c = self.control
+        if not self.autoscaled or self.id < c.active():
+            return True
+
+        def ready():
+            return (self.id < c.active() or c.claimed(run) >= units or not c.live(run)
+                    or c.stopped)
+
+        self.sleeper.until(c.run_bell, ready)
+        return c.live(run) and not c.stopped
+
     def _sample_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
         """Default collate: claim a position, load it, place it in its row."""
         index_of = O.index_getter(order)
         counters, place, in_order = self.counters, self.writer.place, self.cfg.in_order
         units = self.control.read(run, C.UNITS)
-        while True:
+        while self._may_claim(run, units):
             pos = counters.claim(run)
             if pos < 0 or pos >= units:  # a unit past the end is never waited for
                 return
@@ -334,7 +371,7 @@ class Worker:
         index_of = O.index_getter(order)
         cfg, counters = self.cfg, self.counters
         units = self.control.read(run, C.UNITS)
-        while True:
+        while self._may_claim(run, units):
             unit = counters.claim(run)
             if unit < 0 or unit >= units or not self._wait_to_load(run, unit):
                 return
@@ -431,8 +468,7 @@ class Worker:
         def ready():
             return shmq.atomic_load(c.limits, i) > j or not c.live(run) or c.stopped
 
-        while not c.limit_bell.wait(ready, P.IDLE_SLICE_S):
-            exit_if_orphaned(self.cfg.parent_pid)
+        self.sleeper.until(c.limit_bell, ready)
         return c.live(run) and not c.stopped
 
     def _stream_run(self, run: int) -> tuple:
@@ -519,6 +555,7 @@ class Worker:
 _FAILED = object()  # a collate_fn raised (and it was reported)
 
 
-def worker_main(cfg: LoaderConfig, shared: SharedState, worker_id: int) -> None:
-    Worker(cfg, shared, worker_id).run()
+def worker_main(cfg: LoaderConfig, shared: SharedState, worker_id: int,
+                joining_run: int = 0) -> None:
+    Worker(cfg, shared, worker_id, joining_run).run()
     shared.to_collator.close()
