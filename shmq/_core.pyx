@@ -85,6 +85,9 @@ _FIELD_NAMES = {
     SHMQ_FIELD_RECORD_BYTES: "record_bytes",
     SHMQ_FIELD_MAX_ATTACH: "max_attach",
     SHMQ_FIELD_ROLE_SLOT: "consumer_slot/producer_slot",
+    SHMQ_FIELD_CONSUMER_SLOT: "consumer_slot",
+    SHMQ_FIELD_PRODUCER_SLOT: "producer_slot",
+    SHMQ_FIELD_CLAIM: "claim_bytes",
 }
 
 
@@ -95,7 +98,8 @@ def layout_offsets():
     cdef shmq_slot s
     cdef shmq_record rec
     cdef shmq_array_meta am
-    hb, sb, rb, ab = <size_t>&h, <size_t>&s, <size_t>&rec, <size_t>&am
+    cdef shmq_tree_meta tm
+    hb, sb, rb, ab, tb = <size_t>&h, <size_t>&s, <size_t>&rec, <size_t>&am, <size_t>&tm
     return {
         "header_bytes": sizeof(shmq_header),
         "slot_bytes": sizeof(shmq_slot),
@@ -112,7 +116,22 @@ def layout_offsets():
         "head_pos": <size_t>&h.head_pos - hb,
         "data_seq": <size_t>&h.data_seq - hb,
         "consumer_slot": <size_t>&h.consumer_slot - hb,
+        "producer_slot": <size_t>&h.producer_slot - hb,
+        "slots_offset": <size_t>&h.slots_offset - hb,
+        "avail_offset": <size_t>&h.avail_offset - hb,
+        "max_attach": <size_t>&h.max_attach - hb,
+        "consumer_waiting": <size_t>&h.consumer_waiting - hb,
+        "space_seq": <size_t>&h.space_seq - hb,
+        "space_wanted": <size_t>&h.space_wanted - hb,
+        "closed_writers": <size_t>&h.closed_writers - hb,
+        "gone_writers": <size_t>&h.gone_writers - hb,
+        "skipped_records": <size_t>&h.skipped_records - hb,
+        "slot.owner": <size_t>&s.owner - sb,
+        "slot.starttime": <size_t>&s.starttime - sb,
         "slot.claim_pos": <size_t>&s.claim_pos - sb,
+        "slot.claim_bytes": <size_t>&s.claim_bytes - sb,
+        "slot.pending_since_ns": <size_t>&s.pending_since_ns - sb,
+        "record.producer_pid": <size_t>&rec.producer_pid - rb,
         "record.record_bytes": <size_t>&rec.record_bytes - rb,
         "record.kind": <size_t>&rec.kind - rb,
         "record.nbuffers": <size_t>&rec.nbuffers - rb,
@@ -121,6 +140,10 @@ def layout_offsets():
         "array.dtype_chars": <size_t>&am.dtype_chars - ab,
         "array.data_offset": <size_t>&am.data_offset - ab,
         "array.data_bytes": <size_t>&am.data_bytes - ab,
+        "tree.pickle_offset": <size_t>&tm.pickle_offset - tb,
+        "tree.pickle_bytes": <size_t>&tm.pickle_bytes - tb,
+        "tree_meta_bytes": sizeof(shmq_tree_meta),
+        "buffer_entry_bytes": sizeof(shmq_buffer_entry),
         "magic_value": SHMQ_MAGIC,
         "version_value": SHMQ_VERSION,
     }
@@ -368,7 +391,7 @@ cdef class Ring:
         shmq_layout(capacity, mpsc, SHMQ_MAX_ATTACH, &so, &ao, &dof)
         cdef Mapping m = Mapping.map_ring(fd, dof, capacity)
         shmq_init(m.base, capacity, mpsc, getpid(), _own_starttime())
-        cdef Ring ring = Ring._bind(m, name)
+        cdef Ring ring = Ring._bind(m, name, capacity, mpsc)
         ring.anonymous = anonymous
         return ring
 
@@ -387,22 +410,27 @@ cdef class Ring:
         h = <const shmq_header *><const char *>header_copy
         if shmq_validate(h, file_bytes, &bad) != SHMQ_OK:
             raise IncompatibleRing(_header_problem(name, bad, h, file_bytes))
+        # The geometry comes from this private copy, validated: what we map
+        # by and bind with can no longer change (NOTE [validation]).
         cdef uint64_t capacity = h.capacity_bytes, dof = h.data_offset
+        cdef bint mpsc = (h.flags & SHMQ_FLAG_MPSC) != 0
         cdef Mapping m = Mapping.map_ring(fd, dof, capacity)
-        # Validate again on the shared copy: it is what we will read from.
+        # Validate again on the shared copy: positions and roles are read
+        # from there.
         if shmq_validate(m.base, file_bytes, &bad) != SHMQ_OK or \
                 (<shmq_header *>m.base).capacity_bytes != capacity or \
                 (<shmq_header *>m.base).data_offset != dof:
             raise IncompatibleRing(_header_problem(name, bad, <shmq_header *>m.base, file_bytes))
-        return Ring._bind(m, name, adopt_slot, adopt_from_pid)
+        return Ring._bind(m, name, capacity, mpsc, adopt_slot, adopt_from_pid)
 
     @staticmethod
-    cdef Ring _bind(Mapping m, str name, int32_t adopt_slot=-1, uint32_t adopt_from_pid=0):
+    cdef Ring _bind(Mapping m, str name, uint64_t capacity, bint mpsc, int32_t adopt_slot=-1,
+                    uint32_t adopt_from_pid=0):
         cdef Ring ring = Ring.__new__(Ring)
         ring.mapping = m
         ring.name = name
         ring.child_slot = -1
-        shmq_bind(&ring.r, m.base)
+        shmq_bind(&ring.r, m.base, capacity, mpsc)
         ring._take_slot(adopt_slot, adopt_from_pid)
         return ring
 
@@ -465,6 +493,8 @@ cdef class Ring:
         if not self.r.mpsc:
             holder = shmq_take_role(&self.r, &self.r.hdr.producer_slot, self.r.slot,
                                     SHMQ_SLOT_PRODUCED, 1)
+            if holder == SHMQ_ROLE_CORRUPT:
+                self._raise_status(SHMQ_CORRUPT, "put")
             if holder >= 0:
                 raise ShmqError(
                     f"shmq queue {self.name!r} is single-producer and pid {holder} is already "
@@ -485,6 +515,8 @@ cdef class Ring:
             return 0
         holder = shmq_take_role(&self.r, &self.r.hdr.consumer_slot, self.r.slot,
                                 SHMQ_SLOT_CONSUMER, 0)
+        if holder == SHMQ_ROLE_CORRUPT:
+            self._raise_status(SHMQ_CORRUPT, "get")
         if holder >= 0:
             raise ShmqError(
                 f"shmq queue {self.name!r} already has a consumer (pid {holder}; this is pid "
@@ -494,8 +526,23 @@ cdef class Ring:
 
     # --- status -> exception: the one place ---------------------------------
 
-    cdef int _raise_status(self, int rc, str op, uint64_t need=0, object timeout=None) except -1:
+    cdef int _raise_status(self, int rc, str op, uint64_t need=0, object timeout=None,
+                           uint64_t pos=0, uint32_t pid=0) except -1:
+        """Raise the exception for C status rc from operation op ("get",
+        "put").  need: bytes asked for (or skipped); pos, pid: the record
+        concerned."""
         h = self.r.hdr
+        if rc == SHMQ_CORRUPT:
+            self._raise_corrupt_field(op, pos)
+        if rc == SHMQ_ABANDONED:
+            raise PeerLost(
+                f"shmq queue {self.name!r}: producer pid {pid} died while writing a "
+                f"{need}-byte record at position {pos}; the record was dropped and the "
+                f"other producers' messages follow: call get() again to continue")
+        if rc == SHMQ_AMBIGUOUS:
+            raise PeerLost(
+                f"shmq queue {self.name!r}: several dead producers claimed position {pos} "
+                f"with different sizes, so the next record cannot be located; recreate the queue")
         if rc == SHMQ_FULL:
             raise Full(f"shmq queue {self.name!r}: no room for a {need}-byte record within "
                        f"timeout={timeout!r}s ({h.tail_pos - h.head_pos} of {self.r.capacity} "
@@ -523,6 +570,31 @@ cdef class Ring:
                     f"producing, or start a new consumer with Queue.attach({self.name!r})")
         raise ShmqError(f"shmq queue {self.name!r}: unexpected status {rc} in {op}")
 
+    cdef int _raise_corrupt_field(self, str op, uint64_t pos) except -1:
+        """A shared field failed NOTE [validation] in shmq_ring.h; the handle
+        says which, the value read and the limit it broke."""
+        cdef int field = self.r.bad_field
+        cdef uint64_t v = self.r.bad_value, lim = self.r.bad_limit
+        name = _FIELD_NAMES.get(field, f"#{field}")
+        if field == SHMQ_FIELD_POSITIONS:
+            what = (f"head_pos {v} and tail_pos {lim} are not a valid pair (tail - head must "
+                    f"be a multiple of 64 in [0, {self.r.capacity}])")
+        elif field == SHMQ_FIELD_RECORD_BYTES:
+            what = (f"the record at position {pos} says it is {v} bytes long; it must be a "
+                    f"multiple of 64 in [{sizeof(shmq_record)}, {lim}] (the bytes published "
+                    f"after it)")
+        elif field == SHMQ_FIELD_CONSUMER_SLOT or field == SHMQ_FIELD_PRODUCER_SLOT:
+            what = f"{<int64_t>v} is not -1 or a slot index below {lim}"
+        elif field == SHMQ_FIELD_CLAIM:
+            what = (f"slot {lim} claims {v} bytes at position {pos} for a producer that died; "
+                    f"a claim is a multiple of 64 within the published bytes")
+        else:
+            what = f"value {v} (limit {lim})"
+        raise IncompatibleRing(
+            f"shmq queue {self.name!r} ({op}): field {name}: {what}. The segment was "
+            f"written by an incompatible shmq version or corrupted by another program of this "
+            f"user; recreate the queue")
+
     cdef object _consumer_pid(self):
         cdef int32_t c = self.r.hdr.consumer_slot
         if c < 0 or c >= <int32_t>SHMQ_MAX_ATTACH:
@@ -548,10 +620,13 @@ cdef class Ring:
                 f"shmq queue {self.name!r}: message needs {need} bytes but the ring holds "
                 f"{self.r.capacity}; create the queue with capacity_bytes >= {need}")
         self._ensure_producer()
-        if shmq_claim(&self.r, need, &pos) == SHMQ_OK:
+        rc = shmq_claim(&self.r, need, &pos)
+        if rc == SHMQ_OK:
             return pos
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if rc == SHMQ_CORRUPT:
+                self._raise_status(rc, "put", need)
             st = shmq_reader_status(&self.r)
             if st != SHMQ_PEERS_OPEN:
                 self._raise_status(st, "put", need)
@@ -565,7 +640,8 @@ cdef class Ring:
             with nogil:
                 shmq_wait_writable(&self.r, need, slice_ns)
             PyErr_CheckSignals()
-            if shmq_claim(&self.r, need, &pos) == SHMQ_OK:
+            rc = shmq_claim(&self.r, need, &pos)
+            if rc == SHMQ_OK:
                 return pos
 
     cdef inline shmq_record *_start_record(self, uint64_t pos, uint64_t need, uint32_t kind,
@@ -718,8 +794,8 @@ cdef class Ring:
     cdef int _next(self, object timeout, uint64_t *pos, uint64_t *nbytes) except -1:
         """Wait for the next deliverable record at head."""
         cdef int rc, st
-        cdef uint64_t skip
-        cdef uint32_t dead_pid
+        cdef uint64_t skip = 0
+        cdef uint32_t dead_pid = 0
         cdef uint64_t slice_ns
         cdef bint waited = False
         self._ensure_consumer()
@@ -735,24 +811,14 @@ cdef class Ring:
                     continue
                 return 0
             if rc == SHMQ_CORRUPT:
-                raise IncompatibleRing(
-                    f"shmq queue {self.name!r}: record at position {self.r.hdr.head_pos} has an "
-                    f"invalid record_bytes field; the segment is corrupt or from an incompatible "
-                    f"writer; recreate the queue")
-            if rc == SHMQ_PENDING and waited:
-                rc = shmq_resolve_pending(&self.r, &skip, &dead_pid)
-                if rc == SHMQ_OK:
-                    head = self.r.hdr.head_pos
-                    shmq_release(&self.r, head, skip)
-                    raise PeerLost(
-                        f"shmq queue {self.name!r}: producer pid {dead_pid} died while writing a "
-                        f"{skip}-byte record at position {head}; the record was dropped and the "
-                        f"other producers' messages follow: call get() again to continue")
-                if rc == SHMQ_CORRUPT:
-                    raise PeerLost(
-                        f"shmq queue {self.name!r}: several dead producers claimed position "
-                        f"{self.r.hdr.head_pos} with different sizes, so the next record cannot "
-                        f"be located; recreate the queue")
+                self._raise_status(rc, "get", 0, None, pos[0])
+            if rc == SHMQ_PENDING:
+                if waited:
+                    rc = shmq_resolve_pending(&self.r, pos[0], &skip, &dead_pid)
+                    if rc == SHMQ_ABANDONED:
+                        shmq_release(&self.r, pos[0], skip)
+                    if rc != SHMQ_PENDING:
+                        self._raise_status(rc, "get", skip, None, pos[0], dead_pid)
             elif rc == SHMQ_EMPTY and (waited or self.r.hdr.closed_writers or self.r.hdr.gone_writers):
                 # Only scan the slots once someone finished or a slice passed:
                 # the streaming fast path never touches /proc.
@@ -970,6 +1036,13 @@ cdef str _header_problem(str name, int bad, const shmq_header *h, uint64_t file_
         detail = f"file is {file_bytes} bytes, header implies {h.data_offset + h.capacity_bytes}"
     elif bad == SHMQ_FIELD_CAPACITY:
         detail = f"capacity_bytes {h.capacity_bytes} is not a power of two in [{SHMQ_MIN_CAPACITY}, {SHMQ_MAX_CAPACITY}]"
+    elif bad == SHMQ_FIELD_POSITIONS:
+        detail = (f"head_pos {h.head_pos} / tail_pos {h.tail_pos}: tail - head must be a multiple "
+                  f"of 64 in [0, capacity_bytes]")
+    elif bad == SHMQ_FIELD_CONSUMER_SLOT:
+        detail = f"{h.consumer_slot} is not -1 or a slot index below {SHMQ_MAX_ATTACH}"
+    elif bad == SHMQ_FIELD_PRODUCER_SLOT:
+        detail = f"{h.producer_slot} is not -1 or a slot index below {SHMQ_MAX_ATTACH}"
     else:
         detail = "inconsistent with the rest of the header"
     return f"cannot attach to {name!r}: field {field}: {detail}"

@@ -43,7 +43,54 @@
  *
  * The consumer validates every field against the ring before it trusts it
  * (see shmq_peek and the Cython decoder); a hostile or corrupt segment gives
- * SHMQ_CORRUPT, never an out-of-bounds read.
+ * SHMQ_CORRUPT, never an out-of-bounds read.  The rules follow.
+ *
+ * ---------------------------------------------------------------------------
+ * Trusting shared memory (NOTE [validation])
+ * ---------------------------------------------------------------------------
+ * Any process of the same user can write any byte of a segment at any time,
+ * also while we are attached.  So nothing read from shared memory is used as
+ * a size, an index or an offset before it has been checked, EVERY time it is
+ * read (not only at attach), and a value is read once into a local and the
+ * local is what gets checked and used (no check-then-reread).
+ *
+ *   geometry     capacity_bytes, flags, the region offsets and max_attach are
+ *                checked once by shmq_validate at attach and then copied
+ *                into the process-local shmq_ring (shmq_bind takes them from
+ *                the caller, not from the header).  They are never read
+ *                from the header again, so a later write cannot move the
+ *                mapping or send a slot loop past the slot array: loops
+ *                run to SHMQ_MAX_ATTACH.
+ *   head_pos,    every read pair must satisfy: tail - head <= capacity
+ *   tail_pos     (unsigned, so head > tail fails too) and both multiples of
+ *                64 (shmq_positions_ok).  The consumer checks it in
+ *                shmq_peek, the producer whenever it reloads head
+ *                (shmq_has_space; its fast path `tail - cached_head <=
+ *                capacity - need` is one unsigned compare that also fails
+ *                for any tail behind head).  Bad: SHMQ_FIELD_POSITIONS.
+ *   record_bytes a multiple of 64, >= the record header and <= tail - head
+ *                (hence <= capacity): with the data mapped twice, every
+ *                byte of the record lies inside the mapping.  Everything
+ *                inside a record (meta_bytes, array/tree metadata, buffer
+ *                table, pickle stream) is then checked against record_bytes
+ *                by the decoder (_core.pyx).
+ *   consumer_slot, producer_slot
+ *                -1 or a slot index < max_attach, checked before each use
+ *                as an index (SHMQ_FIELD_CONSUMER_SLOT/_PRODUCER_SLOT).
+ *   claim_pos/claim_bytes (slots)
+ *                only compared with head; a claim the consumer would skip
+ *                must be a multiple of 64 and <= tail - head
+ *                (SHMQ_FIELD_CLAIM).
+ *   avail[]      lap tags are only compared, never used as a size or
+ *                index; the index into avail[] comes from our own head.
+ *   owner, starttime, futex words, counters, space_wanted
+ *                only compared, waited on or reported: a bad value costs a
+ *                spurious wake-up, a bounded wait or a wrong liveness answer
+ *                (which the caller's timeout bounds), never memory safety.
+ *
+ * A failed check returns SHMQ_CORRUPT and leaves the field, the value read
+ * and the limit it broke in the handle (r->bad_field, bad_value, bad_limit),
+ * so the one status-to-exception function can name them.
  *
  * ---------------------------------------------------------------------------
  * Publication
@@ -160,8 +207,12 @@
 #define SHMQ_FULL 2     /* not enough free space                           */
 #define SHMQ_PENDING 3  /* MPSC: head is claimed but not yet published     */
 #define SHMQ_TIMEOUT 4  /* wait slice over                                 */
-#define SHMQ_CORRUPT 5  /* a field fails validation; *bad_field says which */
+#define SHMQ_CORRUPT 5  /* a field fails validation; r->bad_field says which */
 #define SHMQ_NO_SLOT 6  /* all attachment slots are taken by live handles  */
+#define SHMQ_ABANDONED 7 /* MPSC: head holds a dead producer's unpublished
+                            record; *skip_bytes says how long it is       */
+#define SHMQ_AMBIGUOUS 8 /* MPSC: dead producers announced head with
+                            different sizes; the next record is lost      */
 
 /* peer status (distinct from the codes above so one function can map
  * every code to an exception) */
@@ -180,7 +231,11 @@
 #define SHMQ_FIELD_POSITIONS 7
 #define SHMQ_FIELD_RECORD_BYTES 8
 #define SHMQ_FIELD_MAX_ATTACH 9
-#define SHMQ_FIELD_ROLE_SLOT 10
+#define SHMQ_FIELD_ROLE_SLOT 10      /* at attach: consumer_slot or producer_slot */
+#define SHMQ_FIELD_CONSUMER_SLOT 11
+#define SHMQ_FIELD_PRODUCER_SLOT 12
+#define SHMQ_FIELD_CLAIM 13          /* a slot's claim_pos/claim_bytes */
+
 
 #if defined(__x86_64__) || defined(__i386__)
 #define SHMQ_CPU_RELAX() __builtin_ia32_pause()
@@ -302,6 +357,11 @@ typedef struct shmq_ring {
     uint64_t cached_tail;  /* consumer side: last tail_pos seen */
     uint32_t read_spin_misses;  /* consecutive waits a spin did not satisfy */
     uint32_t write_spin_misses;
+    /* The last SHMQ_CORRUPT: which field, the value read, the limit it broke
+     * (for the error message; see NOTE [validation]). */
+    int bad_field;
+    uint64_t bad_value;
+    uint64_t bad_limit;
 } shmq_ring;
 
 static inline uint64_t shmq_align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
@@ -326,6 +386,22 @@ static inline void shmq_layout(uint64_t capacity, int mpsc, uint32_t max_attach,
 }
 
 static inline int shmq_is_pow2(uint64_t x) { return x && !(x & (x - 1)); }
+
+/* Record a failed check in the handle (NOTE [validation]); returns
+ * SHMQ_CORRUPT so callers can `return shmq_corrupt(...)`. */
+static inline int shmq_corrupt(shmq_ring *r, int field, uint64_t value, uint64_t limit) {
+    r->bad_field = field;
+    r->bad_value = value;
+    r->bad_limit = limit;
+    return SHMQ_CORRUPT;
+}
+
+/* A (head, tail) pair just read from the header is usable: at most a ring's
+ * worth apart, head not past tail (unsigned subtraction wraps otherwise),
+ * both at record boundaries.  Two compares; see NOTE [validation]. */
+static inline int shmq_positions_ok(uint64_t capacity, uint64_t head, uint64_t tail) {
+    return tail - head <= capacity && ((head | tail) & (SHMQ_RECORD_ALIGN - 1)) == 0;
+}
 
 static inline unsigned shmq_log2(uint64_t x) {
     unsigned s = 0;
@@ -425,30 +501,37 @@ static inline int shmq_validate(const void *base, uint64_t file_bytes, int *bad_
     if (file_bytes != dof + h->capacity_bytes) { *bad_field = SHMQ_FIELD_FILE_SIZE; return SHMQ_CORRUPT; }
     uint64_t head = __atomic_load_n(&h->head_pos, __ATOMIC_ACQUIRE);
     uint64_t tail = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
-    if (tail < head || tail - head > h->capacity_bytes || (head & (SHMQ_RECORD_ALIGN - 1))) {
+    if (!shmq_positions_ok(h->capacity_bytes, head, tail)) {
         *bad_field = SHMQ_FIELD_POSITIONS; return SHMQ_CORRUPT;
     }
     int32_t c = __atomic_load_n(&h->consumer_slot, __ATOMIC_ACQUIRE);
     int32_t p = __atomic_load_n(&h->producer_slot, __ATOMIC_ACQUIRE);
-    if (c < -1 || c >= (int32_t)h->max_attach || p < -1 || p >= (int32_t)h->max_attach) {
-        *bad_field = SHMQ_FIELD_ROLE_SLOT; return SHMQ_CORRUPT;
-    }
+    if (c < -1 || c >= (int32_t)SHMQ_MAX_ATTACH) { *bad_field = SHMQ_FIELD_CONSUMER_SLOT; return SHMQ_CORRUPT; }
+    if (p < -1 || p >= (int32_t)SHMQ_MAX_ATTACH) { *bad_field = SHMQ_FIELD_PRODUCER_SLOT; return SHMQ_CORRUPT; }
     return SHMQ_OK;
 }
 
 /* Fill a local handle.  base is the start of the mapping; the data region
- * must be mapped twice, at base + data_offset and right after it. */
-static inline void shmq_bind(shmq_ring *r, void *base) {
+ * must be mapped twice, at base + data_offset and right after it.  capacity
+ * and mpsc are the values the caller validated and mapped by (shmq_validate
+ * on a private copy of the header, or what it created): the header itself
+ * may have changed since, so its geometry fields are not read here, nor
+ * ever again (NOTE [validation]). */
+static inline void shmq_bind(shmq_ring *r, void *base, uint64_t capacity, int mpsc) {
     shmq_header *h = (shmq_header *)base;
+    uint64_t so, ao, dof;
+    shmq_layout(capacity, mpsc, SHMQ_MAX_ATTACH, &so, &ao, &dof);
     r->hdr = h;
-    r->slots = (shmq_slot *)((uint8_t *)base + h->slots_offset);
-    r->mpsc = (h->flags & SHMQ_FLAG_MPSC) != 0;
-    r->avail = r->mpsc ? (uint32_t *)((uint8_t *)base + h->avail_offset) : NULL;
-    r->data = (uint8_t *)base + h->data_offset;
-    r->capacity = h->capacity_bytes;
-    r->mask = h->capacity_bytes - 1;
-    r->cap_shift = shmq_log2(h->capacity_bytes);
+    r->slots = (shmq_slot *)((uint8_t *)base + so);
+    r->mpsc = mpsc != 0;
+    r->avail = r->mpsc ? (uint32_t *)((uint8_t *)base + ao) : NULL;
+    r->data = (uint8_t *)base + dof;
+    r->capacity = capacity;
+    r->mask = capacity - 1;
+    r->cap_shift = shmq_log2(capacity);
     r->slot = -1;
+    r->bad_field = SHMQ_FIELD_NONE;
+    r->bad_value = r->bad_limit = 0;
     r->cached_head = __atomic_load_n(&h->head_pos, __ATOMIC_ACQUIRE);
     r->cached_tail = r->cached_head;
     r->read_spin_misses = r->write_spin_misses = 0;
@@ -481,8 +564,7 @@ static inline int shmq_slot_reusable(const shmq_ring *r, uint32_t i, const shmq_
  * is held by a live handle. */
 static inline int32_t shmq_slot_acquire(shmq_ring *r, uint32_t pid, uint64_t starttime,
                                         uint32_t flags) {
-    uint32_t n = r->hdr->max_attach;
-    for (uint32_t i = 0; i < n; i++) {
+    for (uint32_t i = 0; i < SHMQ_MAX_ATTACH; i++) { /* never hdr->max_attach */
         shmq_slot *s = &r->slots[i];
         uint64_t old = __atomic_load_n(&s->owner, __ATOMIC_ACQUIRE);
         if (!shmq_slot_reusable(r, i, s, old)) continue;
@@ -552,7 +634,7 @@ static inline int shmq_retire_if_dead(shmq_ring *r, uint32_t i, uint64_t owner) 
 /* Called by the consumer while the ring is empty: may anyone still write? */
 static inline int shmq_writers_status(shmq_ring *r) {
     shmq_header *h = r->hdr;
-    for (uint32_t i = 0; i < h->max_attach; i++) {
+    for (uint32_t i = 0; i < SHMQ_MAX_ATTACH; i++) { /* never hdr->max_attach */
         uint64_t o = __atomic_load_n(&r->slots[i].owner, __ATOMIC_ACQUIRE);
         if (((uint32_t)o & SHMQ_SLOT_STATE_MASK) != SHMQ_SLOT_OPEN || !shmq_is_writer(o)) continue;
         if (!shmq_retire_if_dead(r, i, o)) return SHMQ_PEERS_OPEN;
@@ -565,10 +647,13 @@ static inline int shmq_writers_status(shmq_ring *r) {
 }
 
 /* Called by a producer while the ring is full: can anyone still read?  With
- * no consumer registered yet the answer is "keep waiting". */
+ * no consumer registered yet the answer is "keep waiting".  SHMQ_CORRUPT if
+ * consumer_slot is not a slot index. */
 static inline int shmq_reader_status(shmq_ring *r) {
     int32_t c = __atomic_load_n(&r->hdr->consumer_slot, __ATOMIC_ACQUIRE);
-    if (c < 0 || c >= (int32_t)r->hdr->max_attach) return SHMQ_PEERS_OPEN;
+    if (c == -1) return SHMQ_PEERS_OPEN;
+    if (c < -1 || c >= (int32_t)SHMQ_MAX_ATTACH)
+        return shmq_corrupt(r, SHMQ_FIELD_CONSUMER_SLOT, (uint64_t)(int64_t)c, SHMQ_MAX_ATTACH);
     uint64_t o = __atomic_load_n(&r->slots[c].owner, __ATOMIC_ACQUIRE);
     uint32_t st = (uint32_t)o & SHMQ_SLOT_STATE_MASK;
     if (!(o & SHMQ_SLOT_CONSUMER)) return SHMQ_PEERS_OPEN; /* slot changing hands */
@@ -581,15 +666,23 @@ static inline int shmq_reader_status(shmq_ring *r) {
 /* Make slot `i` the holder of an exclusive role: the consumer
  * (role_slot = &hdr->consumer_slot, flag SHMQ_SLOT_CONSUMER) or the one
  * producer of an SPSC ring (&hdr->producer_slot, SHMQ_SLOT_PRODUCED).
- * Returns -1 on success, or the pid of the handle that holds the role.  A
- * dead holder is replaced; a holder that closed is replaced only when
- * replace_closed is set: a consumer that closed told producers the stream
- * ended, so the consumer role is not handed on. */
+ * Returns -1 on success, the pid of the handle that holds the role, or
+ * SHMQ_ROLE_CORRUPT when the role slot is not a slot index (r->bad_field
+ * names it).  A dead holder is replaced; a holder that closed is replaced
+ * only when replace_closed is set: a consumer that closed told producers
+ * the stream ended, so the consumer role is not handed on. */
+#define SHMQ_ROLE_CORRUPT (-2)
 static inline int64_t shmq_take_role(shmq_ring *r, int32_t *role_slot, int32_t i, uint64_t flag,
                                      int replace_closed) {
     for (;;) {
         int32_t c = __atomic_load_n(role_slot, __ATOMIC_ACQUIRE);
         if (c == i) break;
+        if (c < -1 || c >= (int32_t)SHMQ_MAX_ATTACH) {
+            shmq_corrupt(r, role_slot == &r->hdr->consumer_slot ? SHMQ_FIELD_CONSUMER_SLOT
+                                                                : SHMQ_FIELD_PRODUCER_SLOT,
+                         (uint64_t)(int64_t)c, SHMQ_MAX_ATTACH);
+            return SHMQ_ROLE_CORRUPT;
+        }
         if (c >= 0) {
             uint64_t o = __atomic_load_n(&r->slots[c].owner, __ATOMIC_ACQUIRE);
             uint32_t st = (uint32_t)o & SHMQ_SLOT_STATE_MASK;
@@ -613,29 +706,43 @@ static inline int64_t shmq_take_role(shmq_ring *r, int32_t *role_slot, int32_t i
 /* Producer                                                                  */
 /* ------------------------------------------------------------------------ */
 
-static inline int shmq_has_space(shmq_ring *r, uint64_t tail, uint64_t need) {
-    if (tail + need - r->cached_head <= r->capacity) return 1;
-    r->cached_head = __atomic_load_n(&r->hdr->head_pos, __ATOMIC_ACQUIRE);
-    return tail + need - r->cached_head <= r->capacity;
+/* Is there room for `need` (<= capacity) bytes at *tail?  SHMQ_OK, SHMQ_FULL,
+ * or SHMQ_CORRUPT when the positions fail NOTE [validation].  The fast
+ * path is one unsigned compare against the cached head; it also fails for a
+ * tail behind head, which then gets the full check. */
+static inline int shmq_has_space(shmq_ring *r, uint64_t *tail, uint64_t need) {
+    if (*tail - r->cached_head <= r->capacity - need) return SHMQ_OK;
+    uint64_t head = __atomic_load_n(&r->hdr->head_pos, __ATOMIC_ACQUIRE);
+    r->cached_head = head;
+    if (r->mpsc) {
+        /* *tail may be a stale snapshot that the consumer has passed since:
+         * read tail again AFTER head, and head <= tail holds in any valid
+         * ring.  The caller's CAS expects the fresh value anyway. */
+        *tail = __atomic_load_n(&r->hdr->tail_pos, __ATOMIC_ACQUIRE);
+    }
+    if (!shmq_positions_ok(r->capacity, head, *tail))
+        return shmq_corrupt(r, SHMQ_FIELD_POSITIONS, head, *tail);
+    return *tail - head <= r->capacity - need ? SHMQ_OK : SHMQ_FULL;
 }
 
 /* Claim `need` bytes (a multiple of 64, <= capacity).  On SHMQ_OK, *pos is
  * where the record goes; the caller fills [*pos, *pos+need) via shmq_at()
- * and then calls shmq_publish. */
+ * and then calls shmq_publish.  SHMQ_FULL, or SHMQ_CORRUPT (positions). */
 static inline int shmq_claim(shmq_ring *r, uint64_t need, uint64_t *pos) {
     shmq_header *h = r->hdr;
+    int rc;
     if (!r->mpsc) {
         /* Single producer: tail_pos is ours.  Acquire, not relaxed, because
          * the role may have been handed over by a producer that closed. */
         uint64_t t = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
-        if (!shmq_has_space(r, t, need)) return SHMQ_FULL;
+        if ((rc = shmq_has_space(r, &t, need)) != SHMQ_OK) return rc;
         *pos = t;
         return SHMQ_OK;
     }
     shmq_slot *s = &r->slots[r->slot];
     uint64_t t = __atomic_load_n(&h->tail_pos, __ATOMIC_RELAXED);
     for (;;) {
-        if (!shmq_has_space(r, t, need)) return SHMQ_FULL;
+        if ((rc = shmq_has_space(r, &t, need)) != SHMQ_OK) return rc;
         /* Announce the claim before making it, so that if this process dies
          * right after the CAS the consumer can find and skip the record.  The
          * CAS (seq_cst) orders these stores before the new tail is visible. */
@@ -683,12 +790,27 @@ static inline void shmq_publish(shmq_ring *r, uint64_t pos, uint64_t need) {
 /* Look at the record at head.  SHMQ_OK: *pos and *bytes describe a published
  * record whose length has been checked against the ring.  SHMQ_CORRUPT: they
  * hold the head and the invalid length, for the error message. */
+/* Look at the record at head.  SHMQ_OK: *pos and *bytes describe a published
+ * record whose length has been checked against the ring.  SHMQ_CORRUPT:
+ * the positions or the length fail NOTE [validation] (r->bad_field says
+ * which); *pos holds the head. */
 static inline int shmq_peek(shmq_ring *r, uint64_t *pos, uint64_t *bytes) {
     shmq_header *h = r->hdr;
-    uint64_t head = __atomic_load_n(&h->head_pos, __ATOMIC_RELAXED); /* ours */
+    /* Ours, but shared memory all the same: checked below before use. */
+    uint64_t head = __atomic_load_n(&h->head_pos, __ATOMIC_RELAXED);
+    *pos = head;
     if (head == r->cached_tail) {
         r->cached_tail = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
         if (head == r->cached_tail) return SHMQ_EMPTY;
+    }
+    if (!shmq_positions_ok(r->capacity, head, r->cached_tail)) {
+        /* The cached tail can be behind a head that skipped a dead
+         * producer's record (its size was checked against a fresher tail):
+         * read it again before calling the positions corrupt. */
+        r->cached_tail = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
+        if (head == r->cached_tail) return SHMQ_EMPTY;
+        if (!shmq_positions_ok(r->capacity, head, r->cached_tail))
+            return shmq_corrupt(r, SHMQ_FIELD_POSITIONS, head, r->cached_tail);
     }
     if (r->mpsc) {
         uint32_t tag = __atomic_load_n(&r->avail[(head & r->mask) / SHMQ_RECORD_ALIGN], __ATOMIC_ACQUIRE);
@@ -696,10 +818,9 @@ static inline int shmq_peek(shmq_ring *r, uint64_t *pos, uint64_t *bytes) {
     }
     const shmq_record *rec = (const shmq_record *)shmq_at(r, head);
     uint64_t n = __atomic_load_n(&rec->record_bytes, __ATOMIC_RELAXED);
-    *pos = head;
     *bytes = n;
     if (n < sizeof(shmq_record) || (n & (SHMQ_RECORD_ALIGN - 1)) || n > r->cached_tail - head)
-        return SHMQ_CORRUPT;
+        return shmq_corrupt(r, SHMQ_FIELD_RECORD_BYTES, n, r->cached_tail - head);
     return SHMQ_OK;
 }
 
@@ -728,18 +849,19 @@ static inline void shmq_release(shmq_ring *r, uint64_t pos, uint64_t bytes) {
     shmq_wake_producers(r, pos + bytes);
 }
 
-/* MPSC, head is claimed but unpublished: is its producer dead?  Returns
- * SHMQ_OK with *skip_bytes and *dead_pid set when every slot claiming head
- * belongs to a dead process and they agree on the size; SHMQ_PENDING to keep
- * waiting; SHMQ_CORRUPT if dead claimants disagree (cannot tell where the
- * next record starts). */
-static inline int shmq_resolve_pending(shmq_ring *r, uint64_t *skip_bytes, uint32_t *dead_pid) {
+/* MPSC, head (the *pos shmq_peek gave) is claimed but unpublished: is its
+ * producer dead?  Returns SHMQ_ABANDONED with *skip_bytes and *dead_pid set
+ * when every slot claiming head belongs to a dead process and they agree on
+ * the size; SHMQ_PENDING to keep waiting; SHMQ_AMBIGUOUS if dead claimants
+ * disagree (cannot tell where the next record starts); SHMQ_CORRUPT if the
+ * claim or the positions fail NOTE [validation]. */
+static inline int shmq_resolve_pending(shmq_ring *r, uint64_t head, uint64_t *skip_bytes,
+                                       uint32_t *dead_pid) {
     shmq_header *h = r->hdr;
-    uint64_t head = __atomic_load_n(&h->head_pos, __ATOMIC_RELAXED);
     uint64_t size = 0;
-    uint32_t pid = 0;
+    uint32_t pid = 0, slot = 0;
     int found = 0;
-    for (uint32_t i = 0; i < h->max_attach; i++) {
+    for (uint32_t i = 0; i < SHMQ_MAX_ATTACH; i++) { /* never hdr->max_attach */
         shmq_slot *s = &r->slots[i];
         uint64_t o = __atomic_load_n(&s->owner, __ATOMIC_ACQUIRE);
         uint32_t st = (uint32_t)o & SHMQ_SLOT_STATE_MASK;
@@ -748,19 +870,22 @@ static inline int shmq_resolve_pending(shmq_ring *r, uint64_t *skip_bytes, uint3
         uint64_t cp = __atomic_load_n(&s->claim_pos, __ATOMIC_RELAXED);
         if (cb == 0 || cp != head) continue;
         if (st == SHMQ_SLOT_OPEN && !shmq_retire_if_dead(r, i, o)) return SHMQ_PENDING;
-        if (found && cb != size) return SHMQ_CORRUPT;
+        if (found && cb != size) return SHMQ_AMBIGUOUS;
         size = cb;
         pid = (uint32_t)(o >> 32);
+        slot = i;
         found = 1;
     }
     if (!found) return SHMQ_PENDING;
-    if (size > r->capacity || (size & (SHMQ_RECORD_ALIGN - 1)) ||
-        size > __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE) - head)
-        return SHMQ_CORRUPT;
+    uint64_t tail = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
+    if (!shmq_positions_ok(r->capacity, head, tail))
+        return shmq_corrupt(r, SHMQ_FIELD_POSITIONS, head, tail);
+    if ((size & (SHMQ_RECORD_ALIGN - 1)) || size > tail - head)
+        return shmq_corrupt(r, SHMQ_FIELD_CLAIM, size, slot);
     *skip_bytes = size;
     *dead_pid = pid;
     __atomic_fetch_add(&h->skipped_records, 1, __ATOMIC_RELAXED);
-    return SHMQ_OK;
+    return SHMQ_ABANDONED;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -834,8 +959,11 @@ static inline int shmq_wait_readable(shmq_ring *r, uint64_t timeout_ns) {
     return (ready || shmq_readable(r)) ? SHMQ_OK : SHMQ_TIMEOUT;
 }
 
+/* Room for need bytes, or the positions are corrupt (stop waiting: the
+ * claim that follows reports it). */
 static inline int shmq_writable(shmq_ring *r, uint64_t need) {
-    return shmq_has_space(r, __atomic_load_n(&r->hdr->tail_pos, __ATOMIC_RELAXED), need);
+    uint64_t t = __atomic_load_n(&r->hdr->tail_pos, __ATOMIC_RELAXED);
+    return shmq_has_space(r, &t, need) != SHMQ_FULL;
 }
 
 /* Wait up to timeout_ns for `need` free bytes.  Call without the GIL. */

@@ -30,6 +30,8 @@ def header_of(q) -> bytearray:
 
 
 def poke(name: str, offset: int, fmt: str, value):
+    if fmt == "<Q":
+        value %= 1 << 64  # positions computed below zero wrap, as in C
     with open(segment.SHM_DIR + name, "r+b") as f:
         f.seek(offset)
         f.write(struct.pack(fmt, value))
@@ -43,7 +45,10 @@ def poke(name: str, offset: int, fmt: str, value):
     ("capacity_bytes", "<Q", 1 << 20, "field"),          # power of two but not the file's
     ("data_offset", "<Q", 1 << 40, "field region offsets"),
     ("tail_pos", "<Q", 1 << 50, "field head_pos/tail_pos"),
-    ("consumer_slot", "<i", 1 << 20, "field consumer_slot/producer_slot"),
+    ("tail_pos", "<Q", 64 * 3 + 8, "field head_pos/tail_pos"),  # not a record boundary
+    ("consumer_slot", "<i", 1 << 20, "field consumer_slot: 1048576 is not -1 or a slot index"),
+    ("consumer_slot", "<i", -7, "field consumer_slot: -7"),
+    ("producer_slot", "<i", 256, "field producer_slot: 256"),
 ])
 def test_attach_refuses_inconsistent_header(field, fmt, value, expect):
     with shmq.Queue(1 << 16) as q:
@@ -130,6 +135,157 @@ def test_malformed_tree_record(field, fmt, value, expect):
         with pytest.raises(shmq.IncompatibleRing, match=expect):
             q.get(timeout=0)
         assert_still_usable(q)
+
+
+# --- R11 on a live segment: fields re-checked at every read --------------------
+
+def header_field(q, field, fmt):
+    return struct.unpack_from(fmt, header_of(q), LAYOUT[field])[0]
+
+
+def consume_after_corruption(name, ready, go, results):
+    """A consumer that is attached and has read once, then reads again
+    after the parent corrupted the segment: it must get a typed error or the
+    right message, never a signal."""
+    c = shmq.Queue.attach(name)
+    try:
+        assert c.get(timeout=10).tolist() == [1, 2, 3]
+        ready.send(True)
+        assert go.poll(20)
+        try:
+            got = c.get(timeout=1)
+            results.send(("message", got.tolist()))
+        except shmq.ShmqError as e:
+            results.send((type(e).__name__, str(e)))
+    finally:
+        c.close()
+
+
+LIVE_HEADER_CASES = {
+    # what the repro did: head moved past tail, a 1 GiB record there
+    "head past tail": ("head_pos", lambda head, tail, cap: tail + 64, "field head_pos/tail_pos"),
+    "tail behind head": ("tail_pos", lambda head, tail, cap: head - 64, "field head_pos/tail_pos"),
+    "tail a lap ahead": ("tail_pos", lambda head, tail, cap: head + 2 * cap, "field head_pos/tail_pos"),
+    "tail off a record boundary": ("tail_pos", lambda head, tail, cap: tail + 72, "field head_pos/tail_pos"),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", sorted(LIVE_HEADER_CASES))
+@pytest.mark.parametrize("mpsc", [False, True])
+def test_live_consumer_rechecks_positions(procs, case, mpsc):
+    import multiprocessing as mp
+
+    field, value, expect = LIVE_HEADER_CASES[case]
+    with shmq.Queue(4096, multi_producer=mpsc) as q:
+        q.put(np.array([1, 2, 3]))
+        ready_r, ready_w = mp.Pipe(False)
+        go_r, go_w = mp.Pipe(False)
+        res_r, res_w = mp.Pipe(False)
+        child = procs.fork(consume_after_corruption, q.name, ready_w, go_r, res_w)
+        assert ready_r.poll(10) and ready_r.recv()
+        q.put(np.arange(100, dtype=np.uint8))  # a real record after the read one
+        head, tail = header_field(q, "head_pos", "<Q"), header_field(q, "tail_pos", "<Q")
+        bad = value(head, tail, q.capacity_bytes)
+        poke(q.name, LAYOUT[field], "<Q", bad)
+        # and at the bad head, a record that claims 1 GiB (as in the repro)
+        data_offset = header_field(q, "data_offset", "<Q")
+        poke(q.name, data_offset + (bad & (q.capacity_bytes - 1)), "<Q", 1 << 30)
+        go_w.send(True)
+        assert res_r.poll(10), "the consumer neither returned nor raised"
+        kind, text = res_r.recv()
+        child.join(10)
+        assert child.exitcode == 0, f"consumer ended with {child.exitcode} (negative: a signal)"
+        assert kind == "IncompatibleRing" and expect in text, (kind, text)
+        assert "recreate the queue" in text
+
+
+def produce_after_corruption(name, ready, go, results, size):
+    p = shmq.Queue.attach(name)
+    try:
+        p.put(np.zeros(8, np.uint8))
+        ready.send(True)
+        assert go.poll(20)
+        try:
+            for _ in range(3):
+                p.put(np.zeros(size, np.uint8), timeout=0.5)
+            results.send(("put", ""))
+        except shmq.ShmqError as e:
+            results.send((type(e).__name__, str(e)))
+    finally:
+        p.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("field,value,expect", [
+    ("head_pos", lambda head, tail, cap: tail + 4096, "field head_pos/tail_pos"),
+    ("head_pos", lambda head, tail, cap: tail - 2 * cap, "field head_pos/tail_pos"),
+    ("tail_pos", lambda head, tail, cap: head - 128, "field head_pos/tail_pos"),
+    ("consumer_slot", lambda head, tail, cap: 1 << 20, "field consumer_slot: 1048576"),
+])
+@pytest.mark.parametrize("mpsc", [False, True])
+def test_live_producer_rechecks_positions_and_consumer_slot(procs, field, value, expect, mpsc):
+    """A producer that finds no room reloads head and reads consumer_slot:
+    both are checked before use; it neither writes out of bounds nor waits
+    for a slot index past the slot array."""
+    import multiprocessing as mp
+
+    with shmq.Queue(4096, multi_producer=mpsc) as q:
+        with pytest.raises(shmq.Empty):
+            q.get_nowait()  # this handle is the consumer, and never reads
+        ready_r, ready_w = mp.Pipe(False)
+        go_r, go_w = mp.Pipe(False)
+        res_r, res_w = mp.Pipe(False)
+        child = procs.fork(produce_after_corruption, q.name, ready_w, go_r, res_w, 1500)
+        assert ready_r.poll(10) and ready_r.recv()
+        head, tail = header_field(q, "head_pos", "<Q"), header_field(q, "tail_pos", "<Q")
+        fmt = "<i" if field == "consumer_slot" else "<Q"
+        poke(q.name, LAYOUT[field], fmt, value(head, tail, q.capacity_bytes))
+        go_w.send(True)
+        assert res_r.poll(10), "the producer neither returned nor raised"
+        kind, text = res_r.recv()
+        child.join(10)
+        assert child.exitcode == 0, f"producer ended with {child.exitcode} (negative: a signal)"
+        assert kind == "IncompatibleRing" and expect in text, (kind, text)
+
+
+@pytest.mark.parametrize("field,fmt,value", [
+    ("capacity_bytes", "<Q", 1 << 40),
+    ("data_offset", "<Q", 1 << 50),
+    ("slots_offset", "<Q", 1 << 50),
+    ("avail_offset", "<Q", 1 << 50),
+    ("max_attach", "<I", 0xFFFFFFFF),
+    ("flags", "<I", 0xFFFFFFFF),
+])
+@pytest.mark.parametrize("mpsc", [False, True])
+def test_geometry_is_read_once_at_attach(field, fmt, value, mpsc):
+    """Open handles never read the geometry from the header again, so
+    overwriting it changes nothing for them (and a loop over the slots
+    stays inside the slot array); a new attach refuses the segment."""
+    with shmq.Queue(4096, multi_producer=mpsc) as q:
+        p = shmq.Queue.attach(q.name)
+        p.put(np.arange(5))
+        poke(q.name, LAYOUT[field], fmt, value)
+        assert q.get(timeout=1).tolist() == [0, 1, 2, 3, 4]
+        p.put(np.arange(6))
+        assert q.get(timeout=1).tolist() == list(range(6))
+        p.close()  # the consumer scans every slot for live producers next
+        with pytest.raises(shmq.Closed):
+            q.get(timeout=1)
+        with pytest.raises(shmq.IncompatibleRing):
+            shmq.Queue.attach(q.name)
+
+
+def test_role_slot_is_checked_before_use():
+    with shmq.Queue(4096) as q:
+        p = shmq.Queue.attach(q.name)
+        poke(q.name, LAYOUT["producer_slot"], "<i", 1 << 24)
+        with pytest.raises(shmq.IncompatibleRing, match="field producer_slot: 16777216"):
+            p.put(np.ones(1))
+        poke(q.name, LAYOUT["consumer_slot"], "<i", -5)
+        with pytest.raises(shmq.IncompatibleRing, match="field consumer_slot: -5"):
+            q.get(timeout=0)
+        p.close()
 
 
 def test_shm_full_is_reported_up_front_and_leaves_nothing():

@@ -30,7 +30,7 @@ static uint8_t *map_ring(uint64_t capacity, int mpsc) {
     return base;
 }
 
-typedef struct { uint8_t *base; uint32_t producer; uint64_t count; } producer_arg;
+typedef struct { uint8_t *base; int mpsc; uint32_t producer; uint64_t count; } producer_arg;
 
 static uint64_t record_size(uint32_t p, uint64_t s) { return (s * 2654435761u + p * 977u) % 700; }
 
@@ -39,7 +39,7 @@ static uint8_t pattern(uint32_t p, uint64_t s, uint64_t i) { return (uint8_t)(p 
 static void *producer(void *varg) {
     producer_arg *a = varg;
     shmq_ring r;
-    shmq_bind(&r, a->base);
+    shmq_bind(&r, a->base, 4096, a->mpsc);
     r.slot = shmq_slot_acquire(&r, (uint32_t)getpid(), 0, SHMQ_SLOT_OPEN | SHMQ_SLOT_PRODUCED);
     for (uint64_t s = 0; s < a->count; s++) {
         uint64_t n = record_size(a->producer, s);
@@ -58,9 +58,9 @@ static void *producer(void *varg) {
     return NULL;
 }
 
-static int consume(uint8_t *base, uint32_t producers, uint64_t per_producer) {
+static int consume(uint8_t *base, int mpsc, uint32_t producers, uint64_t per_producer) {
     shmq_ring r;
-    shmq_bind(&r, base);
+    shmq_bind(&r, base, 4096, mpsc);
     r.slot = shmq_slot_acquire(&r, (uint32_t)getpid(), 0, SHMQ_SLOT_OPEN);
     shmq_take_role(&r, &r.hdr->consumer_slot, r.slot, SHMQ_SLOT_CONSUMER, 0);
     uint64_t next[64] = {0}, total = (uint64_t)producers * per_producer, got = 0;
@@ -94,10 +94,10 @@ static int run(int mpsc, uint32_t producers, uint64_t count) {
     pthread_t threads[64];
     producer_arg args[64];
     for (uint32_t p = 0; p < producers; p++) {
-        args[p] = (producer_arg){base, p, count};
+        args[p] = (producer_arg){base, mpsc, p, count};
         pthread_create(&threads[p], NULL, producer, &args[p]);
     }
-    int failures = consume(base, producers, count);
+    int failures = consume(base, mpsc, producers, count);
     for (uint32_t p = 0; p < producers; p++) pthread_join(threads[p], NULL);
     printf("%s: %u producer(s) x %lu records\n", mpsc ? "mpsc" : "spsc", producers, (unsigned long)count);
     printf("%d passed, %d failed\n", failures ? 0 : 1, failures ? 1 : 0);
