@@ -10,6 +10,7 @@ cimport cython
 cimport numpy as cnp
 from cpython.object cimport PyObject, PyTypeObject
 from cpython.ref cimport Py_INCREF
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.errno cimport errno
@@ -25,6 +26,7 @@ import math
 import os
 import pickle
 import time
+import warnings
 
 import numpy as np
 
@@ -330,13 +332,151 @@ cdef cnp.dtype _dtype_from_code(bytes code, Ring ring, uint64_t pos):
     dt = _code_dtypes.get(code)
     if dt is None:
         try:
-            dt = np.dtype(code.decode("ascii"))
-        except (TypeError, ValueError, UnicodeDecodeError):
+            # A code from shared memory may be anything: numpy's errors and
+            # deprecation warnings for it are this record's problem.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dt = np.dtype(code.decode("ascii"))
+        except Exception:
             ring._corrupt(pos, f"unknown dtype code {code!r}")
         if not _fast_path_dtype(dt) or dt.str.encode("ascii") != code:
             ring._corrupt(pos, f"dtype code {code!r} is not a plain numeric/bytes dtype")
+        if len(_code_dtypes) >= 4096:
+            _code_dtypes.clear()  # corrupt records must not grow it without bound
         _code_dtypes[code] = dt
     return dt
+
+
+# --- the pickle stream of a TREE record, checked before it is unpickled ----
+#
+# A tree's structure is a pickle written by codec.encode (protocol 5).  The
+# unpickler trusts its input: a 20-byte stream can make it allocate
+# gigabytes (LONG_BINPUT 0x40000000 grows the memo to that many entries)
+# before any error.  So the consumer first walks the stream opcode by
+# opcode, in C, and accepts only what a protocol-5 pickler writes, with
+# every length and index bounded by the stream itself:
+#   - PROTO 5 first, STOP last and nowhere else;
+#   - only opcodes a protocol-5 pickler emits (no text-mode opcodes, no
+#     BINPUT/LONG_BINPUT: protocol 5 memoizes with MEMOIZE; no persistent ids);
+#   - every argument and every counted string/bytes inside the stream;
+#   - BINGET/LONG_BINGET only of memo entries MEMOIZE already made;
+#   - exactly nbuffers NEXT_BUFFER opcodes (one per buffer-table entry).
+# Then everything the stream itself builds is bounded by its length: at most
+# one object per opcode, strings no longer than their bytes.  What the
+# stream CALLS (REDUCE/NEWOBJ/BUILD of any importable name) is not bounded:
+# a pickle is code.  The trust model (README "Trust") covers that: segments
+# are 0600, writable only by the same user, who can run code as us anyway.
+
+cdef enum:
+    _A_INVALID = 0, _A_NONE, _A_FIX1, _A_FIX2, _A_FIX4, _A_FIX8,
+    _A_LEN1, _A_LEN4, _A_LEN8, _A_LONG4, _A_PROTO, _A_FRAME, _A_STOP, _A_MEMOIZE,
+    _A_GET1, _A_GET4, _A_BUFFER
+
+cdef unsigned char _PICKLE_ARGS[256]
+
+
+cdef void _init_pickle_args():
+    cdef int i
+    for i in range(256):
+        _PICKLE_ARGS[i] = _A_INVALID
+    for c in b"(012NRabe}]s)tu":     # MARK POP POP_MARK DUP NONE REDUCE APPEND BUILD
+        _PICKLE_ARGS[c] = _A_NONE     # APPENDS EMPTY_DICT EMPTY_LIST SETITEM EMPTY_TUPLE TUPLE SETITEMS
+    for c in (0x81, 0x85, 0x86, 0x87, 0x88, 0x89, 0x8f, 0x90, 0x91, 0x92, 0x93, 0x98):
+        _PICKLE_ARGS[c] = _A_NONE     # NEWOBJ TUPLE1-3 NEWTRUE NEWFALSE EMPTY_SET ADDITEMS
+                                      # FROZENSET NEWOBJ_EX STACK_GLOBAL READONLY_BUFFER
+    _PICKLE_ARGS[ord("K")] = _A_FIX1  # BININT1
+    _PICKLE_ARGS[0x82] = _A_FIX1      # EXT1
+    _PICKLE_ARGS[ord("M")] = _A_FIX2  # BININT2
+    _PICKLE_ARGS[0x83] = _A_FIX2      # EXT2
+    _PICKLE_ARGS[ord("J")] = _A_FIX4  # BININT
+    _PICKLE_ARGS[0x84] = _A_FIX4      # EXT4
+    _PICKLE_ARGS[ord("G")] = _A_FIX8  # BINFLOAT
+    _PICKLE_ARGS[ord("C")] = _A_LEN1  # SHORT_BINBYTES
+    _PICKLE_ARGS[0x8c] = _A_LEN1      # SHORT_BINUNICODE
+    _PICKLE_ARGS[0x8a] = _A_LEN1      # LONG1
+    _PICKLE_ARGS[ord("B")] = _A_LEN4  # BINBYTES
+    _PICKLE_ARGS[ord("X")] = _A_LEN4  # BINUNICODE
+    _PICKLE_ARGS[0x8b] = _A_LONG4     # LONG4 (signed length)
+    _PICKLE_ARGS[0x8d] = _A_LEN8      # BINUNICODE8
+    _PICKLE_ARGS[0x8e] = _A_LEN8      # BINBYTES8
+    _PICKLE_ARGS[0x96] = _A_LEN8      # BYTEARRAY8
+    _PICKLE_ARGS[0x80] = _A_PROTO
+    _PICKLE_ARGS[0x95] = _A_FRAME
+    _PICKLE_ARGS[ord(".")] = _A_STOP
+    _PICKLE_ARGS[0x94] = _A_MEMOIZE
+    _PICKLE_ARGS[ord("h")] = _A_GET1  # BINGET
+    _PICKLE_ARGS[ord("j")] = _A_GET4  # LONG_BINGET
+    _PICKLE_ARGS[0x97] = _A_BUFFER    # NEXT_BUFFER
+
+
+_init_pickle_args()
+
+
+cdef inline uint64_t _le(const uint8_t *p, int nbytes) noexcept nogil:
+    cdef uint64_t v = 0
+    cdef int k
+    for k in range(nbytes):
+        v |= (<uint64_t>p[k]) << (8 * k)
+    return v
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef str _check_pickle(const uint8_t *p, uint64_t n, uint32_t nbuf):
+    """None if p[:n] is a protocol-5 pickle stream of the shape described
+    above, else what is wrong with it (for the error message)."""
+    cdef uint64_t i = 2, arg, memo = 0, buffers = 0
+    cdef unsigned char op, kind
+    cdef int width
+    if n < 3 or p[0] != 0x80 or p[1] != 5:
+        return "it does not start with PROTO 5"
+    while i < n:
+        op = p[i]
+        kind = _PICKLE_ARGS[op]
+        i += 1
+        if kind == _A_NONE:
+            continue
+        if kind == _A_STOP:
+            if i != n:
+                return f"STOP at byte {i - 1} of {n}"
+            break
+        if kind == _A_INVALID or kind == _A_PROTO:
+            return f"opcode {op:#04x} at byte {i - 1} is not one a protocol-5 pickler writes"
+        if kind == _A_MEMOIZE:
+            memo += 1
+            continue
+        if kind == _A_BUFFER:
+            buffers += 1
+            continue
+        if kind == _A_FIX1 or kind == _A_LEN1 or kind == _A_GET1:
+            width = 1
+        elif kind == _A_FIX2:
+            width = 2
+        elif kind == _A_FIX4 or kind == _A_LEN4 or kind == _A_LONG4 or kind == _A_GET4:
+            width = 4
+        else:
+            width = 8
+        if n - i < <uint64_t>width:
+            return f"opcode {op:#04x} at byte {i - 1}: its argument runs past the end"
+        arg = _le(p + i, width)
+        i += width
+        if kind == _A_GET1 or kind == _A_GET4:
+            if arg >= memo:
+                return f"memo index {arg} at byte {i - 1 - width} (only {memo} memoized)"
+        elif kind == _A_FRAME:
+            if arg > n - i:
+                return f"frame of {arg} bytes at byte {i - 9}, only {n - i} left"
+        elif kind == _A_LEN1 or kind == _A_LEN4 or kind == _A_LEN8 or kind == _A_LONG4:
+            if kind == _A_LONG4 and arg >= 0x80000000:
+                return f"negative length at byte {i - 5}"
+            if arg > n - i:
+                return f"{arg}-byte argument at byte {i - 1 - width}, only {n - i} left"
+            i += arg
+    else:
+        return "no STOP at the end"
+    if buffers != nbuf:
+        return f"{buffers} out-of-band buffers used, {nbuf} in the buffer table"
+    return None
 
 
 cdef inline void _copy(void *dst, const void *src, uint64_t n) noexcept:
@@ -601,11 +741,20 @@ cdef class Ring:
             return None
         return shmq_slot_owner(&self.r, c) >> 32
 
-    cdef int _corrupt(self, uint64_t pos, str what) except -1:
-        raise IncompatibleRing(
-            f"shmq queue {self.name!r}: record at position {pos} is malformed: {what}. The "
-            f"segment was written by an incompatible shmq version or corrupted by another "
-            f"program; recreate the queue")
+    cdef int _corrupt(self, uint64_t pos, str what, str remedy=None, object cause=None) except -1:
+        """A record failed the decoder's checks.  Names the record by
+        position and producer pid; the producer pid is only informational
+        (it is read from the same record)."""
+        cdef uint32_t pid = (<shmq_record *>shmq_at(&self.r, pos)).producer_pid
+        if remedy is None:
+            remedy = ("the record was dropped. The segment was written by an incompatible shmq "
+                      "version or corrupted by another program of this user: if this repeats, "
+                      "recreate the queue")
+        err = IncompatibleRing(f"shmq queue {self.name!r}: record at position {pos} (producer pid "
+                               f"{pid}) is malformed: {what}; {remedy}")
+        if cause is None:
+            raise err
+        raise err from cause
 
     # --- producer ---------------------------------------------------------
 
@@ -848,8 +997,9 @@ cdef class Ring:
     @cython.boundscheck(False)
     @cython.wraparound(False)
     cdef object _decode(self, uint64_t pos, uint64_t n, bint copy):
-        """Build the message at pos.  Every field is read once into a local,
-        then validated against the record before use."""
+        """Build the message at pos (n bytes, already checked against the
+        ring by shmq_peek).  Every field is read once into a local, then
+        validated against the record before use (NOTE [validation])."""
         cdef uint8_t *base = shmq_at(&self.r, pos)
         cdef shmq_record *rec = <shmq_record *>base
         cdef uint32_t kind = rec.kind
@@ -864,6 +1014,7 @@ cdef class Ring:
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
+    @cython.cdivision(True)
     cdef object _decode_array(self, uint64_t pos, uint8_t *base, uint64_t n, uint64_t meta,
                               bint copy):
         cdef shmq_array_meta *am = <shmq_array_meta *>(base + sizeof(shmq_record))
@@ -879,24 +1030,28 @@ cdef class Ring:
         cdef bytes code = (<char *>(shape + ndim))[:chars]
         cdef cnp.dtype dt = _dtype_from_code(code, self, pos)
         cdef cnp.npy_intp dims[32]
-        cdef uint64_t count = 1, d
+        # The array's size as numpy computes it: itemsize times every
+        # non-zero dimension must fit in npy_intp (even when another
+        # dimension is 0), and then it must equal data_bytes.
+        cdef uint64_t total = <uint64_t>dt.itemsize, d
+        cdef uint64_t INTP_MAX = 0x7fffffffffffffff
         cdef uint32_t i
         cdef bint zero = False
         for i in range(ndim):
             d = shape[i]
-            if d > <uint64_t>0x7fffffffffffffff:
+            if d > INTP_MAX:
                 self._corrupt(pos, f"shape[{i}] = {d} overflows")
             dims[i] = <cnp.npy_intp>d
             if d == 0:
                 zero = True
-            elif not zero:
-                if count > dbytes // d + 1:
-                    self._corrupt(pos, "shape overflows data_bytes")
-                count *= d
+            elif total > INTP_MAX // d:
+                self._corrupt(pos, f"shape[{i}] = {d}: the array would exceed 2**63 bytes")
+            else:
+                total *= d
         if zero:
-            count = 0
-        if count * <uint64_t>dt.itemsize != dbytes:
-            self._corrupt(pos, f"shape x itemsize = {count * dt.itemsize} != data_bytes {dbytes}")
+            total = 0
+        if total != dbytes:
+            self._corrupt(pos, f"shape x itemsize = {total} != data_bytes {dbytes}")
         if not copy:
             return self._view_array(base + doff, ndim, dims, dt)
         Py_INCREF(dt)  # PyArray_Empty steals a reference
@@ -908,7 +1063,8 @@ cdef class Ring:
                              uint32_t nbuf, bint copy):
         cdef shmq_tree_meta *tm = <shmq_tree_meta *>(base + sizeof(shmq_record))
         cdef uint64_t poff = tm.pickle_offset, pbytes = tm.pickle_bytes
-        if (meta - sizeof(shmq_tree_meta)) // sizeof(shmq_buffer_entry) < nbuf or meta < sizeof(shmq_tree_meta):
+        if meta < sizeof(shmq_tree_meta) or \
+                (meta - sizeof(shmq_tree_meta)) // sizeof(shmq_buffer_entry) < nbuf:
             self._corrupt(pos, f"{nbuf} buffer entries overrun meta_bytes {meta}")
         if poff > n or pbytes > n - poff:
             self._corrupt(pos, f"pickle_offset {poff} / pickle_bytes {pbytes} outside the record")
@@ -923,15 +1079,38 @@ cdef class Ring:
                 self._corrupt(pos, f"buffer {i} (offset {off}, {nb} bytes) outside the record")
             spans.append((off, nb))
         cdef cnp.npy_intp whole = n
+        cdef const uint8_t *stream_data
         if copy:
             # One copy of the record into private memory; every array of the
-            # message then views that block.
+            # message then views that block, and the pickle stream is read
+            # from it: nothing can change under the checks below.
             block = cnp.PyArray_EMPTY(1, &whole, cnp.NPY_UINT8, 0)
             _copy(cnp.PyArray_DATA(block), base, n)
+            stream_data = <const uint8_t *>cnp.PyArray_DATA(block) + poff
+            stream = block[poff:poff + pbytes]
         else:
             block = self._view_array(base, 1, &whole, np.dtype(np.uint8))
+            # Arrays view the ring, but the (small) pickle stream is copied
+            # out first: it is checked, then unpickled, and another process
+            # must not be able to change it in between.
+            stream = PyBytes_FromStringAndSize(<const char *>base + poff, pbytes)
+            stream_data = <const uint8_t *>PyBytes_AS_STRING(stream)
+        problem = _check_pickle(stream_data, pbytes, nbuf)
+        if problem is not None:
+            self._corrupt(pos, f"its pickle stream ({pbytes} bytes) is malformed: {problem}")
         buffers = [block[o:o + b] for o, b in spans]
-        return pickle.loads(block[poff:poff + pbytes], buffers=buffers)
+        try:
+            return pickle.loads(stream, buffers=buffers)
+        except Exception as e:
+            # The stream is well-formed but rebuilding the tree failed: a
+            # class missing here, a reducer that raised, or bytes changed
+            # inside an argument.  Either way this record cannot be had.
+            self._corrupt(pos, f"its tree could not be rebuilt: {type(e).__name__}: {e}",
+                          "if the producer sent an object this process cannot rebuild (its "
+                          "class is not importable here, or its __setstate__ failed: see the "
+                          "exception this one was raised from), send plainer data; otherwise "
+                          "the segment was corrupted. The record was dropped: get() again "
+                          "for the next one", e)
 
     def get(self, object timeout):
         """The next message, owned by the caller (copied out of the ring)."""

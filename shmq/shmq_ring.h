@@ -73,7 +73,8 @@
  *                byte of the record lies inside the mapping.  Everything
  *                inside a record (meta_bytes, array/tree metadata, buffer
  *                table, pickle stream) is then checked against record_bytes
- *                by the decoder (_core.pyx).
+ *                by the decoder (_core.pyx); the pickle stream is scanned
+ *                before it is unpickled (_check_pickle).
  *   consumer_slot, producer_slot
  *                -1 or a slot index < max_attach, checked before each use
  *                as an index (SHMQ_FIELD_CONSUMER_SLOT/_PRODUCER_SLOT).

@@ -2,9 +2,11 @@
 names after a crash (R15), and the `python -m shmq` cleaner."""
 
 import os
+import pickle
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import posix_ipc
@@ -286,6 +288,136 @@ def test_role_slot_is_checked_before_use():
         with pytest.raises(shmq.IncompatibleRing, match="field consumer_slot: -5"):
             q.get(timeout=0)
         p.close()
+
+
+def test_shape_with_a_zero_dimension_cannot_hide_an_overflow():
+    """numpy refuses shape (0, 2**62) of float64 (the non-zero dimensions
+    times the itemsize overflow) even though the array is empty: the
+    decoder checks the same, and says so as IncompatibleRing."""
+    with shmq.Queue(1 << 16) as q:
+        q.put(np.zeros((0, 2), "<f8"))
+        corrupt_first_record(q, rec + LAYOUT["array_meta_bytes"] + 8, "<Q", 1 << 62)
+        with pytest.raises(shmq.IncompatibleRing, match=r"shape\[1\] = 4611686018427387904"):
+            q.get(timeout=0)
+        assert_still_usable(q)
+
+
+def test_dtype_code_numpy_warns_about_is_a_typed_error():
+    """'|a3' is a dtype numpy still parses, with a DeprecationWarning (an
+    exception under -W error): the decoder refuses it as corrupt either way."""
+    with shmq.Queue(1 << 16) as q:
+        q.put(np.zeros(3, "|S3"))
+        corrupt_first_record(q, rec + LAYOUT["array_meta_bytes"] + 8, "<3s", b"|a3")
+        with pytest.raises(shmq.IncompatibleRing, match="dtype code b'\\|a3'"):
+            q.get(timeout=0)
+        assert_still_usable(q)
+
+
+# --- tree records: the pickle stream is checked before it is unpickled -------
+
+def rewrite_tree_stream(q, stream: bytes):
+    """Replace the pickle stream of the TREE record at head (same record,
+    same buffer table) and set pickle_bytes to its length."""
+    data_offset = header_field(q, "data_offset", "<Q")
+    head = header_field(q, "head_pos", "<Q")
+    at = data_offset + (head & (q.capacity_bytes - 1))
+    with open(segment.SHM_DIR + q.name, "r+b") as f:
+        f.seek(at + rec)
+        poff, plen = struct.unpack("<QQ", f.read(16))
+        f.seek(at + rec + 8)
+        f.write(struct.pack("<Q", len(stream)))
+        f.seek(at + poff)
+        f.write(stream)
+
+
+P5 = b"\x80\x05"
+BAD_STREAMS = {
+    # the repro: LONG_BINPUT 0x08000000 made the unpickler zero a 2 GiB memo
+    "memo bomb": (P5 + b"Nr" + struct.pack("<I", 0x08000000) + b".", "opcode 0x72"),
+    "protocol 4": (b"\x80\x04N.", "PROTO 5"),
+    "no STOP": (P5 + b"NN", "no STOP"),
+    "STOP inside": (P5 + b"N.N.", "STOP at byte 3"),
+    "text opcode": (P5 + b"I12\n.", "opcode 0x49"),
+    "persistent id": (P5 + b"NQ.", "opcode 0x51"),
+    "string longer than stream": (P5 + b"\x8d" + struct.pack("<Q", 1 << 40) + b"ab.", "1099511627776-byte"),
+    "bytes longer than stream": (P5 + b"B" + struct.pack("<I", 1000) + b"x.", "1000-byte"),
+    "frame longer than stream": (P5 + b"\x95" + struct.pack("<Q", 1 << 33) + b"N.", "frame of 8589934592"),
+    "negative LONG4": (P5 + b"\x8b" + struct.pack("<I", 0xFFFFFFF0) + b".", "negative length"),
+    "truncated argument": (P5 + b"J\x01\x02", "runs past the end"),
+    "memo get past memo": (P5 + b"N\x94j" + struct.pack("<I", 5) + b".", "memo index 5"),
+    "more buffers than the table": (P5 + b"\x97\x97\x97.", "3 out-of-band buffers used, 1"),
+}
+
+
+@pytest.mark.parametrize("how", ["get", "get_view"])
+@pytest.mark.parametrize("case", sorted(BAD_STREAMS))
+def test_malformed_pickle_stream_is_refused_before_unpickling(case, how):
+    stream, expect = BAD_STREAMS[case]
+    with shmq.Queue(1 << 16) as q:
+        q.put({"a": np.arange(4), "b": "x" * 40})  # one out-of-band buffer
+        rewrite_tree_stream(q, stream)
+        t0 = time.monotonic()
+        with pytest.raises(shmq.IncompatibleRing) as info:
+            if how == "get":
+                q.get(timeout=0.05)
+            else:
+                with q.get_view(timeout=0.05):
+                    pass
+        assert time.monotonic() - t0 < 0.5
+        text = str(info.value)
+        assert expect in text and "record at position 0" in text
+        assert f"producer pid {os.getpid()}" in text
+        assert_still_usable(q)
+
+
+def get_in_child_and_measure(name, results):
+    import resource
+
+    c = shmq.Queue.attach(name)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        c.get(timeout=1)
+        results.send(("message", 0))
+    except shmq.ShmqError as e:
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        results.send((type(e).__name__, grown))
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(30)
+def test_memo_bomb_allocates_nothing_in_the_consumer(procs):
+    import multiprocessing as mp
+
+    with shmq.Queue(1 << 16) as q:
+        q.put({"a": "x" * 20})
+        rewrite_tree_stream(q, BAD_STREAMS["memo bomb"][0])
+        res_r, res_w = mp.Pipe(False)
+        child = procs.fork(get_in_child_and_measure, q.name, res_w)
+        assert res_r.poll(20)
+        kind, grown_kib = res_r.recv()
+        child.join(10)
+        assert child.exitcode == 0
+        assert kind == "IncompatibleRing" and grown_kib < 8 << 10, (kind, grown_kib)
+
+
+@pytest.mark.parametrize("stream,cause", [
+    # well-formed, but rebuilding fails: the unpickler's own error becomes
+    # the cause of an IncompatibleRing naming the record
+    (P5 + b"\x970\x8c\x0bno_such_mod\x94\x8c\x01x\x94\x93\x94.", ModuleNotFoundError),
+    (P5 + b"\x970\x8c\x02\xff\xfe\x94.", UnicodeDecodeError),
+    (P5 + b"\x97\x85\x94R.", pickle.UnpicklingError),          # REDUCE on a short stack
+    (P5 + b"\x8c\x08builtins\x8c\x03int\x93\x8c\x01z\x85R\x97\x86.", ValueError),
+])
+def test_tree_that_cannot_be_rebuilt_is_incompatible_ring_with_the_cause(stream, cause):
+    with shmq.Queue(1 << 16) as q:
+        q.put({"a": np.arange(4)})
+        rewrite_tree_stream(q, stream)
+        with pytest.raises(shmq.IncompatibleRing, match="could not be rebuilt") as info:
+            q.get(timeout=0)
+        assert isinstance(info.value.__cause__, cause)
+        assert "record at position 0" in str(info.value)
+        assert_still_usable(q)
 
 
 def test_shm_full_is_reported_up_front_and_leaves_nothing():
