@@ -146,6 +146,7 @@ def layout_offsets():
         "tree.pickle_bytes": <size_t>&tm.pickle_bytes - tb,
         "tree_meta_bytes": sizeof(shmq_tree_meta),
         "buffer_entry_bytes": sizeof(shmq_buffer_entry),
+        "claim_owned_bit": SHMQ_CLAIM_OWNED,
         "magic_value": SHMQ_MAGIC,
         "version_value": SHMQ_VERSION,
     }

@@ -40,6 +40,7 @@ cdef extern from "shmq_ring.h" nogil:
     int SHMQ_ABANDONED
     int SHMQ_AMBIGUOUS
     int64_t SHMQ_ROLE_CORRUPT
+    uint64_t SHMQ_CLAIM_OWNED
 
     int SHMQ_PEERS_OPEN
     int SHMQ_PEERS_CLOSED

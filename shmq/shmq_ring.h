@@ -114,11 +114,52 @@
  *   availableBuffer is the same idea.)
  *
  * A producer that dies between claim and publish leaves an unpublished
- * record at some position.  When the consumer's head reaches it, it looks up
- * every slot whose claim_pos equals head: if all of them belong to dead
- * processes and agree on claim_bytes, the record is abandoned and skipped
- * (shmq_resolve_pending); otherwise it keeps waiting.  Nothing here is a
+ * record at some position.  When the consumer's head reaches it, it finds
+ * the claim through the announcements in the slots and skips it
+ * (shmq_resolve_pending, see NOTE [claim announcement]).  Nothing here is a
  * lock: no process ever waits for a dead one.
+ *
+ * NOTE [claim announcement]
+ *   producer (shmq_claim)                      slot: claim_pos, claim_bytes
+ *     t = tail; room for n?  no -> FULL       (whatever it was: 0)
+ *     announce                                 t, n            (n: release)
+ *     CAS tail t -> t+n
+ *       won:  confirm                          t, n | OWNED    (release)
+ *             ... write ... publish (avail)    t, 0
+ *       lost: t = new tail; room?  yes -> announce again at the new t
+ *                              no  -> WITHDRAW  t, 0 -> return FULL
+ *   Every path out of shmq_claim that does not own a claim withdraws, so an
+ *   announcement that outlives its attempt exists only while its process is
+ *   between two of these steps (a few instructions, no blocking call), or
+ *   if the process died right there.
+ *
+ *   consumer at an unpublished head, after a wait slice:
+ *     1. a slot announces head with OWNED: that claim is real (only one CAS
+ *        from head can win).  Owner alive: wait, it is writing.  Owner dead:
+ *        skip its n bytes.  Other announcements of head are then ignored,
+ *        live or not.
+ *     2. no OWNED one, but a live process announces head: wait.  It is
+ *        between announce and confirm/withdraw and will take one of them
+ *        as soon as it runs.
+ *     3. only dead processes announce head: one of them won its CAS and
+ *        died before confirming, the others died mid-attempt.  If they
+ *        agree on n, skip n; if not, the next record cannot be located:
+ *        SHMQ_CORRUPT (it takes two processes killed inside those windows
+ *        at the same position; the consumer gets PeerLost, never a hang).
+ *     4. nobody announces head: keep waiting (the record was published
+ *        between our two reads, or the segment is corrupt: the caller's
+ *        timeout bounds that wait).
+ *   Before skipping, the avail tag is read again (after the liveness check,
+ *   which is a system call): a producer that published and then died
+ *   before clearing its claim must not lose its record.
+ *   Why OWNED and WITHDRAW both: before this protocol, a producer whose CAS
+ *   lost and that then found the ring full returned with its announcement
+ *   still in place; while the ring stayed full it never announced again.
+ *   If the CAS winner died before publishing, the consumer saw a live
+ *   process announcing head and waited for it forever, and the ring stayed
+ *   full: a deadlock (tests/c/ring_test.c "stale-claim" replays it).
+ *   WITHDRAW removes the stale announcement; OWNED lets rule 1 ignore one
+ *   that is still there (its process is stopped inside the window).
  *
  * ---------------------------------------------------------------------------
  * Attachment slots and end of stream
@@ -237,6 +278,20 @@
 #define SHMQ_FIELD_PRODUCER_SLOT 12
 #define SHMQ_FIELD_CLAIM 13          /* a slot's claim_pos/claim_bytes */
 
+/* slot.claim_bytes: set once the claim's CAS won (NOTE [claim announcement]).
+ * Claims are at most SHMQ_MAX_CAPACITY bytes, so the top bit is free. */
+#define SHMQ_CLAIM_OWNED (1ULL << 63)
+
+/* Test points inside shmq_claim (NOTE [claim announcement]).  A test build
+ * defines SHMQ_TEST_POINT(point) before including this header to stop or
+ * kill the process there (tests/c/ring_test.c); otherwise they compile to
+ * nothing. */
+#define SHMQ_POINT_ANNOUNCED 1   /* announced, CAS not tried yet          */
+#define SHMQ_POINT_LOST_CAS 2    /* CAS lost, announcement still in place */
+#define SHMQ_POINT_WON_CAS 3     /* CAS won, not confirmed yet            */
+#ifndef SHMQ_TEST_POINT
+#define SHMQ_TEST_POINT(point) ((void)0)
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #define SHMQ_CPU_RELAX() __builtin_ia32_pause()
@@ -256,7 +311,8 @@ typedef struct shmq_slot {
                               0 while unknown (then pid alone decides)              */
     uint64_t claim_pos;    /* MPSC: position being claimed; written by the owner
                               before its CAS on tail_pos (relaxed, ordered by CAS) */
-    uint64_t claim_bytes;  /* size of that claim; 0 once published                */
+    uint64_t claim_bytes;  /* size of that claim, | SHMQ_CLAIM_OWNED once its CAS
+                              won; 0 once published or withdrawn                  */
     uint64_t pending_since_ns; /* CLOCK_MONOTONIC when reserved for a fork child  */
     uint8_t _pad[SHMQ_CACHELINE - 40];
 } shmq_slot;
@@ -740,19 +796,35 @@ static inline int shmq_claim(shmq_ring *r, uint64_t need, uint64_t *pos) {
         *pos = t;
         return SHMQ_OK;
     }
+    /* See NOTE [claim announcement] for every step below. */
     shmq_slot *s = &r->slots[r->slot];
     uint64_t t = __atomic_load_n(&h->tail_pos, __ATOMIC_RELAXED);
+    int announced = 0;
     for (;;) {
-        if ((rc = shmq_has_space(r, &t, need)) != SHMQ_OK) return rc;
-        /* Announce the claim before making it, so that if this process dies
-         * right after the CAS the consumer can find and skip the record.  The
-         * CAS (seq_cst) orders these stores before the new tail is visible. */
-        __atomic_store_n(&s->claim_pos, t, __ATOMIC_RELAXED);
-        __atomic_store_n(&s->claim_bytes, need, __ATOMIC_RELAXED);
+        if ((rc = shmq_has_space(r, &t, need)) != SHMQ_OK) {
+            /* WITHDRAW: a lost CAS must not leave its announcement behind. */
+            if (announced) __atomic_store_n(&s->claim_bytes, 0, __ATOMIC_RELAXED);
+            return rc;
+        }
+        /* ANNOUNCE before the CAS, so that if this process dies right after
+         * the CAS the consumer can find and skip the record.  Release on
+         * claim_pos orders it after our previous publish/withdraw (0 in
+         * claim_bytes); release on claim_bytes orders claim_pos before it
+         * (the consumer reads claim_bytes, claim_pos, claim_bytes again).
+         * The CAS (seq_cst) orders both before the new tail is visible. */
+        __atomic_store_n(&s->claim_pos, t, __ATOMIC_RELEASE);
+        __atomic_store_n(&s->claim_bytes, need, __ATOMIC_RELEASE);
+        announced = 1;
+        SHMQ_TEST_POINT(SHMQ_POINT_ANNOUNCED);
         if (__atomic_compare_exchange_n(&h->tail_pos, &t, t + need, 1, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
             break;
-        /* t now holds the current tail; retry */
+        SHMQ_TEST_POINT(SHMQ_POINT_LOST_CAS);
+        /* t now holds the current tail: room there?  announce again, or withdraw */
     }
+    SHMQ_TEST_POINT(SHMQ_POINT_WON_CAS);
+    /* CONFIRM: [t, t+need) is ours; the consumer trusts this one over any
+     * other announcement of t (rule 1). */
+    __atomic_store_n(&s->claim_bytes, need | SHMQ_CLAIM_OWNED, __ATOMIC_RELEASE);
     *pos = t;
     return SHMQ_OK;
 }
@@ -850,39 +922,74 @@ static inline void shmq_release(shmq_ring *r, uint64_t pos, uint64_t bytes) {
     shmq_wake_producers(r, pos + bytes);
 }
 
-/* MPSC, head (the *pos shmq_peek gave) is claimed but unpublished: is its
- * producer dead?  Returns SHMQ_ABANDONED with *skip_bytes and *dead_pid set
- * when every slot claiming head belongs to a dead process and they agree on
- * the size; SHMQ_PENDING to keep waiting; SHMQ_AMBIGUOUS if dead claimants
- * disagree (cannot tell where the next record starts); SHMQ_CORRUPT if the
- * claim or the positions fail NOTE [validation]. */
+/* MPSC, head (the *pos shmq_peek gave) is claimed but unpublished (shmq_peek
+ * said SHMQ_PENDING, and a wait slice passed): who claimed it, and are they
+ * alive?  The rules are
+ * NOTE [claim announcement].  Returns
+ *   SHMQ_ABANDONED  its producer died: skip *skip_bytes (the caller releases
+ *                   them), *dead_pid says who
+ *   SHMQ_PENDING    keep waiting (someone alive is writing or deciding)
+ *   SHMQ_AMBIGUOUS  dead announcers disagree on the size: the next record
+ *                   cannot be located
+ *   SHMQ_CORRUPT    the claim or the positions fail NOTE [validation] */
 static inline int shmq_resolve_pending(shmq_ring *r, uint64_t head, uint64_t *skip_bytes,
                                        uint32_t *dead_pid) {
     shmq_header *h = r->hdr;
-    uint64_t size = 0;
-    uint32_t pid = 0, slot = 0;
-    int found = 0;
+    uint64_t owned = 0, tentative = 0;
+    uint32_t owned_pid = 0, tentative_pid = 0, owned_slot = 0, tentative_slot = 0;
+    int live_tentative = 0, disagree = 0;
     for (uint32_t i = 0; i < SHMQ_MAX_ATTACH; i++) { /* never hdr->max_attach */
         shmq_slot *s = &r->slots[i];
         uint64_t o = __atomic_load_n(&s->owner, __ATOMIC_ACQUIRE);
         uint32_t st = (uint32_t)o & SHMQ_SLOT_STATE_MASK;
         if (st == SHMQ_SLOT_FREE) continue;
-        uint64_t cb = __atomic_load_n(&s->claim_bytes, __ATOMIC_RELAXED);
-        uint64_t cp = __atomic_load_n(&s->claim_pos, __ATOMIC_RELAXED);
-        if (cb == 0 || cp != head) continue;
-        if (st == SHMQ_SLOT_OPEN && !shmq_retire_if_dead(r, i, o)) return SHMQ_PENDING;
-        if (found && cb != size) return SHMQ_AMBIGUOUS;
-        size = cb;
-        pid = (uint32_t)(o >> 32);
-        slot = i;
-        found = 1;
+        /* claim_bytes, claim_pos, claim_bytes again (acquire pairs with the
+         * producer's release stores): if claim_bytes changed, the pair may
+         * mix two announcements, and its owner is active right now. */
+        uint64_t cb = __atomic_load_n(&s->claim_bytes, __ATOMIC_ACQUIRE);
+        uint64_t cp = __atomic_load_n(&s->claim_pos, __ATOMIC_ACQUIRE);
+        uint64_t cb_again = __atomic_load_n(&s->claim_bytes, __ATOMIC_RELAXED);
+        uint64_t size = cb & ~SHMQ_CLAIM_OWNED;
+        if (size == 0 || cp != head) continue;
+        int alive = cb != cb_again || (st == SHMQ_SLOT_OPEN && !shmq_retire_if_dead(r, i, o));
+        if (cb != cb_again) cb &= ~SHMQ_CLAIM_OWNED; /* in motion: at most tentative */
+        if (cb & SHMQ_CLAIM_OWNED) {
+            if (alive) return SHMQ_PENDING;             /* rule 1: it is writing */
+            if (owned && owned != size)                 /* two won CASes from one tail */
+                return shmq_corrupt(r, SHMQ_FIELD_CLAIM, size, i);
+            owned = size;
+            owned_pid = (uint32_t)(o >> 32);
+            owned_slot = i;
+        } else if (alive) {
+            live_tentative = 1;                         /* rule 2, unless an OWNED one turns up */
+        } else {
+            if (tentative && tentative != size) disagree = 1;
+            tentative = size;
+            tentative_pid = (uint32_t)(o >> 32);
+            tentative_slot = i;
+        }
     }
-    if (!found) return SHMQ_PENDING;
+    uint64_t size;
+    uint32_t pid, slot;
+    if (owned) {
+        size = owned, pid = owned_pid, slot = owned_slot;       /* rule 1 */
+    } else if (live_tentative || !tentative) {
+        return SHMQ_PENDING;                                    /* rules 2 and 4 */
+    } else if (disagree) {
+        return SHMQ_AMBIGUOUS;                                  /* rule 3 */
+    } else {
+        size = tentative, pid = tentative_pid, slot = tentative_slot;
+    }
     uint64_t tail = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
     if (!shmq_positions_ok(r->capacity, head, tail))
         return shmq_corrupt(r, SHMQ_FIELD_POSITIONS, head, tail);
     if ((size & (SHMQ_RECORD_ALIGN - 1)) || size > tail - head)
         return shmq_corrupt(r, SHMQ_FIELD_CLAIM, size, slot);
+    /* Published after all (its producer died after publishing, before
+     * clearing its claim)?  Then it is delivered, not skipped. */
+    if (__atomic_load_n(&r->avail[(head & r->mask) / SHMQ_RECORD_ALIGN], __ATOMIC_ACQUIRE) ==
+        shmq_lap_tag(r, head))
+        return SHMQ_PENDING;
     *skip_bytes = size;
     *dead_pid = pid;
     __atomic_fetch_add(&h->skipped_records, 1, __ATOMIC_RELAXED);
