@@ -765,6 +765,16 @@ cdef class Ring:
         cdef uint64_t pos = 0
         cdef int rc, st
         cdef uint64_t slice_ns
+        if self.reserve_open:
+            # SPSC: the reservation has not moved tail_pos, so this claim
+            # would overlap it.  MPSC: this claim's announcement would
+            # replace the reservation's in our slot, and if we died the
+            # consumer could not find the reservation to skip it.
+            raise ShmqError(
+                f"shmq queue {self.name!r}: this handle holds an open reserve() block (position "
+                f"{self.reserve_pos}); put() on the same handle inside that block would corrupt "
+                f"the ring and is refused. Put after the block ends"
+                + (", or through another handle (Queue.attach)" if self.r.mpsc else ""))
         if need > self.r.capacity:
             raise MessageTooLarge(
                 f"shmq queue {self.name!r}: message needs {need} bytes but the ring holds "
@@ -879,19 +889,23 @@ cdef class Ring:
         cdef shmq_record *rec = self._start_record(pos, need, SHMQ_KIND_TREE, nbuf, meta)
         cdef uint8_t *base = <uint8_t *>rec
         cdef shmq_tree_meta *tm = <shmq_tree_meta *>(base + sizeof(shmq_record))
-        tm.pickle_offset = pickle_off
-        tm.pickle_bytes = len(pickled)
         cdef shmq_buffer_entry *entries = <shmq_buffer_entry *>(base + sizeof(shmq_record) + sizeof(shmq_tree_meta))
-        memcpy(base + pickle_off, <const char *>pickled, len(pickled))
-        for i in range(nbuf):
-            mv = views[i]
-            entries[i].offset = offsets[i]
-            entries[i].nbytes = mv.shape[0]
-            if mv.shape[0]:
-                if _kill_point == KILL_MID_COPY:
-                    _copy(base + <uint64_t>offsets[i], &mv[0], mv.shape[0] // 2)
-                    _maybe_die(KILL_MID_COPY)
-                _copy(base + <uint64_t>offsets[i], &mv[0], mv.shape[0])
+        try:
+            tm.pickle_offset = pickle_off
+            tm.pickle_bytes = len(pickled)
+            memcpy(base + pickle_off, <const char *>pickled, len(pickled))
+            for i in range(nbuf):
+                mv = views[i]
+                entries[i].offset = offsets[i]
+                entries[i].nbytes = mv.shape[0]
+                if mv.shape[0]:
+                    if _kill_point == KILL_MID_COPY:
+                        _copy(base + <uint64_t>offsets[i], &mv[0], mv.shape[0] // 2)
+                        _maybe_die(KILL_MID_COPY)
+                    _copy(base + <uint64_t>offsets[i], &mv[0], mv.shape[0])
+        except BaseException:
+            self._cancel_claim(pos, need)  # a claim must end published, whatever happens
+            raise
         self._publish(pos, need)
 
     def reserve_array(self, tuple shape, cnp.dtype dtype, object timeout):
@@ -909,6 +923,13 @@ cdef class Ring:
             raise ValueError(f"reserve() supports at most {SHMQ_MAX_NDIM} dimensions, got {ndim}")
         if any(d < 0 for d in shape):
             raise ValueError(f"negative dimension in shape {shape!r}")
+        # numpy's own limit, checked before anything is claimed: itemsize
+        # times every non-zero dimension must fit in npy_intp, even when
+        # another dimension is 0 (shape (0, 2**62) of float64 is refused).
+        if dtype.itemsize * math.prod([d for d in shape if d]) > 0x7fffffffffffffff:
+            raise ValueError(f"reserve({shape}, {dtype}): numpy cannot make an array of this "
+                             f"shape (its non-zero dimensions times the itemsize exceed 2**63 - 1 "
+                             f"bytes); use a smaller shape")
         size = dtype.itemsize * math.prod(shape)  # a Python int: cannot overflow
         if size > self.r.capacity:
             raise MessageTooLarge(
@@ -919,10 +940,17 @@ cdef class Ring:
             dims[i] = shape[i]
         cdef uint64_t pos, need
         cdef uint8_t *data = self._claim_array_record(ndim, dims, code, size, timeout, &pos, &need)
+        try:
+            arr = self._view_array(data, ndim, dims, dtype)
+        except BaseException:
+            # Claimed but never handed out: give the space back, or an MPSC
+            # consumer would wait at it for as long as this process lives.
+            self._cancel_claim(pos, need)
+            raise
         self.reserve_open = True
         self.reserve_pos = pos
         self.reserve_bytes = need
-        return self._view_array(data, ndim, dims, dtype)
+        return arr
 
     def commit_reserved(self):
         if not self.reserve_open:
@@ -936,8 +964,13 @@ cdef class Ring:
         if not self.reserve_open:
             return
         self.reserve_open = False
-        (<shmq_record *>shmq_at(&self.r, self.reserve_pos)).kind = SHMQ_KIND_SKIP
-        shmq_publish(&self.r, self.reserve_pos, self.reserve_bytes)
+        self._cancel_claim(self.reserve_pos, self.reserve_bytes)
+
+    cdef void _cancel_claim(self, uint64_t pos, uint64_t need) noexcept:
+        """Publish claimed space as a SKIP record: the consumer steps over
+        it, and on an MPSC ring the claim stops holding up the queue."""
+        self._start_record(pos, need, SHMQ_KIND_SKIP, 0, 0)
+        shmq_publish(&self.r, pos, need)
 
     # --- consumer ---------------------------------------------------------
 
@@ -962,6 +995,14 @@ cdef class Ring:
                 return 0
             if rc == SHMQ_CORRUPT:
                 self._raise_status(rc, "get", 0, None, pos[0])
+            if self.reserve_open and pos[0] == self.reserve_pos:
+                # Waiting would wait for ourselves: nothing else can arrive
+                # first (MPSC: our claim is next; SPSC: we are the producer).
+                raise ShmqError(
+                    f"shmq queue {self.name!r}: the next message is this handle's own open "
+                    f"reserve() block (position {pos[0]}), which arrives only after that block "
+                    f"ends; leave the block before calling get(), or reserve through another "
+                    f"handle (Queue.attach) on a multi-producer queue")
             if rc == SHMQ_PENDING:
                 if waited:
                     rc = shmq_resolve_pending(&self.r, pos[0], &skip, &dead_pid)

@@ -169,6 +169,88 @@ def test_reserve_rejects_bad_requests(q):
     assert_same(np.ones(2), q.get(timeout=0))
 
 
+@pytest.mark.parametrize("mpsc", [False, True])
+def test_reserve_that_numpy_refuses_is_refused_before_claiming(mpsc):
+    """repro_shmq_reserve_phantom.py: shape (0, 2**62) of float64 used to be
+    claimed and then refused by numpy, leaving a phantom reservation that
+    jammed an MPSC queue for good."""
+    with shmq.Queue(1 << 16, multi_producer=mpsc) as q:
+        p = shmq.Queue.attach(q.name)
+        before = q.stats()
+        with pytest.raises(ValueError, match=r"numpy cannot make an array of this shape"):
+            with p.reserve((0, 2 ** 62), np.float64):
+                pass
+        assert q.stats() == before  # nothing claimed
+        p.put(np.arange(3))
+        assert_same(np.arange(3), q.get(timeout=2))
+        with p.reserve((3,), np.int64) as arr:
+            arr[:] = [7, 8, 9]
+        assert_same(np.array([7, 8, 9]), q.get(timeout=2))
+        p.close()
+
+
+@pytest.mark.parametrize("mpsc", [False, True])
+def test_put_inside_reserve_on_the_same_handle_is_refused(mpsc):
+    """repro_shmq_put_inside_reserve.py: on an SPSC ring the put claimed the
+    reservation's own position (tail had not moved) and the two records
+    overlapped; on an MPSC ring it replaced the reservation's claim
+    announcement.  Refused now, with the remedy."""
+    with shmq.Queue(1 << 16, multi_producer=mpsc) as q:
+        p = shmq.Queue.attach(q.name)
+        with p.reserve((1000,), np.int64) as arr:
+            arr[:] = 7
+            with pytest.raises(shmq.ShmqError, match=r"open reserve\(\) block .* refused"):
+                p.put({"meta": "hello", "n": np.arange(5)})
+            with pytest.raises(shmq.ShmqError, match="open reserve"):
+                p.put(np.arange(3))
+            with pytest.raises(shmq.ShmqError, match="already holds a reservation"):
+                p.reserve(3, "i8").__enter__()
+        p.put({"meta": "hello"})  # after the block: fine
+        assert_same(np.full(1000, 7, np.int64), q.get(timeout=1))
+        assert_same({"meta": "hello"}, q.get(timeout=1))
+        with pytest.raises(shmq.Empty):
+            q.get_nowait()
+        p.close()
+
+
+@pytest.mark.parametrize("mpsc", [False, True])
+def test_get_of_the_handles_own_open_reservation_is_refused(mpsc):
+    """A handle that is also the consumer would wait for its own reservation
+    (no timeout: forever): refused at once instead."""
+    with shmq.Queue(1 << 16, multi_producer=mpsc) as q:
+        q.put(np.arange(2))
+        with q.reserve((4,), np.int16) as arr:
+            assert_same(np.arange(2), q.get(timeout=0))  # before the reservation: fine
+            with pytest.raises(shmq.ShmqError, match="own open reserve"):
+                q.get()  # timeout=None
+            with pytest.raises(shmq.ShmqError, match="own open reserve"):
+                with q.get_view(timeout=0):
+                    pass
+            arr[:] = 5
+        assert_same(np.full(4, 5, np.int16), q.get(timeout=0))
+
+
+def test_view_nesting_rules(q):
+    """One get_view block at a time per handle, and no get inside it; put
+    (and reserve) inside a view block are fine: they do not touch the
+    record it holds."""
+    q.put(np.ones(3))
+    q.put(np.zeros(2))
+    with q.get_view(timeout=0) as v:
+        with pytest.raises(shmq.ShmqError, match="get_view"):
+            with q.get_view(timeout=0):
+                pass
+        with pytest.raises(shmq.ShmqError, match="get_view"):
+            q.get_nowait()
+        q.put(np.full(2, 9.0))
+        with q.reserve(1, "u1") as r:
+            r[0] = 4
+        assert_same(np.ones(3), v)
+    assert_same(np.zeros(2), q.get(timeout=0))
+    assert_same(np.full(2, 9.0), q.get(timeout=0))
+    assert_same(np.array([4], np.uint8), q.get(timeout=0))
+
+
 def test_object_dtype_refused_before_claim_and_queue_usable(q):
     before = q.stats()
     for bad in (np.array([1, "a"], dtype=object), {"ok": np.ones(2), "bad": np.empty(2, object)}):
