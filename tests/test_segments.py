@@ -491,3 +491,36 @@ def test_cli_list_and_clean():
     cleaned = run("clean")
     assert f"removed {stale}" in cleaned.stdout
     assert not os.path.exists(segment.SHM_DIR + stale)
+
+
+@pytest.mark.timeout(60)
+def test_list_and_clean_never_open_a_fifo_or_follow_a_symlink():
+    """repro_shmq_list_fifo.py: /dev/shm is world-writable, and a FIFO named
+    shmq-* blocked `python -m shmq list` and `clean` forever in open().
+    Entries that are not regular files are not segments: not opened, not
+    listed, not removed; a symlink is not followed (here to a stale
+    segment, which would otherwise be reported and unlinked by its name)."""
+    stale = make_stale_segment()
+    tag = f"{os.getpid()}-{os.urandom(4).hex()}"
+    fifo = os.path.join(segment.SHM_DIR, f"shmq-fifo-{tag}")
+    link = os.path.join(segment.SHM_DIR, f"shmq-link-{tag}")
+    os.mkfifo(fifo)
+    os.symlink(segment.SHM_DIR + stale, link)
+    try:
+        names = {s.name for s in segment.list_segments()}
+        assert stale in names and "/" + os.path.basename(fifo) not in names
+        assert "/" + os.path.basename(link) not in names
+        run = lambda *a: subprocess.run([sys.executable, "-m", "shmq", *a], capture_output=True,
+                                        text=True, timeout=30)
+        listed = run("list")
+        assert listed.returncode == 0 and "fifo" not in listed.stdout and "link" not in listed.stdout
+        cleaned = run("clean")
+        assert cleaned.returncode == 0 and f"removed {stale} " in cleaned.stdout
+        assert "fifo" not in cleaned.stdout and "link" not in cleaned.stdout
+        assert os.path.lexists(fifo) and os.path.lexists(link)  # not ours to remove
+        with pytest.raises(shmq.IncompatibleRing, match="not a shared-memory segment but a FIFO"):
+            shmq.Queue.attach("/" + os.path.basename(fifo))
+    finally:
+        for path in (fifo, link):
+            os.unlink(path)
+        segment.unlink(stale)
