@@ -549,7 +549,7 @@ cdef class Ring:
                 f"{name!r} is {file_bytes} bytes, smaller than a shmq header "
                 f"({sizeof(shmq_header)} bytes): not a shmq queue, or its creator died while creating it")
         h = <const shmq_header *><const char *>header_copy
-        if shmq_validate(h, file_bytes, &bad) != SHMQ_OK:
+        if shmq_validate(h, file_bytes, 0, &bad) != SHMQ_OK:
             raise IncompatibleRing(_header_problem(name, bad, h, file_bytes))
         # The geometry comes from this private copy, validated: what we map
         # by and bind with can no longer change (NOTE [validation]).
@@ -558,7 +558,7 @@ cdef class Ring:
         cdef Mapping m = Mapping.map_ring(fd, dof, capacity)
         # Validate again on the shared copy: positions and roles are read
         # from there.
-        if shmq_validate(m.base, file_bytes, &bad) != SHMQ_OK or \
+        if shmq_validate(m.base, file_bytes, 1, &bad) != SHMQ_OK or \
                 (<shmq_header *>m.base).capacity_bytes != capacity or \
                 (<shmq_header *>m.base).data_offset != dof:
             raise IncompatibleRing(_header_problem(name, bad, <shmq_header *>m.base, file_bytes))

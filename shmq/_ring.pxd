@@ -138,7 +138,7 @@ cdef extern from "shmq_ring.h" nogil:
     int shmq_owner_alive(const shmq_slot *s, uint64_t owner)
     void shmq_init(void *base, uint64_t capacity, int mpsc, uint32_t creator_pid,
                    uint64_t creator_starttime)
-    int shmq_validate(const void *base, uint64_t file_bytes, int *bad_field)
+    int shmq_validate(const void *base, uint64_t file_bytes, int live, int *bad_field)
     void shmq_bind(shmq_ring *r, void *base, uint64_t capacity, int mpsc)
     int shmq_positions_ok(uint64_t capacity, uint64_t head, uint64_t tail)
     uint8_t *shmq_at(const shmq_ring *r, uint64_t pos)

@@ -67,7 +67,9 @@
  *                shmq_peek, the producer whenever it reloads head
  *                (shmq_has_space; its fast path `tail - cached_head <=
  *                capacity - need` is one unsigned compare that also fails
- *                for any tail behind head).  Bad: SHMQ_FIELD_POSITIONS.
+ *                for any tail behind head).  Who owns neither position (an
+ *                MPSC producer, an attacher) must read them as a pair
+ *                first (shmq_positions_read).  Bad: SHMQ_FIELD_POSITIONS.
  *   record_bytes a multiple of 64, >= the record header and <= tail - head
  *                (hence <= capacity): with the data mapped twice, every
  *                byte of the record lies inside the mapping.  Everything
@@ -460,6 +462,31 @@ static inline int shmq_positions_ok(uint64_t capacity, uint64_t head, uint64_t t
     return tail - head <= capacity && ((head | tail) & (SHMQ_RECORD_ALIGN - 1)) == 0;
 }
 
+/* Read head and tail of a header that others are changing, for a process
+ * that owns neither (an MPSC producer, an attacher), and check them.  Two
+ * plain loads are not a pair: with producers claiming and the consumer
+ * freeing in between, tail can be more than capacity ahead of a head read
+ * a moment earlier (a claimer saw a newer head), and a valid ring would
+ * look corrupt.  So head is read on both sides of tail, again while it
+ * moves: when it did not move, (head, tail) existed at one instant and the
+ * strict check applies.  If it never holds still, only what holds across
+ * instants is checked: head1 <= tail <= head2 + capacity.  Returns 1 if
+ * the positions pass; *head, *tail get the values read. */
+static inline int shmq_positions_read(const shmq_header *h, uint64_t capacity, uint64_t *head,
+                                      uint64_t *tail) {
+    uint64_t h1 = 0, t = 0, h2 = 0;
+    for (int i = 0; i < 16; i++) {
+        h1 = __atomic_load_n(&h->head_pos, __ATOMIC_ACQUIRE);
+        t = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
+        h2 = __atomic_load_n(&h->head_pos, __ATOMIC_ACQUIRE);
+        if (h1 == h2) break;
+    }
+    *head = h2;
+    *tail = t;
+    if (h1 == h2) return shmq_positions_ok(capacity, h2, t);
+    return t >= h1 && ((h1 | h2 | t) & (SHMQ_RECORD_ALIGN - 1)) == 0 && (t <= h2 || t - h2 <= capacity);
+}
+
 static inline unsigned shmq_log2(uint64_t x) {
     unsigned s = 0;
     while ((1ULL << s) < x) s++;
@@ -540,8 +567,11 @@ static inline void shmq_init(void *base, uint64_t capacity, int mpsc, uint32_t c
 /* Check a mapped header against the file it came from.  Returns SHMQ_OK or
  * SHMQ_CORRUPT with *bad_field set.  Reads only the first
  * sizeof(shmq_header) bytes, which the caller has mapped after checking the
- * file is at least that long. */
-static inline int shmq_validate(const void *base, uint64_t file_bytes, int *bad_field) {
+ * file is at least that long.  live: base is the shared mapping, so the
+ * positions are checked too (shmq_positions_read); a private copy made by
+ * read() while others ran can hold a head and a tail from different
+ * instants, so its positions prove nothing either way. */
+static inline int shmq_validate(const void *base, uint64_t file_bytes, int live, int *bad_field) {
     const shmq_header *h = (const shmq_header *)base;
     uint64_t so, ao, dof;
     *bad_field = SHMQ_FIELD_NONE;
@@ -556,9 +586,8 @@ static inline int shmq_validate(const void *base, uint64_t file_bytes, int *bad_
         *bad_field = SHMQ_FIELD_OFFSETS; return SHMQ_CORRUPT;
     }
     if (file_bytes != dof + h->capacity_bytes) { *bad_field = SHMQ_FIELD_FILE_SIZE; return SHMQ_CORRUPT; }
-    uint64_t head = __atomic_load_n(&h->head_pos, __ATOMIC_ACQUIRE);
-    uint64_t tail = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
-    if (!shmq_positions_ok(h->capacity_bytes, head, tail)) {
+    uint64_t head, tail;
+    if (live && !shmq_positions_read(h, h->capacity_bytes, &head, &tail)) {
         *bad_field = SHMQ_FIELD_POSITIONS; return SHMQ_CORRUPT;
     }
     int32_t c = __atomic_load_n(&h->consumer_slot, __ATOMIC_ACQUIRE);
@@ -769,14 +798,19 @@ static inline int64_t shmq_take_role(shmq_ring *r, int32_t *role_slot, int32_t i
  * tail behind head, which then gets the full check. */
 static inline int shmq_has_space(shmq_ring *r, uint64_t *tail, uint64_t need) {
     if (*tail - r->cached_head <= r->capacity - need) return SHMQ_OK;
-    uint64_t head = __atomic_load_n(&r->hdr->head_pos, __ATOMIC_ACQUIRE);
-    r->cached_head = head;
+    uint64_t head;
     if (r->mpsc) {
-        /* *tail may be a stale snapshot that the consumer has passed since:
-         * read tail again AFTER head, and head <= tail holds in any valid
-         * ring.  The caller's CAS expects the fresh value anyway. */
-        *tail = __atomic_load_n(&r->hdr->tail_pos, __ATOMIC_ACQUIRE);
+        /* *tail may be a stale snapshot the consumer has passed since, and
+         * other producers move tail while we look: read the pair afresh
+         * (the caller's CAS expects the fresh tail anyway). */
+        if (!shmq_positions_read(r->hdr, r->capacity, &head, tail))
+            return shmq_corrupt(r, SHMQ_FIELD_POSITIONS, head, *tail);
+        r->cached_head = head;
+        return *tail >= head && *tail - head <= r->capacity - need ? SHMQ_OK : SHMQ_FULL;
     }
+    /* SPSC: tail is ours, so head read now pairs with it. */
+    head = __atomic_load_n(&r->hdr->head_pos, __ATOMIC_ACQUIRE);
+    r->cached_head = head;
     if (!shmq_positions_ok(r->capacity, head, *tail))
         return shmq_corrupt(r, SHMQ_FIELD_POSITIONS, head, *tail);
     return *tail - head <= r->capacity - need ? SHMQ_OK : SHMQ_FULL;

@@ -443,7 +443,10 @@ static int deaths_round(uint32_t producers, uint64_t count, uint64_t seed, uint6
         int st;
         waitpid(pids[p], &st, 0);
         if (WIFSIGNALED(st)) killed++;
-        else if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) problem = "a producer failed (exit status)";
+        else if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+            problem = WEXITSTATUS(st) == 3 ? "a producer's claim said SHMQ_CORRUPT (exit 3)"
+                    : WEXITSTATUS(st) == 4 ? "a producer found no room for 20 s (exit 4)"
+                                           : "a producer failed (exit status)";
         else if (res.next[p] != count) problem = "a live producer's records went missing";
     }
     if (!problem && res.status != SHMQ_PEERS_LOST && res.status != SHMQ_PEERS_CLOSED)
