@@ -10,6 +10,7 @@ cimport cython
 cimport numpy as cnp
 from cpython.object cimport PyObject, PyTypeObject
 from cpython.ref cimport Py_INCREF
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.errno cimport errno
@@ -25,6 +26,7 @@ import math
 import os
 import pickle
 import time
+import warnings
 
 import numpy as np
 
@@ -85,6 +87,9 @@ _FIELD_NAMES = {
     SHMQ_FIELD_RECORD_BYTES: "record_bytes",
     SHMQ_FIELD_MAX_ATTACH: "max_attach",
     SHMQ_FIELD_ROLE_SLOT: "consumer_slot/producer_slot",
+    SHMQ_FIELD_CONSUMER_SLOT: "consumer_slot",
+    SHMQ_FIELD_PRODUCER_SLOT: "producer_slot",
+    SHMQ_FIELD_CLAIM: "claim_bytes",
 }
 
 
@@ -95,7 +100,8 @@ def layout_offsets():
     cdef shmq_slot s
     cdef shmq_record rec
     cdef shmq_array_meta am
-    hb, sb, rb, ab = <size_t>&h, <size_t>&s, <size_t>&rec, <size_t>&am
+    cdef shmq_tree_meta tm
+    hb, sb, rb, ab, tb = <size_t>&h, <size_t>&s, <size_t>&rec, <size_t>&am, <size_t>&tm
     return {
         "header_bytes": sizeof(shmq_header),
         "slot_bytes": sizeof(shmq_slot),
@@ -112,7 +118,22 @@ def layout_offsets():
         "head_pos": <size_t>&h.head_pos - hb,
         "data_seq": <size_t>&h.data_seq - hb,
         "consumer_slot": <size_t>&h.consumer_slot - hb,
+        "producer_slot": <size_t>&h.producer_slot - hb,
+        "slots_offset": <size_t>&h.slots_offset - hb,
+        "avail_offset": <size_t>&h.avail_offset - hb,
+        "max_attach": <size_t>&h.max_attach - hb,
+        "consumer_waiting": <size_t>&h.consumer_waiting - hb,
+        "space_seq": <size_t>&h.space_seq - hb,
+        "space_wanted": <size_t>&h.space_wanted - hb,
+        "closed_writers": <size_t>&h.closed_writers - hb,
+        "gone_writers": <size_t>&h.gone_writers - hb,
+        "skipped_records": <size_t>&h.skipped_records - hb,
+        "slot.owner": <size_t>&s.owner - sb,
+        "slot.starttime": <size_t>&s.starttime - sb,
         "slot.claim_pos": <size_t>&s.claim_pos - sb,
+        "slot.claim_bytes": <size_t>&s.claim_bytes - sb,
+        "slot.pending_since_ns": <size_t>&s.pending_since_ns - sb,
+        "record.producer_pid": <size_t>&rec.producer_pid - rb,
         "record.record_bytes": <size_t>&rec.record_bytes - rb,
         "record.kind": <size_t>&rec.kind - rb,
         "record.nbuffers": <size_t>&rec.nbuffers - rb,
@@ -121,6 +142,11 @@ def layout_offsets():
         "array.dtype_chars": <size_t>&am.dtype_chars - ab,
         "array.data_offset": <size_t>&am.data_offset - ab,
         "array.data_bytes": <size_t>&am.data_bytes - ab,
+        "tree.pickle_offset": <size_t>&tm.pickle_offset - tb,
+        "tree.pickle_bytes": <size_t>&tm.pickle_bytes - tb,
+        "tree_meta_bytes": sizeof(shmq_tree_meta),
+        "buffer_entry_bytes": sizeof(shmq_buffer_entry),
+        "claim_owned_bit": SHMQ_CLAIM_OWNED,
         "magic_value": SHMQ_MAGIC,
         "version_value": SHMQ_VERSION,
     }
@@ -307,13 +333,151 @@ cdef cnp.dtype _dtype_from_code(bytes code, Ring ring, uint64_t pos):
     dt = _code_dtypes.get(code)
     if dt is None:
         try:
-            dt = np.dtype(code.decode("ascii"))
-        except (TypeError, ValueError, UnicodeDecodeError):
+            # A code from shared memory may be anything: numpy's errors and
+            # deprecation warnings for it are this record's problem.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dt = np.dtype(code.decode("ascii"))
+        except Exception:
             ring._corrupt(pos, f"unknown dtype code {code!r}")
         if not _fast_path_dtype(dt) or dt.str.encode("ascii") != code:
             ring._corrupt(pos, f"dtype code {code!r} is not a plain numeric/bytes dtype")
+        if len(_code_dtypes) >= 4096:
+            _code_dtypes.clear()  # corrupt records must not grow it without bound
         _code_dtypes[code] = dt
     return dt
+
+
+# --- the pickle stream of a TREE record, checked before it is unpickled ----
+#
+# A tree's structure is a pickle written by codec.encode (protocol 5).  The
+# unpickler trusts its input: a 20-byte stream can make it allocate
+# gigabytes (LONG_BINPUT 0x40000000 grows the memo to that many entries)
+# before any error.  So the consumer first walks the stream opcode by
+# opcode, in C, and accepts only what a protocol-5 pickler writes, with
+# every length and index bounded by the stream itself:
+#   - PROTO 5 first, STOP last and nowhere else;
+#   - only opcodes a protocol-5 pickler emits (no text-mode opcodes, no
+#     BINPUT/LONG_BINPUT: protocol 5 memoizes with MEMOIZE; no persistent ids);
+#   - every argument and every counted string/bytes inside the stream;
+#   - BINGET/LONG_BINGET only of memo entries MEMOIZE already made;
+#   - exactly nbuffers NEXT_BUFFER opcodes (one per buffer-table entry).
+# Then everything the stream itself builds is bounded by its length: at most
+# one object per opcode, strings no longer than their bytes.  What the
+# stream CALLS (REDUCE/NEWOBJ/BUILD of any importable name) is not bounded:
+# a pickle is code.  The trust model (README "Trust") covers that: segments
+# are 0600, writable only by the same user, who can run code as us anyway.
+
+cdef enum:
+    _A_INVALID = 0, _A_NONE, _A_FIX1, _A_FIX2, _A_FIX4, _A_FIX8,
+    _A_LEN1, _A_LEN4, _A_LEN8, _A_LONG4, _A_PROTO, _A_FRAME, _A_STOP, _A_MEMOIZE,
+    _A_GET1, _A_GET4, _A_BUFFER
+
+cdef unsigned char _PICKLE_ARGS[256]
+
+
+cdef void _init_pickle_args():
+    cdef int i
+    for i in range(256):
+        _PICKLE_ARGS[i] = _A_INVALID
+    for c in b"(012NRabe}]s)tu":     # MARK POP POP_MARK DUP NONE REDUCE APPEND BUILD
+        _PICKLE_ARGS[c] = _A_NONE     # APPENDS EMPTY_DICT EMPTY_LIST SETITEM EMPTY_TUPLE TUPLE SETITEMS
+    for c in (0x81, 0x85, 0x86, 0x87, 0x88, 0x89, 0x8f, 0x90, 0x91, 0x92, 0x93, 0x98):
+        _PICKLE_ARGS[c] = _A_NONE     # NEWOBJ TUPLE1-3 NEWTRUE NEWFALSE EMPTY_SET ADDITEMS
+                                      # FROZENSET NEWOBJ_EX STACK_GLOBAL READONLY_BUFFER
+    _PICKLE_ARGS[ord("K")] = _A_FIX1  # BININT1
+    _PICKLE_ARGS[0x82] = _A_FIX1      # EXT1
+    _PICKLE_ARGS[ord("M")] = _A_FIX2  # BININT2
+    _PICKLE_ARGS[0x83] = _A_FIX2      # EXT2
+    _PICKLE_ARGS[ord("J")] = _A_FIX4  # BININT
+    _PICKLE_ARGS[0x84] = _A_FIX4      # EXT4
+    _PICKLE_ARGS[ord("G")] = _A_FIX8  # BINFLOAT
+    _PICKLE_ARGS[ord("C")] = _A_LEN1  # SHORT_BINBYTES
+    _PICKLE_ARGS[0x8c] = _A_LEN1      # SHORT_BINUNICODE
+    _PICKLE_ARGS[0x8a] = _A_LEN1      # LONG1
+    _PICKLE_ARGS[ord("B")] = _A_LEN4  # BINBYTES
+    _PICKLE_ARGS[ord("X")] = _A_LEN4  # BINUNICODE
+    _PICKLE_ARGS[0x8b] = _A_LONG4     # LONG4 (signed length)
+    _PICKLE_ARGS[0x8d] = _A_LEN8      # BINUNICODE8
+    _PICKLE_ARGS[0x8e] = _A_LEN8      # BINBYTES8
+    _PICKLE_ARGS[0x96] = _A_LEN8      # BYTEARRAY8
+    _PICKLE_ARGS[0x80] = _A_PROTO
+    _PICKLE_ARGS[0x95] = _A_FRAME
+    _PICKLE_ARGS[ord(".")] = _A_STOP
+    _PICKLE_ARGS[0x94] = _A_MEMOIZE
+    _PICKLE_ARGS[ord("h")] = _A_GET1  # BINGET
+    _PICKLE_ARGS[ord("j")] = _A_GET4  # LONG_BINGET
+    _PICKLE_ARGS[0x97] = _A_BUFFER    # NEXT_BUFFER
+
+
+_init_pickle_args()
+
+
+cdef inline uint64_t _le(const uint8_t *p, int nbytes) noexcept nogil:
+    cdef uint64_t v = 0
+    cdef int k
+    for k in range(nbytes):
+        v |= (<uint64_t>p[k]) << (8 * k)
+    return v
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef str _check_pickle(const uint8_t *p, uint64_t n, uint32_t nbuf):
+    """None if p[:n] is a protocol-5 pickle stream of the shape described
+    above, else what is wrong with it (for the error message)."""
+    cdef uint64_t i = 2, arg, memo = 0, buffers = 0
+    cdef unsigned char op, kind
+    cdef int width
+    if n < 3 or p[0] != 0x80 or p[1] != 5:
+        return "it does not start with PROTO 5"
+    while i < n:
+        op = p[i]
+        kind = _PICKLE_ARGS[op]
+        i += 1
+        if kind == _A_NONE:
+            continue
+        if kind == _A_STOP:
+            if i != n:
+                return f"STOP at byte {i - 1} of {n}"
+            break
+        if kind == _A_INVALID or kind == _A_PROTO:
+            return f"opcode {op:#04x} at byte {i - 1} is not one a protocol-5 pickler writes"
+        if kind == _A_MEMOIZE:
+            memo += 1
+            continue
+        if kind == _A_BUFFER:
+            buffers += 1
+            continue
+        if kind == _A_FIX1 or kind == _A_LEN1 or kind == _A_GET1:
+            width = 1
+        elif kind == _A_FIX2:
+            width = 2
+        elif kind == _A_FIX4 or kind == _A_LEN4 or kind == _A_LONG4 or kind == _A_GET4:
+            width = 4
+        else:
+            width = 8
+        if n - i < <uint64_t>width:
+            return f"opcode {op:#04x} at byte {i - 1}: its argument runs past the end"
+        arg = _le(p + i, width)
+        i += width
+        if kind == _A_GET1 or kind == _A_GET4:
+            if arg >= memo:
+                return f"memo index {arg} at byte {i - 1 - width} (only {memo} memoized)"
+        elif kind == _A_FRAME:
+            if arg > n - i:
+                return f"frame of {arg} bytes at byte {i - 9}, only {n - i} left"
+        elif kind == _A_LEN1 or kind == _A_LEN4 or kind == _A_LEN8 or kind == _A_LONG4:
+            if kind == _A_LONG4 and arg >= 0x80000000:
+                return f"negative length at byte {i - 5}"
+            if arg > n - i:
+                return f"{arg}-byte argument at byte {i - 1 - width}, only {n - i} left"
+            i += arg
+    else:
+        return "no STOP at the end"
+    if buffers != nbuf:
+        return f"{buffers} out-of-band buffers used, {nbuf} in the buffer table"
+    return None
 
 
 cdef inline void _copy(void *dst, const void *src, uint64_t n) noexcept:
@@ -368,7 +532,7 @@ cdef class Ring:
         shmq_layout(capacity, mpsc, SHMQ_MAX_ATTACH, &so, &ao, &dof)
         cdef Mapping m = Mapping.map_ring(fd, dof, capacity)
         shmq_init(m.base, capacity, mpsc, getpid(), _own_starttime())
-        cdef Ring ring = Ring._bind(m, name)
+        cdef Ring ring = Ring._bind(m, name, capacity, mpsc)
         ring.anonymous = anonymous
         return ring
 
@@ -385,24 +549,29 @@ cdef class Ring:
                 f"{name!r} is {file_bytes} bytes, smaller than a shmq header "
                 f"({sizeof(shmq_header)} bytes): not a shmq queue, or its creator died while creating it")
         h = <const shmq_header *><const char *>header_copy
-        if shmq_validate(h, file_bytes, &bad) != SHMQ_OK:
+        if shmq_validate(h, file_bytes, 0, &bad) != SHMQ_OK:
             raise IncompatibleRing(_header_problem(name, bad, h, file_bytes))
+        # The geometry comes from this private copy, validated: what we map
+        # by and bind with can no longer change (NOTE [validation]).
         cdef uint64_t capacity = h.capacity_bytes, dof = h.data_offset
+        cdef bint mpsc = (h.flags & SHMQ_FLAG_MPSC) != 0
         cdef Mapping m = Mapping.map_ring(fd, dof, capacity)
-        # Validate again on the shared copy: it is what we will read from.
-        if shmq_validate(m.base, file_bytes, &bad) != SHMQ_OK or \
+        # Validate again on the shared copy: positions and roles are read
+        # from there.
+        if shmq_validate(m.base, file_bytes, 1, &bad) != SHMQ_OK or \
                 (<shmq_header *>m.base).capacity_bytes != capacity or \
                 (<shmq_header *>m.base).data_offset != dof:
             raise IncompatibleRing(_header_problem(name, bad, <shmq_header *>m.base, file_bytes))
-        return Ring._bind(m, name, adopt_slot, adopt_from_pid)
+        return Ring._bind(m, name, capacity, mpsc, adopt_slot, adopt_from_pid)
 
     @staticmethod
-    cdef Ring _bind(Mapping m, str name, int32_t adopt_slot=-1, uint32_t adopt_from_pid=0):
+    cdef Ring _bind(Mapping m, str name, uint64_t capacity, bint mpsc, int32_t adopt_slot=-1,
+                    uint32_t adopt_from_pid=0):
         cdef Ring ring = Ring.__new__(Ring)
         ring.mapping = m
         ring.name = name
         ring.child_slot = -1
-        shmq_bind(&ring.r, m.base)
+        shmq_bind(&ring.r, m.base, capacity, mpsc)
         ring._take_slot(adopt_slot, adopt_from_pid)
         return ring
 
@@ -465,6 +634,8 @@ cdef class Ring:
         if not self.r.mpsc:
             holder = shmq_take_role(&self.r, &self.r.hdr.producer_slot, self.r.slot,
                                     SHMQ_SLOT_PRODUCED, 1)
+            if holder == SHMQ_ROLE_CORRUPT:
+                self._raise_status(SHMQ_CORRUPT, "put")
             if holder >= 0:
                 raise ShmqError(
                     f"shmq queue {self.name!r} is single-producer and pid {holder} is already "
@@ -485,6 +656,8 @@ cdef class Ring:
             return 0
         holder = shmq_take_role(&self.r, &self.r.hdr.consumer_slot, self.r.slot,
                                 SHMQ_SLOT_CONSUMER, 0)
+        if holder == SHMQ_ROLE_CORRUPT:
+            self._raise_status(SHMQ_CORRUPT, "get")
         if holder >= 0:
             raise ShmqError(
                 f"shmq queue {self.name!r} already has a consumer (pid {holder}; this is pid "
@@ -494,8 +667,23 @@ cdef class Ring:
 
     # --- status -> exception: the one place ---------------------------------
 
-    cdef int _raise_status(self, int rc, str op, uint64_t need=0, object timeout=None) except -1:
+    cdef int _raise_status(self, int rc, str op, uint64_t need=0, object timeout=None,
+                           uint64_t pos=0, uint32_t pid=0) except -1:
+        """Raise the exception for C status rc from operation op ("get",
+        "put").  need: bytes asked for (or skipped); pos, pid: the record
+        concerned."""
         h = self.r.hdr
+        if rc == SHMQ_CORRUPT:
+            self._raise_corrupt_field(op, pos)
+        if rc == SHMQ_ABANDONED:
+            raise PeerLost(
+                f"shmq queue {self.name!r}: producer pid {pid} died while writing a "
+                f"{need}-byte record at position {pos}; the record was dropped and the "
+                f"other producers' messages follow: call get() again to continue")
+        if rc == SHMQ_AMBIGUOUS:
+            raise PeerLost(
+                f"shmq queue {self.name!r}: several dead producers claimed position {pos} "
+                f"with different sizes, so the next record cannot be located; recreate the queue")
         if rc == SHMQ_FULL:
             raise Full(f"shmq queue {self.name!r}: no room for a {need}-byte record within "
                        f"timeout={timeout!r}s ({h.tail_pos - h.head_pos} of {self.r.capacity} "
@@ -523,17 +711,51 @@ cdef class Ring:
                     f"producing, or start a new consumer with Queue.attach({self.name!r})")
         raise ShmqError(f"shmq queue {self.name!r}: unexpected status {rc} in {op}")
 
+    cdef int _raise_corrupt_field(self, str op, uint64_t pos) except -1:
+        """A shared field failed NOTE [validation] in shmq_ring.h; the handle
+        says which, the value read and the limit it broke."""
+        cdef int field = self.r.bad_field
+        cdef uint64_t v = self.r.bad_value, lim = self.r.bad_limit
+        name = _FIELD_NAMES.get(field, f"#{field}")
+        if field == SHMQ_FIELD_POSITIONS:
+            what = (f"head_pos {v} and tail_pos {lim} are not a valid pair (tail - head must "
+                    f"be a multiple of 64 in [0, {self.r.capacity}])")
+        elif field == SHMQ_FIELD_RECORD_BYTES:
+            what = (f"the record at position {pos} says it is {v} bytes long; it must be a "
+                    f"multiple of 64 in [{sizeof(shmq_record)}, {lim}] (the bytes published "
+                    f"after it)")
+        elif field == SHMQ_FIELD_CONSUMER_SLOT or field == SHMQ_FIELD_PRODUCER_SLOT:
+            what = f"{<int64_t>v} is not -1 or a slot index below {lim}"
+        elif field == SHMQ_FIELD_CLAIM:
+            what = (f"slot {lim} claims {v} bytes at position {pos} for a producer that died; "
+                    f"a claim is a multiple of 64 within the published bytes")
+        else:
+            what = f"value {v} (limit {lim})"
+        raise IncompatibleRing(
+            f"shmq queue {self.name!r} ({op}): field {name}: {what}. The segment was "
+            f"written by an incompatible shmq version or corrupted by another program of this "
+            f"user; recreate the queue")
+
     cdef object _consumer_pid(self):
         cdef int32_t c = self.r.hdr.consumer_slot
         if c < 0 or c >= <int32_t>SHMQ_MAX_ATTACH:
             return None
         return shmq_slot_owner(&self.r, c) >> 32
 
-    cdef int _corrupt(self, uint64_t pos, str what) except -1:
-        raise IncompatibleRing(
-            f"shmq queue {self.name!r}: record at position {pos} is malformed: {what}. The "
-            f"segment was written by an incompatible shmq version or corrupted by another "
-            f"program; recreate the queue")
+    cdef int _corrupt(self, uint64_t pos, str what, str remedy=None, object cause=None) except -1:
+        """A record failed the decoder's checks.  Names the record by
+        position and producer pid; the producer pid is only informational
+        (it is read from the same record)."""
+        cdef uint32_t pid = (<shmq_record *>shmq_at(&self.r, pos)).producer_pid
+        if remedy is None:
+            remedy = ("the record was dropped. The segment was written by an incompatible shmq "
+                      "version or corrupted by another program of this user: if this repeats, "
+                      "recreate the queue")
+        err = IncompatibleRing(f"shmq queue {self.name!r}: record at position {pos} (producer pid "
+                               f"{pid}) is malformed: {what}; {remedy}")
+        if cause is None:
+            raise err
+        raise err from cause
 
     # --- producer ---------------------------------------------------------
 
@@ -543,15 +765,28 @@ cdef class Ring:
         cdef uint64_t pos = 0
         cdef int rc, st
         cdef uint64_t slice_ns
+        if self.reserve_open:
+            # SPSC: the reservation has not moved tail_pos, so this claim
+            # would overlap it.  MPSC: this claim's announcement would
+            # replace the reservation's in our slot, and if we died the
+            # consumer could not find the reservation to skip it.
+            raise ShmqError(
+                f"shmq queue {self.name!r}: this handle holds an open reserve() block (position "
+                f"{self.reserve_pos}); put() on the same handle inside that block would corrupt "
+                f"the ring and is refused. Put after the block ends"
+                + (", or through another handle (Queue.attach)" if self.r.mpsc else ""))
         if need > self.r.capacity:
             raise MessageTooLarge(
                 f"shmq queue {self.name!r}: message needs {need} bytes but the ring holds "
                 f"{self.r.capacity}; create the queue with capacity_bytes >= {need}")
         self._ensure_producer()
-        if shmq_claim(&self.r, need, &pos) == SHMQ_OK:
+        rc = shmq_claim(&self.r, need, &pos)
+        if rc == SHMQ_OK:
             return pos
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if rc == SHMQ_CORRUPT:
+                self._raise_status(rc, "put", need)
             st = shmq_reader_status(&self.r)
             if st != SHMQ_PEERS_OPEN:
                 self._raise_status(st, "put", need)
@@ -565,7 +800,8 @@ cdef class Ring:
             with nogil:
                 shmq_wait_writable(&self.r, need, slice_ns)
             PyErr_CheckSignals()
-            if shmq_claim(&self.r, need, &pos) == SHMQ_OK:
+            rc = shmq_claim(&self.r, need, &pos)
+            if rc == SHMQ_OK:
                 return pos
 
     cdef inline shmq_record *_start_record(self, uint64_t pos, uint64_t need, uint32_t kind,
@@ -653,19 +889,23 @@ cdef class Ring:
         cdef shmq_record *rec = self._start_record(pos, need, SHMQ_KIND_TREE, nbuf, meta)
         cdef uint8_t *base = <uint8_t *>rec
         cdef shmq_tree_meta *tm = <shmq_tree_meta *>(base + sizeof(shmq_record))
-        tm.pickle_offset = pickle_off
-        tm.pickle_bytes = len(pickled)
         cdef shmq_buffer_entry *entries = <shmq_buffer_entry *>(base + sizeof(shmq_record) + sizeof(shmq_tree_meta))
-        memcpy(base + pickle_off, <const char *>pickled, len(pickled))
-        for i in range(nbuf):
-            mv = views[i]
-            entries[i].offset = offsets[i]
-            entries[i].nbytes = mv.shape[0]
-            if mv.shape[0]:
-                if _kill_point == KILL_MID_COPY:
-                    _copy(base + <uint64_t>offsets[i], &mv[0], mv.shape[0] // 2)
-                    _maybe_die(KILL_MID_COPY)
-                _copy(base + <uint64_t>offsets[i], &mv[0], mv.shape[0])
+        try:
+            tm.pickle_offset = pickle_off
+            tm.pickle_bytes = len(pickled)
+            memcpy(base + pickle_off, <const char *>pickled, len(pickled))
+            for i in range(nbuf):
+                mv = views[i]
+                entries[i].offset = offsets[i]
+                entries[i].nbytes = mv.shape[0]
+                if mv.shape[0]:
+                    if _kill_point == KILL_MID_COPY:
+                        _copy(base + <uint64_t>offsets[i], &mv[0], mv.shape[0] // 2)
+                        _maybe_die(KILL_MID_COPY)
+                    _copy(base + <uint64_t>offsets[i], &mv[0], mv.shape[0])
+        except BaseException:
+            self._cancel_claim(pos, need)  # a claim must end published, whatever happens
+            raise
         self._publish(pos, need)
 
     def reserve_array(self, tuple shape, cnp.dtype dtype, object timeout):
@@ -683,6 +923,13 @@ cdef class Ring:
             raise ValueError(f"reserve() supports at most {SHMQ_MAX_NDIM} dimensions, got {ndim}")
         if any(d < 0 for d in shape):
             raise ValueError(f"negative dimension in shape {shape!r}")
+        # numpy's own limit, checked before anything is claimed: itemsize
+        # times every non-zero dimension must fit in npy_intp, even when
+        # another dimension is 0 (shape (0, 2**62) of float64 is refused).
+        if dtype.itemsize * math.prod([d for d in shape if d]) > 0x7fffffffffffffff:
+            raise ValueError(f"reserve({shape}, {dtype}): numpy cannot make an array of this "
+                             f"shape (its non-zero dimensions times the itemsize exceed 2**63 - 1 "
+                             f"bytes); use a smaller shape")
         size = dtype.itemsize * math.prod(shape)  # a Python int: cannot overflow
         if size > self.r.capacity:
             raise MessageTooLarge(
@@ -693,10 +940,17 @@ cdef class Ring:
             dims[i] = shape[i]
         cdef uint64_t pos, need
         cdef uint8_t *data = self._claim_array_record(ndim, dims, code, size, timeout, &pos, &need)
+        try:
+            arr = self._view_array(data, ndim, dims, dtype)
+        except BaseException:
+            # Claimed but never handed out: give the space back, or an MPSC
+            # consumer would wait at it for as long as this process lives.
+            self._cancel_claim(pos, need)
+            raise
         self.reserve_open = True
         self.reserve_pos = pos
         self.reserve_bytes = need
-        return self._view_array(data, ndim, dims, dtype)
+        return arr
 
     def commit_reserved(self):
         if not self.reserve_open:
@@ -710,16 +964,21 @@ cdef class Ring:
         if not self.reserve_open:
             return
         self.reserve_open = False
-        (<shmq_record *>shmq_at(&self.r, self.reserve_pos)).kind = SHMQ_KIND_SKIP
-        shmq_publish(&self.r, self.reserve_pos, self.reserve_bytes)
+        self._cancel_claim(self.reserve_pos, self.reserve_bytes)
+
+    cdef void _cancel_claim(self, uint64_t pos, uint64_t need) noexcept:
+        """Publish claimed space as a SKIP record: the consumer steps over
+        it, and on an MPSC ring the claim stops holding up the queue."""
+        self._start_record(pos, need, SHMQ_KIND_SKIP, 0, 0)
+        shmq_publish(&self.r, pos, need)
 
     # --- consumer ---------------------------------------------------------
 
     cdef int _next(self, object timeout, uint64_t *pos, uint64_t *nbytes) except -1:
         """Wait for the next deliverable record at head."""
         cdef int rc, st
-        cdef uint64_t skip
-        cdef uint32_t dead_pid
+        cdef uint64_t skip = 0
+        cdef uint32_t dead_pid = 0
         cdef uint64_t slice_ns
         cdef bint waited = False
         self._ensure_consumer()
@@ -735,24 +994,22 @@ cdef class Ring:
                     continue
                 return 0
             if rc == SHMQ_CORRUPT:
-                raise IncompatibleRing(
-                    f"shmq queue {self.name!r}: record at position {self.r.hdr.head_pos} has an "
-                    f"invalid record_bytes field; the segment is corrupt or from an incompatible "
-                    f"writer; recreate the queue")
-            if rc == SHMQ_PENDING and waited:
-                rc = shmq_resolve_pending(&self.r, &skip, &dead_pid)
-                if rc == SHMQ_OK:
-                    head = self.r.hdr.head_pos
-                    shmq_release(&self.r, head, skip)
-                    raise PeerLost(
-                        f"shmq queue {self.name!r}: producer pid {dead_pid} died while writing a "
-                        f"{skip}-byte record at position {head}; the record was dropped and the "
-                        f"other producers' messages follow: call get() again to continue")
-                if rc == SHMQ_CORRUPT:
-                    raise PeerLost(
-                        f"shmq queue {self.name!r}: several dead producers claimed position "
-                        f"{self.r.hdr.head_pos} with different sizes, so the next record cannot "
-                        f"be located; recreate the queue")
+                self._raise_status(rc, "get", 0, None, pos[0])
+            if self.reserve_open and pos[0] == self.reserve_pos:
+                # Waiting would wait for ourselves: nothing else can arrive
+                # first (MPSC: our claim is next; SPSC: we are the producer).
+                raise ShmqError(
+                    f"shmq queue {self.name!r}: the next message is this handle's own open "
+                    f"reserve() block (position {pos[0]}), which arrives only after that block "
+                    f"ends; leave the block before calling get(), or reserve through another "
+                    f"handle (Queue.attach) on a multi-producer queue")
+            if rc == SHMQ_PENDING:
+                if waited:
+                    rc = shmq_resolve_pending(&self.r, pos[0], &skip, &dead_pid)
+                    if rc == SHMQ_ABANDONED:
+                        shmq_release(&self.r, pos[0], skip)
+                    if rc != SHMQ_PENDING:
+                        self._raise_status(rc, "get", skip, None, pos[0], dead_pid)
             elif rc == SHMQ_EMPTY and (waited or self.r.hdr.closed_writers or self.r.hdr.gone_writers):
                 # Only scan the slots once someone finished or a slice passed:
                 # the streaming fast path never touches /proc.
@@ -782,8 +1039,9 @@ cdef class Ring:
     @cython.boundscheck(False)
     @cython.wraparound(False)
     cdef object _decode(self, uint64_t pos, uint64_t n, bint copy):
-        """Build the message at pos.  Every field is read once into a local,
-        then validated against the record before use."""
+        """Build the message at pos (n bytes, already checked against the
+        ring by shmq_peek).  Every field is read once into a local, then
+        validated against the record before use (NOTE [validation])."""
         cdef uint8_t *base = shmq_at(&self.r, pos)
         cdef shmq_record *rec = <shmq_record *>base
         cdef uint32_t kind = rec.kind
@@ -798,6 +1056,7 @@ cdef class Ring:
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
+    @cython.cdivision(True)
     cdef object _decode_array(self, uint64_t pos, uint8_t *base, uint64_t n, uint64_t meta,
                               bint copy):
         cdef shmq_array_meta *am = <shmq_array_meta *>(base + sizeof(shmq_record))
@@ -813,24 +1072,28 @@ cdef class Ring:
         cdef bytes code = (<char *>(shape + ndim))[:chars]
         cdef cnp.dtype dt = _dtype_from_code(code, self, pos)
         cdef cnp.npy_intp dims[32]
-        cdef uint64_t count = 1, d
+        # The array's size as numpy computes it: itemsize times every
+        # non-zero dimension must fit in npy_intp (even when another
+        # dimension is 0), and then it must equal data_bytes.
+        cdef uint64_t total = <uint64_t>dt.itemsize, d
+        cdef uint64_t INTP_MAX = 0x7fffffffffffffff
         cdef uint32_t i
         cdef bint zero = False
         for i in range(ndim):
             d = shape[i]
-            if d > <uint64_t>0x7fffffffffffffff:
+            if d > INTP_MAX:
                 self._corrupt(pos, f"shape[{i}] = {d} overflows")
             dims[i] = <cnp.npy_intp>d
             if d == 0:
                 zero = True
-            elif not zero:
-                if count > dbytes // d + 1:
-                    self._corrupt(pos, "shape overflows data_bytes")
-                count *= d
+            elif total > INTP_MAX // d:
+                self._corrupt(pos, f"shape[{i}] = {d}: the array would exceed 2**63 bytes")
+            else:
+                total *= d
         if zero:
-            count = 0
-        if count * <uint64_t>dt.itemsize != dbytes:
-            self._corrupt(pos, f"shape x itemsize = {count * dt.itemsize} != data_bytes {dbytes}")
+            total = 0
+        if total != dbytes:
+            self._corrupt(pos, f"shape x itemsize = {total} != data_bytes {dbytes}")
         if not copy:
             return self._view_array(base + doff, ndim, dims, dt)
         Py_INCREF(dt)  # PyArray_Empty steals a reference
@@ -842,7 +1105,8 @@ cdef class Ring:
                              uint32_t nbuf, bint copy):
         cdef shmq_tree_meta *tm = <shmq_tree_meta *>(base + sizeof(shmq_record))
         cdef uint64_t poff = tm.pickle_offset, pbytes = tm.pickle_bytes
-        if (meta - sizeof(shmq_tree_meta)) // sizeof(shmq_buffer_entry) < nbuf or meta < sizeof(shmq_tree_meta):
+        if meta < sizeof(shmq_tree_meta) or \
+                (meta - sizeof(shmq_tree_meta)) // sizeof(shmq_buffer_entry) < nbuf:
             self._corrupt(pos, f"{nbuf} buffer entries overrun meta_bytes {meta}")
         if poff > n or pbytes > n - poff:
             self._corrupt(pos, f"pickle_offset {poff} / pickle_bytes {pbytes} outside the record")
@@ -857,15 +1121,38 @@ cdef class Ring:
                 self._corrupt(pos, f"buffer {i} (offset {off}, {nb} bytes) outside the record")
             spans.append((off, nb))
         cdef cnp.npy_intp whole = n
+        cdef const uint8_t *stream_data
         if copy:
             # One copy of the record into private memory; every array of the
-            # message then views that block.
+            # message then views that block, and the pickle stream is read
+            # from it: nothing can change under the checks below.
             block = cnp.PyArray_EMPTY(1, &whole, cnp.NPY_UINT8, 0)
             _copy(cnp.PyArray_DATA(block), base, n)
+            stream_data = <const uint8_t *>cnp.PyArray_DATA(block) + poff
+            stream = block[poff:poff + pbytes]
         else:
             block = self._view_array(base, 1, &whole, np.dtype(np.uint8))
+            # Arrays view the ring, but the (small) pickle stream is copied
+            # out first: it is checked, then unpickled, and another process
+            # must not be able to change it in between.
+            stream = PyBytes_FromStringAndSize(<const char *>base + poff, pbytes)
+            stream_data = <const uint8_t *>PyBytes_AS_STRING(stream)
+        problem = _check_pickle(stream_data, pbytes, nbuf)
+        if problem is not None:
+            self._corrupt(pos, f"its pickle stream ({pbytes} bytes) is malformed: {problem}")
         buffers = [block[o:o + b] for o, b in spans]
-        return pickle.loads(block[poff:poff + pbytes], buffers=buffers)
+        try:
+            return pickle.loads(stream, buffers=buffers)
+        except Exception as e:
+            # The stream is well-formed but rebuilding the tree failed: a
+            # class missing here, a reducer that raised, or bytes changed
+            # inside an argument.  Either way this record cannot be had.
+            self._corrupt(pos, f"its tree could not be rebuilt: {type(e).__name__}: {e}",
+                          "if the producer sent an object this process cannot rebuild (its "
+                          "class is not importable here, or its __setstate__ failed: see the "
+                          "exception this one was raised from), send plainer data; otherwise "
+                          "the segment was corrupted. The record was dropped: get() again "
+                          "for the next one", e)
 
     def get(self, object timeout):
         """The next message, owned by the caller (copied out of the ring)."""
@@ -970,6 +1257,13 @@ cdef str _header_problem(str name, int bad, const shmq_header *h, uint64_t file_
         detail = f"file is {file_bytes} bytes, header implies {h.data_offset + h.capacity_bytes}"
     elif bad == SHMQ_FIELD_CAPACITY:
         detail = f"capacity_bytes {h.capacity_bytes} is not a power of two in [{SHMQ_MIN_CAPACITY}, {SHMQ_MAX_CAPACITY}]"
+    elif bad == SHMQ_FIELD_POSITIONS:
+        detail = (f"head_pos {h.head_pos} / tail_pos {h.tail_pos}: tail - head must be a multiple "
+                  f"of 64 in [0, capacity_bytes]")
+    elif bad == SHMQ_FIELD_CONSUMER_SLOT:
+        detail = f"{h.consumer_slot} is not -1 or a slot index below {SHMQ_MAX_ATTACH}"
+    elif bad == SHMQ_FIELD_PRODUCER_SLOT:
+        detail = f"{h.producer_slot} is not -1 or a slot index below {SHMQ_MAX_ATTACH}"
     else:
         detail = "inconsistent with the rest of the header"
     return f"cannot attach to {name!r}: field {field}: {detail}"

@@ -15,6 +15,8 @@ cdef extern from "shmq_ring.h" nogil:
     uint32_t SHMQ_MAX_NDIM
     uint32_t SHMQ_MAX_DTYPE_CHARS
 
+    uint32_t SHMQ_FLAG_MPSC
+
     uint32_t SHMQ_KIND_ARRAY
     uint32_t SHMQ_KIND_TREE
     uint32_t SHMQ_KIND_SKIP
@@ -35,6 +37,10 @@ cdef extern from "shmq_ring.h" nogil:
     int SHMQ_TIMEOUT
     int SHMQ_CORRUPT
     int SHMQ_NO_SLOT
+    int SHMQ_ABANDONED
+    int SHMQ_AMBIGUOUS
+    int64_t SHMQ_ROLE_CORRUPT
+    uint64_t SHMQ_CLAIM_OWNED
 
     int SHMQ_PEERS_OPEN
     int SHMQ_PEERS_CLOSED
@@ -51,6 +57,9 @@ cdef extern from "shmq_ring.h" nogil:
     int SHMQ_FIELD_RECORD_BYTES
     int SHMQ_FIELD_MAX_ATTACH
     int SHMQ_FIELD_ROLE_SLOT
+    int SHMQ_FIELD_CONSUMER_SLOT
+    int SHMQ_FIELD_PRODUCER_SLOT
+    int SHMQ_FIELD_CLAIM
 
     ctypedef struct shmq_slot:
         uint64_t owner
@@ -118,6 +127,9 @@ cdef extern from "shmq_ring.h" nogil:
         uint64_t cached_tail
         uint32_t read_spin_misses
         uint32_t write_spin_misses
+        int bad_field
+        uint64_t bad_value
+        uint64_t bad_limit
 
     uint64_t shmq_align_up(uint64_t x, uint64_t a)
     void shmq_layout(uint64_t capacity, int mpsc, uint32_t max_attach,
@@ -126,8 +138,9 @@ cdef extern from "shmq_ring.h" nogil:
     int shmq_owner_alive(const shmq_slot *s, uint64_t owner)
     void shmq_init(void *base, uint64_t capacity, int mpsc, uint32_t creator_pid,
                    uint64_t creator_starttime)
-    int shmq_validate(const void *base, uint64_t file_bytes, int *bad_field)
-    void shmq_bind(shmq_ring *r, void *base)
+    int shmq_validate(const void *base, uint64_t file_bytes, int live, int *bad_field)
+    void shmq_bind(shmq_ring *r, void *base, uint64_t capacity, int mpsc)
+    int shmq_positions_ok(uint64_t capacity, uint64_t head, uint64_t tail)
     uint8_t *shmq_at(const shmq_ring *r, uint64_t pos)
 
     int32_t shmq_slot_acquire(shmq_ring *r, uint32_t pid, uint64_t starttime, uint32_t flags)
@@ -143,6 +156,6 @@ cdef extern from "shmq_ring.h" nogil:
     void shmq_publish(shmq_ring *r, uint64_t pos, uint64_t need)
     int shmq_peek(shmq_ring *r, uint64_t *pos, uint64_t *nbytes)
     void shmq_release(shmq_ring *r, uint64_t pos, uint64_t nbytes)
-    int shmq_resolve_pending(shmq_ring *r, uint64_t *skip_bytes, uint32_t *dead_pid)
+    int shmq_resolve_pending(shmq_ring *r, uint64_t head, uint64_t *skip_bytes, uint32_t *dead_pid)
     int shmq_wait_readable(shmq_ring *r, uint64_t timeout_ns)
     int shmq_wait_writable(shmq_ring *r, uint64_t need, uint64_t timeout_ns)

@@ -5,6 +5,21 @@ pickled with protocol 5; every array leaves the pickle stream as an
 out-of-band buffer, so its bytes are copied exactly once, straight into the
 ring, and are never pickled.  The stream itself only carries structure,
 dtypes, shapes and the small extras.
+
+What comes back is what went in, or put() refuses it (TypeError, before
+anything is claimed):
+- np.ndarray: same dtype, shape (0-d stays 0-d), bytes; Fortran order kept.
+  Zero-itemsize dtypes (np.dtype([]), "V0") too: they carry no bytes.
+- np.matrix, np.recarray, np.char.chararray: the same subclass (they hold
+  nothing but the array).
+- np.ma.MaskedArray: data, mask (nomask stays nomask), fill_value and
+  hard_mask; data and mask travel as out-of-band arrays.  np.ma.masked
+  stays the singleton.
+- np.memmap: its contents, as a plain np.ndarray (the mapping does not
+  travel; this is what a memmap of a dataset is sent for).
+- any other ndarray subclass is refused: it would lose its type and
+  attributes.  Send np.asarray(x), or its parts.
+- torch.Tensor (CPU): a tensor of the same dtype and shape (0-d stays 0-d).
 """
 
 from __future__ import annotations
@@ -15,7 +30,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["encode", "array_from_buffer", "check_array"]
+__all__ = ["encode", "array_from_buffer", "subclass_from_buffer", "masked_from_parts", "check_array"]
 
 
 def check_array(arr: np.ndarray) -> None:
@@ -29,7 +44,22 @@ def check_array(arr: np.ndarray) -> None:
 
 def array_from_buffer(buf, dtype, shape, order):
     """Rebuild an array over ``buf`` without copying (pickle reducer)."""
+    if dtype.itemsize == 0:
+        # No bytes to view (np.frombuffer refuses a zero itemsize), and none
+        # needed: every element is empty.
+        return np.empty(shape, dtype, order=order)
     return np.frombuffer(buf, dtype=dtype).reshape(shape, order=order)
+
+
+def subclass_from_buffer(buf, dtype, shape, order, cls):
+    """array_from_buffer, viewed as one of the stateless ndarray subclasses."""
+    return array_from_buffer(buf, dtype, shape, order).view(cls)
+
+
+def masked_from_parts(data, mask, fill_value, hard_mask):
+    """Rebuild an np.ma.MaskedArray from arrays that travelled out of band."""
+    return np.ma.MaskedArray(data, mask=mask, fill_value=fill_value, hard_mask=hard_mask,
+                             copy=False, shrink=False)
 
 
 def _tensor_from_buffer(buf, dtype, shape):
@@ -38,18 +68,56 @@ def _tensor_from_buffer(buf, dtype, shape):
     return torch.from_numpy(array_from_buffer(buf, dtype, shape, "C"))
 
 
+# ndarray subclasses that hold nothing but the array: a view restores them.
+_STATELESS_SUBCLASSES = (np.matrix, np.recarray, np.char.chararray)
+
+
+def _c_contiguous(arr: np.ndarray) -> np.ndarray:
+    # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")
+
+
+def _buffer_reduce(obj: np.ndarray):
+    """(array_from_buffer, its arguments) for a plain np.ndarray: its
+    memory as one out-of-band buffer."""
+    if obj.flags.c_contiguous:
+        order = "C"
+    elif obj.flags.f_contiguous:
+        order = "F"
+    else:
+        # A strided view has no single buffer: one contiguous copy.
+        obj, order = _c_contiguous(obj), "C"
+    try:
+        buf = pickle.PickleBuffer(obj)
+    except ValueError:
+        # numpy exports no buffer for datetime/timedelta dtypes (or structs
+        # holding them): export the same bytes as uint8.  obj is
+        # contiguous, so ravel(order="K") is a view, 0-d included.
+        buf = pickle.PickleBuffer(obj.ravel(order="K").view(np.uint8))
+    return array_from_buffer, (buf, obj.dtype, obj.shape, order)
+
+
+def _refuse_subclass(obj: np.ndarray):
+    cls = type(obj)
+    raise TypeError(
+        f"shmq cannot send a {cls.__module__}.{cls.__qualname__} (an np.ndarray subclass, "
+        f"shape {obj.shape}, dtype {obj.dtype}): it would arrive as a plain np.ndarray without "
+        f"its type and attributes. Send np.asarray(x) to send the data alone, or send its parts. "
+        f"Subclasses that travel: np.matrix, np.recarray, np.char.chararray, np.ma.MaskedArray, "
+        f"np.memmap (arrives as np.ndarray)")
+
+
+_ndarray = np.ndarray  # module globals: this runs once per object pickled
+
+
 class _OutOfBandPickler(pickle.Pickler):
     def reducer_override(self, obj):
-        if isinstance(obj, np.ndarray):
-            check_array(obj)
-            if obj.flags.c_contiguous:
-                order = "C"
-            elif obj.flags.f_contiguous:
-                order = "F"
-            else:
-                # A strided view has no single buffer: one contiguous copy.
-                obj, order = np.ascontiguousarray(obj), "C"
-            return array_from_buffer, (pickle.PickleBuffer(obj), obj.dtype, obj.shape, order)
+        if type(obj) is _ndarray:  # the hot case first, without a call
+            if obj.dtype.hasobject:
+                check_array(obj)
+            return _buffer_reduce(obj)
+        if isinstance(obj, _ndarray):
+            return _reduce_subclass(obj)
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             arr = _tensor_as_array(torch, obj)
@@ -57,12 +125,30 @@ class _OutOfBandPickler(pickle.Pickler):
         return NotImplemented
 
 
+def _reduce_subclass(obj: np.ndarray):
+    cls = type(obj)
+    if cls is np.memmap or cls in _STATELESS_SUBCLASSES:
+        check_array(obj)
+        base = obj.view(np.ndarray)
+        if cls is np.memmap:
+            return _buffer_reduce(base)  # its contents, as a plain array
+        return subclass_from_buffer, _buffer_reduce(base)[1] + (cls,)
+    if cls is np.ma.MaskedArray:
+        # data and mask are plain arrays (or subclasses above), so they come
+        # back through reducer_override: out of band.
+        return masked_from_parts, (np.ma.getdata(obj), np.ma.getmask(obj), obj._fill_value,
+                                   obj._hardmask)
+    if cls is np.ma.core.MaskedConstant:
+        return NotImplemented  # numpy's reduce: the np.ma.masked singleton
+    _refuse_subclass(obj)
+
+
 def _tensor_as_array(torch, t) -> np.ndarray:
     if t.device.type != "cpu":
         raise TypeError(f"shmq carries CPU memory; move the {t.device} tensor with .cpu() first")
     if t.requires_grad:
         t = t.detach()
-    return np.ascontiguousarray(t.resolve_conj().resolve_neg().numpy())
+    return _c_contiguous(t.resolve_conj().resolve_neg().numpy())
 
 
 def encode(obj) -> tuple[bytes, list[pickle.PickleBuffer]]:

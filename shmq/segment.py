@@ -14,11 +14,12 @@ import dataclasses
 import errno
 import os
 import secrets
+import stat
 
 import posix_ipc
 
 from shmq import _core
-from shmq.errors import ShmFull
+from shmq.errors import IncompatibleRing, ShmFull
 
 PREFIX = "shmq-"
 SHM_DIR = "/dev/shm"
@@ -113,8 +114,48 @@ def open_existing(name: str) -> tuple[int, int, bytes]:
             f"with Queue.unlink(), or the name is mistyped", name) from None
     fd = os.dup(shm.fd)
     shm.close_fd()
-    size = os.fstat(fd).st_size
-    return fd, size, os.pread(fd, _core.HEADER_BYTES, 0)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        # shm_open does not follow symlinks, but it opens a FIFO or a
+        # socket; neither is a segment (and a FIFO cannot be read with pread).
+        os.close(fd)
+        raise IncompatibleRing(f"cannot attach to {name!r}: it is not a shared-memory segment "
+                               f"but a {_kind(st.st_mode)} named like one; remove it if it is "
+                               f"not yours")
+    return fd, st.st_size, os.pread(fd, _core.HEADER_BYTES, 0)
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symlink"),
+                       (stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def _read_head(path: str) -> tuple[int, bytes] | None:
+    """(size, first header bytes) of the regular file at path, or None for
+    anything else.  Anyone can create entries in /dev/shm (mode 1777), so
+    nothing that is not a regular file is opened: a FIFO would block a
+    plain open() forever, a symlink could point anywhere.  lstat first, then
+    open with O_NOFOLLOW | O_NONBLOCK and check again with fstat, in case
+    the entry was replaced in between."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return st.st_size, os.pread(fd, _core.HEADER_BYTES, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def unlink(name: str) -> bool:
@@ -142,18 +183,17 @@ def _pid_from_name(entry: str) -> int | None:
 
 
 def list_segments() -> list[SegmentInfo]:
-    """Every shmq segment in /dev/shm with whether its creator still runs."""
+    """Every shmq segment in /dev/shm with whether its creator still runs.
+    Entries named like one that are not regular files (FIFOs, symlinks...)
+    are not segments: they are neither listed nor opened."""
     found = []
     for entry in sorted(os.listdir(SHM_DIR)):
         if not entry.startswith(PREFIX):
             continue
-        path = os.path.join(SHM_DIR, entry)
-        try:
-            with open(path, "rb") as f:
-                head = f.read(_core.HEADER_BYTES)
-            size = os.stat(path).st_size
-        except OSError:
+        got = _read_head(os.path.join(SHM_DIR, entry))
+        if got is None:
             continue
+        size, head = got
         creator = _core.read_creator(head)
         if creator is not None:
             pid, starttime = creator

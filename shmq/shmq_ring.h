@@ -43,7 +43,57 @@
  *
  * The consumer validates every field against the ring before it trusts it
  * (see shmq_peek and the Cython decoder); a hostile or corrupt segment gives
- * SHMQ_CORRUPT, never an out-of-bounds read.
+ * SHMQ_CORRUPT, never an out-of-bounds read.  The rules follow.
+ *
+ * ---------------------------------------------------------------------------
+ * Trusting shared memory (NOTE [validation])
+ * ---------------------------------------------------------------------------
+ * Any process of the same user can write any byte of a segment at any time,
+ * also while we are attached.  So nothing read from shared memory is used as
+ * a size, an index or an offset before it has been checked, EVERY time it is
+ * read (not only at attach), and a value is read once into a local and the
+ * local is what gets checked and used (no check-then-reread).
+ *
+ *   geometry     capacity_bytes, flags, the region offsets and max_attach are
+ *                checked once by shmq_validate at attach and then copied
+ *                into the process-local shmq_ring (shmq_bind takes them from
+ *                the caller, not from the header).  They are never read
+ *                from the header again, so a later write cannot move the
+ *                mapping or send a slot loop past the slot array: loops
+ *                run to SHMQ_MAX_ATTACH.
+ *   head_pos,    every read pair must satisfy: tail - head <= capacity
+ *   tail_pos     (unsigned, so head > tail fails too) and both multiples of
+ *                64 (shmq_positions_ok).  The consumer checks it in
+ *                shmq_peek, the producer whenever it reloads head
+ *                (shmq_has_space; its fast path `tail - cached_head <=
+ *                capacity - need` is one unsigned compare that also fails
+ *                for any tail behind head).  Who owns neither position (an
+ *                MPSC producer, an attacher) must read them as a pair
+ *                first (shmq_positions_read).  Bad: SHMQ_FIELD_POSITIONS.
+ *   record_bytes a multiple of 64, >= the record header and <= tail - head
+ *                (hence <= capacity): with the data mapped twice, every
+ *                byte of the record lies inside the mapping.  Everything
+ *                inside a record (meta_bytes, array/tree metadata, buffer
+ *                table, pickle stream) is then checked against record_bytes
+ *                by the decoder (_core.pyx); the pickle stream is scanned
+ *                before it is unpickled (_check_pickle).
+ *   consumer_slot, producer_slot
+ *                -1 or a slot index < max_attach, checked before each use
+ *                as an index (SHMQ_FIELD_CONSUMER_SLOT/_PRODUCER_SLOT).
+ *   claim_pos/claim_bytes (slots)
+ *                only compared with head; a claim the consumer would skip
+ *                must be a multiple of 64 and <= tail - head
+ *                (SHMQ_FIELD_CLAIM).
+ *   avail[]      lap tags are only compared, never used as a size or
+ *                index; the index into avail[] comes from our own head.
+ *   owner, starttime, futex words, counters, space_wanted
+ *                only compared, waited on or reported: a bad value costs a
+ *                spurious wake-up, a bounded wait or a wrong liveness answer
+ *                (which the caller's timeout bounds), never memory safety.
+ *
+ * A failed check returns SHMQ_CORRUPT and leaves the field, the value read
+ * and the limit it broke in the handle (r->bad_field, bad_value, bad_limit),
+ * so the one status-to-exception function can name them.
  *
  * ---------------------------------------------------------------------------
  * Publication
@@ -66,11 +116,52 @@
  *   availableBuffer is the same idea.)
  *
  * A producer that dies between claim and publish leaves an unpublished
- * record at some position.  When the consumer's head reaches it, it looks up
- * every slot whose claim_pos equals head: if all of them belong to dead
- * processes and agree on claim_bytes, the record is abandoned and skipped
- * (shmq_resolve_pending); otherwise it keeps waiting.  Nothing here is a
+ * record at some position.  When the consumer's head reaches it, it finds
+ * the claim through the announcements in the slots and skips it
+ * (shmq_resolve_pending, see NOTE [claim announcement]).  Nothing here is a
  * lock: no process ever waits for a dead one.
+ *
+ * NOTE [claim announcement]
+ *   producer (shmq_claim)                      slot: claim_pos, claim_bytes
+ *     t = tail; room for n?  no -> FULL       (whatever it was: 0)
+ *     announce                                 t, n            (n: release)
+ *     CAS tail t -> t+n
+ *       won:  confirm                          t, n | OWNED    (release)
+ *             ... write ... publish (avail)    t, 0
+ *       lost: t = new tail; room?  yes -> announce again at the new t
+ *                              no  -> WITHDRAW  t, 0 -> return FULL
+ *   Every path out of shmq_claim that does not own a claim withdraws, so an
+ *   announcement that outlives its attempt exists only while its process is
+ *   between two of these steps (a few instructions, no blocking call), or
+ *   if the process died right there.
+ *
+ *   consumer at an unpublished head, after a wait slice:
+ *     1. a slot announces head with OWNED: that claim is real (only one CAS
+ *        from head can win).  Owner alive: wait, it is writing.  Owner dead:
+ *        skip its n bytes.  Other announcements of head are then ignored,
+ *        live or not.
+ *     2. no OWNED one, but a live process announces head: wait.  It is
+ *        between announce and confirm/withdraw and will take one of them
+ *        as soon as it runs.
+ *     3. only dead processes announce head: one of them won its CAS and
+ *        died before confirming, the others died mid-attempt.  If they
+ *        agree on n, skip n; if not, the next record cannot be located:
+ *        SHMQ_CORRUPT (it takes two processes killed inside those windows
+ *        at the same position; the consumer gets PeerLost, never a hang).
+ *     4. nobody announces head: keep waiting (the record was published
+ *        between our two reads, or the segment is corrupt: the caller's
+ *        timeout bounds that wait).
+ *   Before skipping, the avail tag is read again (after the liveness check,
+ *   which is a system call): a producer that published and then died
+ *   before clearing its claim must not lose its record.
+ *   Why OWNED and WITHDRAW both: before this protocol, a producer whose CAS
+ *   lost and that then found the ring full returned with its announcement
+ *   still in place; while the ring stayed full it never announced again.
+ *   If the CAS winner died before publishing, the consumer saw a live
+ *   process announcing head and waited for it forever, and the ring stayed
+ *   full: a deadlock (tests/c/ring_test.c "stale-claim" replays it).
+ *   WITHDRAW removes the stale announcement; OWNED lets rule 1 ignore one
+ *   that is still there (its process is stopped inside the window).
  *
  * ---------------------------------------------------------------------------
  * Attachment slots and end of stream
@@ -160,8 +251,12 @@
 #define SHMQ_FULL 2     /* not enough free space                           */
 #define SHMQ_PENDING 3  /* MPSC: head is claimed but not yet published     */
 #define SHMQ_TIMEOUT 4  /* wait slice over                                 */
-#define SHMQ_CORRUPT 5  /* a field fails validation; *bad_field says which */
+#define SHMQ_CORRUPT 5  /* a field fails validation; r->bad_field says which */
 #define SHMQ_NO_SLOT 6  /* all attachment slots are taken by live handles  */
+#define SHMQ_ABANDONED 7 /* MPSC: head holds a dead producer's unpublished
+                            record; *skip_bytes says how long it is       */
+#define SHMQ_AMBIGUOUS 8 /* MPSC: dead producers announced head with
+                            different sizes; the next record is lost      */
 
 /* peer status (distinct from the codes above so one function can map
  * every code to an exception) */
@@ -180,7 +275,25 @@
 #define SHMQ_FIELD_POSITIONS 7
 #define SHMQ_FIELD_RECORD_BYTES 8
 #define SHMQ_FIELD_MAX_ATTACH 9
-#define SHMQ_FIELD_ROLE_SLOT 10
+#define SHMQ_FIELD_ROLE_SLOT 10      /* at attach: consumer_slot or producer_slot */
+#define SHMQ_FIELD_CONSUMER_SLOT 11
+#define SHMQ_FIELD_PRODUCER_SLOT 12
+#define SHMQ_FIELD_CLAIM 13          /* a slot's claim_pos/claim_bytes */
+
+/* slot.claim_bytes: set once the claim's CAS won (NOTE [claim announcement]).
+ * Claims are at most SHMQ_MAX_CAPACITY bytes, so the top bit is free. */
+#define SHMQ_CLAIM_OWNED (1ULL << 63)
+
+/* Test points inside shmq_claim (NOTE [claim announcement]).  A test build
+ * defines SHMQ_TEST_POINT(point) before including this header to stop or
+ * kill the process there (tests/c/ring_test.c); otherwise they compile to
+ * nothing. */
+#define SHMQ_POINT_ANNOUNCED 1   /* announced, CAS not tried yet          */
+#define SHMQ_POINT_LOST_CAS 2    /* CAS lost, announcement still in place */
+#define SHMQ_POINT_WON_CAS 3     /* CAS won, not confirmed yet            */
+#ifndef SHMQ_TEST_POINT
+#define SHMQ_TEST_POINT(point) ((void)0)
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #define SHMQ_CPU_RELAX() __builtin_ia32_pause()
@@ -200,7 +313,8 @@ typedef struct shmq_slot {
                               0 while unknown (then pid alone decides)              */
     uint64_t claim_pos;    /* MPSC: position being claimed; written by the owner
                               before its CAS on tail_pos (relaxed, ordered by CAS) */
-    uint64_t claim_bytes;  /* size of that claim; 0 once published                */
+    uint64_t claim_bytes;  /* size of that claim, | SHMQ_CLAIM_OWNED once its CAS
+                              won; 0 once published or withdrawn                  */
     uint64_t pending_since_ns; /* CLOCK_MONOTONIC when reserved for a fork child  */
     uint8_t _pad[SHMQ_CACHELINE - 40];
 } shmq_slot;
@@ -302,6 +416,11 @@ typedef struct shmq_ring {
     uint64_t cached_tail;  /* consumer side: last tail_pos seen */
     uint32_t read_spin_misses;  /* consecutive waits a spin did not satisfy */
     uint32_t write_spin_misses;
+    /* The last SHMQ_CORRUPT: which field, the value read, the limit it broke
+     * (for the error message; see NOTE [validation]). */
+    int bad_field;
+    uint64_t bad_value;
+    uint64_t bad_limit;
 } shmq_ring;
 
 static inline uint64_t shmq_align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
@@ -326,6 +445,47 @@ static inline void shmq_layout(uint64_t capacity, int mpsc, uint32_t max_attach,
 }
 
 static inline int shmq_is_pow2(uint64_t x) { return x && !(x & (x - 1)); }
+
+/* Record a failed check in the handle (NOTE [validation]); returns
+ * SHMQ_CORRUPT so callers can `return shmq_corrupt(...)`. */
+static inline int shmq_corrupt(shmq_ring *r, int field, uint64_t value, uint64_t limit) {
+    r->bad_field = field;
+    r->bad_value = value;
+    r->bad_limit = limit;
+    return SHMQ_CORRUPT;
+}
+
+/* A (head, tail) pair just read from the header is usable: at most a ring's
+ * worth apart, head not past tail (unsigned subtraction wraps otherwise),
+ * both at record boundaries.  Two compares; see NOTE [validation]. */
+static inline int shmq_positions_ok(uint64_t capacity, uint64_t head, uint64_t tail) {
+    return tail - head <= capacity && ((head | tail) & (SHMQ_RECORD_ALIGN - 1)) == 0;
+}
+
+/* Read head and tail of a header that others are changing, for a process
+ * that owns neither (an MPSC producer, an attacher), and check them.  Two
+ * plain loads are not a pair: with producers claiming and the consumer
+ * freeing in between, tail can be more than capacity ahead of a head read
+ * a moment earlier (a claimer saw a newer head), and a valid ring would
+ * look corrupt.  So head is read on both sides of tail, again while it
+ * moves: when it did not move, (head, tail) existed at one instant and the
+ * strict check applies.  If it never holds still, only what holds across
+ * instants is checked: head1 <= tail <= head2 + capacity.  Returns 1 if
+ * the positions pass; *head, *tail get the values read. */
+static inline int shmq_positions_read(const shmq_header *h, uint64_t capacity, uint64_t *head,
+                                      uint64_t *tail) {
+    uint64_t h1 = 0, t = 0, h2 = 0;
+    for (int i = 0; i < 16; i++) {
+        h1 = __atomic_load_n(&h->head_pos, __ATOMIC_ACQUIRE);
+        t = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
+        h2 = __atomic_load_n(&h->head_pos, __ATOMIC_ACQUIRE);
+        if (h1 == h2) break;
+    }
+    *head = h2;
+    *tail = t;
+    if (h1 == h2) return shmq_positions_ok(capacity, h2, t);
+    return t >= h1 && ((h1 | h2 | t) & (SHMQ_RECORD_ALIGN - 1)) == 0 && (t <= h2 || t - h2 <= capacity);
+}
 
 static inline unsigned shmq_log2(uint64_t x) {
     unsigned s = 0;
@@ -407,8 +567,11 @@ static inline void shmq_init(void *base, uint64_t capacity, int mpsc, uint32_t c
 /* Check a mapped header against the file it came from.  Returns SHMQ_OK or
  * SHMQ_CORRUPT with *bad_field set.  Reads only the first
  * sizeof(shmq_header) bytes, which the caller has mapped after checking the
- * file is at least that long. */
-static inline int shmq_validate(const void *base, uint64_t file_bytes, int *bad_field) {
+ * file is at least that long.  live: base is the shared mapping, so the
+ * positions are checked too (shmq_positions_read); a private copy made by
+ * read() while others ran can hold a head and a tail from different
+ * instants, so its positions prove nothing either way. */
+static inline int shmq_validate(const void *base, uint64_t file_bytes, int live, int *bad_field) {
     const shmq_header *h = (const shmq_header *)base;
     uint64_t so, ao, dof;
     *bad_field = SHMQ_FIELD_NONE;
@@ -423,32 +586,38 @@ static inline int shmq_validate(const void *base, uint64_t file_bytes, int *bad_
         *bad_field = SHMQ_FIELD_OFFSETS; return SHMQ_CORRUPT;
     }
     if (file_bytes != dof + h->capacity_bytes) { *bad_field = SHMQ_FIELD_FILE_SIZE; return SHMQ_CORRUPT; }
-    uint64_t head = __atomic_load_n(&h->head_pos, __ATOMIC_ACQUIRE);
-    uint64_t tail = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
-    if (tail < head || tail - head > h->capacity_bytes || (head & (SHMQ_RECORD_ALIGN - 1))) {
+    uint64_t head, tail;
+    if (live && !shmq_positions_read(h, h->capacity_bytes, &head, &tail)) {
         *bad_field = SHMQ_FIELD_POSITIONS; return SHMQ_CORRUPT;
     }
     int32_t c = __atomic_load_n(&h->consumer_slot, __ATOMIC_ACQUIRE);
     int32_t p = __atomic_load_n(&h->producer_slot, __ATOMIC_ACQUIRE);
-    if (c < -1 || c >= (int32_t)h->max_attach || p < -1 || p >= (int32_t)h->max_attach) {
-        *bad_field = SHMQ_FIELD_ROLE_SLOT; return SHMQ_CORRUPT;
-    }
+    if (c < -1 || c >= (int32_t)SHMQ_MAX_ATTACH) { *bad_field = SHMQ_FIELD_CONSUMER_SLOT; return SHMQ_CORRUPT; }
+    if (p < -1 || p >= (int32_t)SHMQ_MAX_ATTACH) { *bad_field = SHMQ_FIELD_PRODUCER_SLOT; return SHMQ_CORRUPT; }
     return SHMQ_OK;
 }
 
 /* Fill a local handle.  base is the start of the mapping; the data region
- * must be mapped twice, at base + data_offset and right after it. */
-static inline void shmq_bind(shmq_ring *r, void *base) {
+ * must be mapped twice, at base + data_offset and right after it.  capacity
+ * and mpsc are the values the caller validated and mapped by (shmq_validate
+ * on a private copy of the header, or what it created): the header itself
+ * may have changed since, so its geometry fields are not read here, nor
+ * ever again (NOTE [validation]). */
+static inline void shmq_bind(shmq_ring *r, void *base, uint64_t capacity, int mpsc) {
     shmq_header *h = (shmq_header *)base;
+    uint64_t so, ao, dof;
+    shmq_layout(capacity, mpsc, SHMQ_MAX_ATTACH, &so, &ao, &dof);
     r->hdr = h;
-    r->slots = (shmq_slot *)((uint8_t *)base + h->slots_offset);
-    r->mpsc = (h->flags & SHMQ_FLAG_MPSC) != 0;
-    r->avail = r->mpsc ? (uint32_t *)((uint8_t *)base + h->avail_offset) : NULL;
-    r->data = (uint8_t *)base + h->data_offset;
-    r->capacity = h->capacity_bytes;
-    r->mask = h->capacity_bytes - 1;
-    r->cap_shift = shmq_log2(h->capacity_bytes);
+    r->slots = (shmq_slot *)((uint8_t *)base + so);
+    r->mpsc = mpsc != 0;
+    r->avail = r->mpsc ? (uint32_t *)((uint8_t *)base + ao) : NULL;
+    r->data = (uint8_t *)base + dof;
+    r->capacity = capacity;
+    r->mask = capacity - 1;
+    r->cap_shift = shmq_log2(capacity);
     r->slot = -1;
+    r->bad_field = SHMQ_FIELD_NONE;
+    r->bad_value = r->bad_limit = 0;
     r->cached_head = __atomic_load_n(&h->head_pos, __ATOMIC_ACQUIRE);
     r->cached_tail = r->cached_head;
     r->read_spin_misses = r->write_spin_misses = 0;
@@ -481,8 +650,7 @@ static inline int shmq_slot_reusable(const shmq_ring *r, uint32_t i, const shmq_
  * is held by a live handle. */
 static inline int32_t shmq_slot_acquire(shmq_ring *r, uint32_t pid, uint64_t starttime,
                                         uint32_t flags) {
-    uint32_t n = r->hdr->max_attach;
-    for (uint32_t i = 0; i < n; i++) {
+    for (uint32_t i = 0; i < SHMQ_MAX_ATTACH; i++) { /* never hdr->max_attach */
         shmq_slot *s = &r->slots[i];
         uint64_t old = __atomic_load_n(&s->owner, __ATOMIC_ACQUIRE);
         if (!shmq_slot_reusable(r, i, s, old)) continue;
@@ -552,7 +720,7 @@ static inline int shmq_retire_if_dead(shmq_ring *r, uint32_t i, uint64_t owner) 
 /* Called by the consumer while the ring is empty: may anyone still write? */
 static inline int shmq_writers_status(shmq_ring *r) {
     shmq_header *h = r->hdr;
-    for (uint32_t i = 0; i < h->max_attach; i++) {
+    for (uint32_t i = 0; i < SHMQ_MAX_ATTACH; i++) { /* never hdr->max_attach */
         uint64_t o = __atomic_load_n(&r->slots[i].owner, __ATOMIC_ACQUIRE);
         if (((uint32_t)o & SHMQ_SLOT_STATE_MASK) != SHMQ_SLOT_OPEN || !shmq_is_writer(o)) continue;
         if (!shmq_retire_if_dead(r, i, o)) return SHMQ_PEERS_OPEN;
@@ -565,10 +733,13 @@ static inline int shmq_writers_status(shmq_ring *r) {
 }
 
 /* Called by a producer while the ring is full: can anyone still read?  With
- * no consumer registered yet the answer is "keep waiting". */
+ * no consumer registered yet the answer is "keep waiting".  SHMQ_CORRUPT if
+ * consumer_slot is not a slot index. */
 static inline int shmq_reader_status(shmq_ring *r) {
     int32_t c = __atomic_load_n(&r->hdr->consumer_slot, __ATOMIC_ACQUIRE);
-    if (c < 0 || c >= (int32_t)r->hdr->max_attach) return SHMQ_PEERS_OPEN;
+    if (c == -1) return SHMQ_PEERS_OPEN;
+    if (c < -1 || c >= (int32_t)SHMQ_MAX_ATTACH)
+        return shmq_corrupt(r, SHMQ_FIELD_CONSUMER_SLOT, (uint64_t)(int64_t)c, SHMQ_MAX_ATTACH);
     uint64_t o = __atomic_load_n(&r->slots[c].owner, __ATOMIC_ACQUIRE);
     uint32_t st = (uint32_t)o & SHMQ_SLOT_STATE_MASK;
     if (!(o & SHMQ_SLOT_CONSUMER)) return SHMQ_PEERS_OPEN; /* slot changing hands */
@@ -581,15 +752,23 @@ static inline int shmq_reader_status(shmq_ring *r) {
 /* Make slot `i` the holder of an exclusive role: the consumer
  * (role_slot = &hdr->consumer_slot, flag SHMQ_SLOT_CONSUMER) or the one
  * producer of an SPSC ring (&hdr->producer_slot, SHMQ_SLOT_PRODUCED).
- * Returns -1 on success, or the pid of the handle that holds the role.  A
- * dead holder is replaced; a holder that closed is replaced only when
- * replace_closed is set: a consumer that closed told producers the stream
- * ended, so the consumer role is not handed on. */
+ * Returns -1 on success, the pid of the handle that holds the role, or
+ * SHMQ_ROLE_CORRUPT when the role slot is not a slot index (r->bad_field
+ * names it).  A dead holder is replaced; a holder that closed is replaced
+ * only when replace_closed is set: a consumer that closed told producers
+ * the stream ended, so the consumer role is not handed on. */
+#define SHMQ_ROLE_CORRUPT (-2)
 static inline int64_t shmq_take_role(shmq_ring *r, int32_t *role_slot, int32_t i, uint64_t flag,
                                      int replace_closed) {
     for (;;) {
         int32_t c = __atomic_load_n(role_slot, __ATOMIC_ACQUIRE);
         if (c == i) break;
+        if (c < -1 || c >= (int32_t)SHMQ_MAX_ATTACH) {
+            shmq_corrupt(r, role_slot == &r->hdr->consumer_slot ? SHMQ_FIELD_CONSUMER_SLOT
+                                                                : SHMQ_FIELD_PRODUCER_SLOT,
+                         (uint64_t)(int64_t)c, SHMQ_MAX_ATTACH);
+            return SHMQ_ROLE_CORRUPT;
+        }
         if (c >= 0) {
             uint64_t o = __atomic_load_n(&r->slots[c].owner, __ATOMIC_ACQUIRE);
             uint32_t st = (uint32_t)o & SHMQ_SLOT_STATE_MASK;
@@ -613,38 +792,73 @@ static inline int64_t shmq_take_role(shmq_ring *r, int32_t *role_slot, int32_t i
 /* Producer                                                                  */
 /* ------------------------------------------------------------------------ */
 
-static inline int shmq_has_space(shmq_ring *r, uint64_t tail, uint64_t need) {
-    if (tail + need - r->cached_head <= r->capacity) return 1;
-    r->cached_head = __atomic_load_n(&r->hdr->head_pos, __ATOMIC_ACQUIRE);
-    return tail + need - r->cached_head <= r->capacity;
+/* Is there room for `need` (<= capacity) bytes at *tail?  SHMQ_OK, SHMQ_FULL,
+ * or SHMQ_CORRUPT when the positions fail NOTE [validation].  The fast
+ * path is one unsigned compare against the cached head; it also fails for a
+ * tail behind head, which then gets the full check. */
+static inline int shmq_has_space(shmq_ring *r, uint64_t *tail, uint64_t need) {
+    if (*tail - r->cached_head <= r->capacity - need) return SHMQ_OK;
+    uint64_t head;
+    if (r->mpsc) {
+        /* *tail may be a stale snapshot the consumer has passed since, and
+         * other producers move tail while we look: read the pair afresh
+         * (the caller's CAS expects the fresh tail anyway). */
+        if (!shmq_positions_read(r->hdr, r->capacity, &head, tail))
+            return shmq_corrupt(r, SHMQ_FIELD_POSITIONS, head, *tail);
+        r->cached_head = head;
+        return *tail >= head && *tail - head <= r->capacity - need ? SHMQ_OK : SHMQ_FULL;
+    }
+    /* SPSC: tail is ours, so head read now pairs with it. */
+    head = __atomic_load_n(&r->hdr->head_pos, __ATOMIC_ACQUIRE);
+    r->cached_head = head;
+    if (!shmq_positions_ok(r->capacity, head, *tail))
+        return shmq_corrupt(r, SHMQ_FIELD_POSITIONS, head, *tail);
+    return *tail - head <= r->capacity - need ? SHMQ_OK : SHMQ_FULL;
 }
 
 /* Claim `need` bytes (a multiple of 64, <= capacity).  On SHMQ_OK, *pos is
  * where the record goes; the caller fills [*pos, *pos+need) via shmq_at()
- * and then calls shmq_publish. */
+ * and then calls shmq_publish.  SHMQ_FULL, or SHMQ_CORRUPT (positions). */
 static inline int shmq_claim(shmq_ring *r, uint64_t need, uint64_t *pos) {
     shmq_header *h = r->hdr;
+    int rc;
     if (!r->mpsc) {
         /* Single producer: tail_pos is ours.  Acquire, not relaxed, because
          * the role may have been handed over by a producer that closed. */
         uint64_t t = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
-        if (!shmq_has_space(r, t, need)) return SHMQ_FULL;
+        if ((rc = shmq_has_space(r, &t, need)) != SHMQ_OK) return rc;
         *pos = t;
         return SHMQ_OK;
     }
+    /* See NOTE [claim announcement] for every step below. */
     shmq_slot *s = &r->slots[r->slot];
     uint64_t t = __atomic_load_n(&h->tail_pos, __ATOMIC_RELAXED);
+    int announced = 0;
     for (;;) {
-        if (!shmq_has_space(r, t, need)) return SHMQ_FULL;
-        /* Announce the claim before making it, so that if this process dies
-         * right after the CAS the consumer can find and skip the record.  The
-         * CAS (seq_cst) orders these stores before the new tail is visible. */
-        __atomic_store_n(&s->claim_pos, t, __ATOMIC_RELAXED);
-        __atomic_store_n(&s->claim_bytes, need, __ATOMIC_RELAXED);
+        if ((rc = shmq_has_space(r, &t, need)) != SHMQ_OK) {
+            /* WITHDRAW: a lost CAS must not leave its announcement behind. */
+            if (announced) __atomic_store_n(&s->claim_bytes, 0, __ATOMIC_RELAXED);
+            return rc;
+        }
+        /* ANNOUNCE before the CAS, so that if this process dies right after
+         * the CAS the consumer can find and skip the record.  Release on
+         * claim_pos orders it after our previous publish/withdraw (0 in
+         * claim_bytes); release on claim_bytes orders claim_pos before it
+         * (the consumer reads claim_bytes, claim_pos, claim_bytes again).
+         * The CAS (seq_cst) orders both before the new tail is visible. */
+        __atomic_store_n(&s->claim_pos, t, __ATOMIC_RELEASE);
+        __atomic_store_n(&s->claim_bytes, need, __ATOMIC_RELEASE);
+        announced = 1;
+        SHMQ_TEST_POINT(SHMQ_POINT_ANNOUNCED);
         if (__atomic_compare_exchange_n(&h->tail_pos, &t, t + need, 1, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
             break;
-        /* t now holds the current tail; retry */
+        SHMQ_TEST_POINT(SHMQ_POINT_LOST_CAS);
+        /* t now holds the current tail: room there?  announce again, or withdraw */
     }
+    SHMQ_TEST_POINT(SHMQ_POINT_WON_CAS);
+    /* CONFIRM: [t, t+need) is ours; the consumer trusts this one over any
+     * other announcement of t (rule 1). */
+    __atomic_store_n(&s->claim_bytes, need | SHMQ_CLAIM_OWNED, __ATOMIC_RELEASE);
     *pos = t;
     return SHMQ_OK;
 }
@@ -683,12 +897,27 @@ static inline void shmq_publish(shmq_ring *r, uint64_t pos, uint64_t need) {
 /* Look at the record at head.  SHMQ_OK: *pos and *bytes describe a published
  * record whose length has been checked against the ring.  SHMQ_CORRUPT: they
  * hold the head and the invalid length, for the error message. */
+/* Look at the record at head.  SHMQ_OK: *pos and *bytes describe a published
+ * record whose length has been checked against the ring.  SHMQ_CORRUPT:
+ * the positions or the length fail NOTE [validation] (r->bad_field says
+ * which); *pos holds the head. */
 static inline int shmq_peek(shmq_ring *r, uint64_t *pos, uint64_t *bytes) {
     shmq_header *h = r->hdr;
-    uint64_t head = __atomic_load_n(&h->head_pos, __ATOMIC_RELAXED); /* ours */
+    /* Ours, but shared memory all the same: checked below before use. */
+    uint64_t head = __atomic_load_n(&h->head_pos, __ATOMIC_RELAXED);
+    *pos = head;
     if (head == r->cached_tail) {
         r->cached_tail = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
         if (head == r->cached_tail) return SHMQ_EMPTY;
+    }
+    if (!shmq_positions_ok(r->capacity, head, r->cached_tail)) {
+        /* The cached tail can be behind a head that skipped a dead
+         * producer's record (its size was checked against a fresher tail):
+         * read it again before calling the positions corrupt. */
+        r->cached_tail = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
+        if (head == r->cached_tail) return SHMQ_EMPTY;
+        if (!shmq_positions_ok(r->capacity, head, r->cached_tail))
+            return shmq_corrupt(r, SHMQ_FIELD_POSITIONS, head, r->cached_tail);
     }
     if (r->mpsc) {
         uint32_t tag = __atomic_load_n(&r->avail[(head & r->mask) / SHMQ_RECORD_ALIGN], __ATOMIC_ACQUIRE);
@@ -696,10 +925,9 @@ static inline int shmq_peek(shmq_ring *r, uint64_t *pos, uint64_t *bytes) {
     }
     const shmq_record *rec = (const shmq_record *)shmq_at(r, head);
     uint64_t n = __atomic_load_n(&rec->record_bytes, __ATOMIC_RELAXED);
-    *pos = head;
     *bytes = n;
     if (n < sizeof(shmq_record) || (n & (SHMQ_RECORD_ALIGN - 1)) || n > r->cached_tail - head)
-        return SHMQ_CORRUPT;
+        return shmq_corrupt(r, SHMQ_FIELD_RECORD_BYTES, n, r->cached_tail - head);
     return SHMQ_OK;
 }
 
@@ -728,39 +956,78 @@ static inline void shmq_release(shmq_ring *r, uint64_t pos, uint64_t bytes) {
     shmq_wake_producers(r, pos + bytes);
 }
 
-/* MPSC, head is claimed but unpublished: is its producer dead?  Returns
- * SHMQ_OK with *skip_bytes and *dead_pid set when every slot claiming head
- * belongs to a dead process and they agree on the size; SHMQ_PENDING to keep
- * waiting; SHMQ_CORRUPT if dead claimants disagree (cannot tell where the
- * next record starts). */
-static inline int shmq_resolve_pending(shmq_ring *r, uint64_t *skip_bytes, uint32_t *dead_pid) {
+/* MPSC, head (the *pos shmq_peek gave) is claimed but unpublished (shmq_peek
+ * said SHMQ_PENDING, and a wait slice passed): who claimed it, and are they
+ * alive?  The rules are
+ * NOTE [claim announcement].  Returns
+ *   SHMQ_ABANDONED  its producer died: skip *skip_bytes (the caller releases
+ *                   them), *dead_pid says who
+ *   SHMQ_PENDING    keep waiting (someone alive is writing or deciding)
+ *   SHMQ_AMBIGUOUS  dead announcers disagree on the size: the next record
+ *                   cannot be located
+ *   SHMQ_CORRUPT    the claim or the positions fail NOTE [validation] */
+static inline int shmq_resolve_pending(shmq_ring *r, uint64_t head, uint64_t *skip_bytes,
+                                       uint32_t *dead_pid) {
     shmq_header *h = r->hdr;
-    uint64_t head = __atomic_load_n(&h->head_pos, __ATOMIC_RELAXED);
-    uint64_t size = 0;
-    uint32_t pid = 0;
-    int found = 0;
-    for (uint32_t i = 0; i < h->max_attach; i++) {
+    uint64_t owned = 0, tentative = 0;
+    uint32_t owned_pid = 0, tentative_pid = 0, owned_slot = 0, tentative_slot = 0;
+    int live_tentative = 0, disagree = 0;
+    for (uint32_t i = 0; i < SHMQ_MAX_ATTACH; i++) { /* never hdr->max_attach */
         shmq_slot *s = &r->slots[i];
         uint64_t o = __atomic_load_n(&s->owner, __ATOMIC_ACQUIRE);
         uint32_t st = (uint32_t)o & SHMQ_SLOT_STATE_MASK;
         if (st == SHMQ_SLOT_FREE) continue;
-        uint64_t cb = __atomic_load_n(&s->claim_bytes, __ATOMIC_RELAXED);
-        uint64_t cp = __atomic_load_n(&s->claim_pos, __ATOMIC_RELAXED);
-        if (cb == 0 || cp != head) continue;
-        if (st == SHMQ_SLOT_OPEN && !shmq_retire_if_dead(r, i, o)) return SHMQ_PENDING;
-        if (found && cb != size) return SHMQ_CORRUPT;
-        size = cb;
-        pid = (uint32_t)(o >> 32);
-        found = 1;
+        /* claim_bytes, claim_pos, claim_bytes again (acquire pairs with the
+         * producer's release stores): if claim_bytes changed, the pair may
+         * mix two announcements, and its owner is active right now. */
+        uint64_t cb = __atomic_load_n(&s->claim_bytes, __ATOMIC_ACQUIRE);
+        uint64_t cp = __atomic_load_n(&s->claim_pos, __ATOMIC_ACQUIRE);
+        uint64_t cb_again = __atomic_load_n(&s->claim_bytes, __ATOMIC_RELAXED);
+        uint64_t size = cb & ~SHMQ_CLAIM_OWNED;
+        if (size == 0 || cp != head) continue;
+        int alive = cb != cb_again || (st == SHMQ_SLOT_OPEN && !shmq_retire_if_dead(r, i, o));
+        if (cb != cb_again) cb &= ~SHMQ_CLAIM_OWNED; /* in motion: at most tentative */
+        if (cb & SHMQ_CLAIM_OWNED) {
+            if (alive) return SHMQ_PENDING;             /* rule 1: it is writing */
+            if (owned && owned != size)                 /* two won CASes from one tail */
+                return shmq_corrupt(r, SHMQ_FIELD_CLAIM, size, i);
+            owned = size;
+            owned_pid = (uint32_t)(o >> 32);
+            owned_slot = i;
+        } else if (alive) {
+            live_tentative = 1;                         /* rule 2, unless an OWNED one turns up */
+        } else {
+            if (tentative && tentative != size) disagree = 1;
+            tentative = size;
+            tentative_pid = (uint32_t)(o >> 32);
+            tentative_slot = i;
+        }
     }
-    if (!found) return SHMQ_PENDING;
-    if (size > r->capacity || (size & (SHMQ_RECORD_ALIGN - 1)) ||
-        size > __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE) - head)
-        return SHMQ_CORRUPT;
+    uint64_t size;
+    uint32_t pid, slot;
+    if (owned) {
+        size = owned, pid = owned_pid, slot = owned_slot;       /* rule 1 */
+    } else if (live_tentative || !tentative) {
+        return SHMQ_PENDING;                                    /* rules 2 and 4 */
+    } else if (disagree) {
+        return SHMQ_AMBIGUOUS;                                  /* rule 3 */
+    } else {
+        size = tentative, pid = tentative_pid, slot = tentative_slot;
+    }
+    uint64_t tail = __atomic_load_n(&h->tail_pos, __ATOMIC_ACQUIRE);
+    if (!shmq_positions_ok(r->capacity, head, tail))
+        return shmq_corrupt(r, SHMQ_FIELD_POSITIONS, head, tail);
+    if ((size & (SHMQ_RECORD_ALIGN - 1)) || size > tail - head)
+        return shmq_corrupt(r, SHMQ_FIELD_CLAIM, size, slot);
+    /* Published after all (its producer died after publishing, before
+     * clearing its claim)?  Then it is delivered, not skipped. */
+    if (__atomic_load_n(&r->avail[(head & r->mask) / SHMQ_RECORD_ALIGN], __ATOMIC_ACQUIRE) ==
+        shmq_lap_tag(r, head))
+        return SHMQ_PENDING;
     *skip_bytes = size;
     *dead_pid = pid;
     __atomic_fetch_add(&h->skipped_records, 1, __ATOMIC_RELAXED);
-    return SHMQ_OK;
+    return SHMQ_ABANDONED;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -834,8 +1101,11 @@ static inline int shmq_wait_readable(shmq_ring *r, uint64_t timeout_ns) {
     return (ready || shmq_readable(r)) ? SHMQ_OK : SHMQ_TIMEOUT;
 }
 
+/* Room for need bytes, or the positions are corrupt (stop waiting: the
+ * claim that follows reports it). */
 static inline int shmq_writable(shmq_ring *r, uint64_t need) {
-    return shmq_has_space(r, __atomic_load_n(&r->hdr->tail_pos, __ATOMIC_RELAXED), need);
+    uint64_t t = __atomic_load_n(&r->hdr->tail_pos, __ATOMIC_RELAXED);
+    return shmq_has_space(r, &t, need) != SHMQ_FULL;
 }
 
 /* Wait up to timeout_ns for `need` free bytes.  Call without the GIL. */

@@ -234,6 +234,62 @@ def test_mpsc_producer_killed_mid_write_does_not_block_others(procs, point):
         assert q.stats()["skipped_records"] == 1
 
 
+def die_after_claiming(q, size):
+    _core._set_kill_point("after_claim", 1)
+    q.put(np.zeros(size, np.uint8))
+
+
+def put_ones_until_closed(q, size):
+    try:
+        while True:
+            q.put(np.ones(size, np.uint8))
+    except shmq.Closed:
+        pass
+
+
+def test_mpsc_stale_claim_of_a_live_producer_does_not_block_the_queue(procs):
+    """repro_mpsc_stale_claim.py as a test.  Producer B claims head and dies
+    before publishing; producer A, alive and blocked on the full ring, has
+    in its slot the announcement of head that a lost CAS used to leave
+    behind (injected: the race itself is nanoseconds wide; the plain-C test
+    replays it step by step).  Before NOTE [claim announcement] the consumer
+    waited for A forever and A for the consumer."""
+    import struct
+
+    layout = _core.layout_offsets()
+    with shmq.Queue(4096, multi_producer=True) as q:
+        with pytest.raises(shmq.Empty):
+            q.get_nowait()  # the creator is the consumer
+        b = procs.fork(die_after_claiming, q, 500)
+        b.join(10)
+        assert b.exitcode == -signal.SIGKILL
+        head = q.stats()["head_pos"]
+        a = procs.fork(put_ones_until_closed, q, 500)
+        assert wait_until(lambda: q.stats()["used_bytes"] + 576 > q.capacity_bytes, 10)
+        path = "/dev/shm" + q.name
+        with open(path, "r+b") as f:
+            raw = f.read(layout["header_bytes"])
+            slots_offset = struct.unpack_from("<Q", raw, layout["slots_offset"])[0]
+            f.seek(slots_offset)
+            slots = f.read(256 * layout["slot_bytes"])
+            a_slot = [i for i in range(256)
+                      if struct.unpack_from("<Q", slots, i * layout["slot_bytes"])[0] >> 32 == a.pid]
+            assert len(a_slot) == 1
+            f.seek(slots_offset + a_slot[0] * layout["slot_bytes"] + layout["slot.claim_pos"])
+            f.write(struct.pack("<QQ", head, 576))  # claim_pos, claim_bytes: not OWNED
+        t0 = time.monotonic()
+        with pytest.raises(shmq.PeerLost, match=rf"producer pid {b.pid} died while writing a "
+                                                rf"640-byte record at position {head}"):
+            q.get(timeout=5)
+        assert time.monotonic() - t0 < 2.0
+        for _ in range(20):  # A's messages flow again
+            msg = q.get(timeout=5)
+            assert msg.shape == (500,) and msg.dtype == np.uint8 and (msg == 1).all()
+        assert q.stats()["skipped_records"] == 1
+    a.join(10)
+    assert a.exitcode == 0
+
+
 # --- interrupts --------------------------------------------------------------
 
 INTERRUPTIBLE_CHILD = """

@@ -89,6 +89,141 @@ def test_tree_with_extras(q):
     assert_same(msg, q.get(timeout=0))
 
 
+def round_trips(q, obj):
+    """What get() and get_view() give back for obj, at the top level and
+    inside a tree."""
+    out = []
+    for wrap in (lambda x: x, lambda x: {"k": [x, 1]}):
+        q.put(wrap(obj))
+        got = q.get(timeout=0)
+        out.append(got if got is not None and not isinstance(got, dict) else got["k"][0])
+        q.put(wrap(obj))
+        with q.get_view(timeout=0) as v:
+            item = v["k"][0] if isinstance(v, dict) else v
+            out.append(item.copy() if isinstance(item, np.ndarray) else item)
+    return out
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.array(3),
+    lambda: np.array(2.5, ">f8"),
+    lambda: np.array(b"xy"),
+    lambda: np.zeros((), dtype=[("a", "<i4"), ("b", "<f8")]),
+    lambda: np.array(np.datetime64("2026-01-02", "D")),
+], ids=["int", "big-endian", "bytes", "structured", "datetime"])
+def test_zero_dim_arrays_stay_zero_dim(q, make):
+    a = make()
+    for b in round_trips(q, a):
+        assert type(b) is np.ndarray and b.shape == () and b.dtype == a.dtype
+        assert b.tobytes() == a.tobytes()
+
+
+@pytest.mark.parametrize("dtype,shape", [
+    (np.dtype([]), (3,)),
+    (np.dtype([]), (2, 0)),
+    (np.dtype([]), ()),
+    (np.dtype([("a", "<i4", (0,))]), (4,)),
+    (np.dtype("V0"), (5,)),
+])
+def test_zero_itemsize_dtypes_round_trip(q, dtype, shape):
+    """repro_shmq_zero_itemsize.py: put() accepted them and get() failed in
+    np.frombuffer; they carry no bytes, so they are rebuilt from dtype and
+    shape."""
+    a = np.empty(shape, dtype)
+    for b in round_trips(q, a):
+        assert type(b) is np.ndarray and b.dtype == dtype and b.shape == shape
+    q.put(np.asfortranarray(np.empty((2, 3), dtype)))
+    assert q.get(timeout=0).flags.f_contiguous
+
+
+def test_numpy_subclasses_come_back_as_themselves(q):
+    matrix = np.arange(1, 5, dtype=np.int16).reshape(2, 2).view(np.matrix)  # np.matrix() warns
+    rec = np.rec.array([(1, 2.0), (3, 4.0)], dtype=[("a", "<i4"), ("b", "<f8")])
+    chars = np.char.array(["ab", "c"])
+    for a in (matrix, rec, chars, matrix.T):
+        for b in round_trips(q, a):
+            assert type(b) is type(a) and b.dtype == a.dtype and b.shape == a.shape
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    for b in round_trips(q, rec):
+        assert b.dtype.type is np.record and b.a.tolist() == [1, 3]  # attribute access works
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.ma.MaskedArray([1.0, 2.0, 3.0], mask=[0, 1, 0], fill_value=7.5),
+    lambda: np.ma.MaskedArray([1, 2], mask=False),                 # an all-False mask array
+    lambda: np.ma.MaskedArray(np.arange(6).reshape(2, 3)),         # nomask
+    lambda: np.ma.MaskedArray([5, 6, 7], mask=[1, 0, 0], hard_mask=True),
+    lambda: np.ma.masked_array(np.zeros(2, [("a", "i4"), ("b", "f4")]), mask=[(0, 1), (1, 0)]),
+    lambda: np.ma.MaskedArray(np.arange(12.0).reshape(3, 4)[:, ::2], mask=np.eye(3, 2)),
+], ids=["values", "all-false", "nomask", "hard", "structured", "strided"])
+def test_masked_arrays_keep_mask_fill_value_and_hardness(q, make):
+    a = make()
+    for b in round_trips(q, a):
+        assert type(b) is np.ma.MaskedArray and b.dtype == a.dtype and b.shape == a.shape
+        assert np.ma.getdata(b).tobytes() == np.ma.getdata(a).tobytes()
+        if a.mask is np.ma.nomask:
+            assert b.mask is np.ma.nomask
+        else:
+            assert b.mask.dtype == a.mask.dtype and b.mask.tobytes() == a.mask.tobytes()
+        assert b.fill_value.tobytes() == a.fill_value.tobytes()
+        assert b.hardmask == a.hardmask
+
+
+def test_masked_constant_stays_the_singleton(q):
+    q.put({"m": np.ma.masked})
+    assert q.get(timeout=0)["m"] is np.ma.masked
+
+
+def test_memmap_arrives_as_its_contents(q, tmp_path):
+    m = np.memmap(tmp_path / "data", dtype="<i4", mode="w+", shape=(4, 3))
+    m[:] = np.arange(12).reshape(4, 3)
+    for b in round_trips(q, m[1:3]):
+        assert type(b) is np.ndarray and b.tolist() == [[3, 4, 5], [6, 7, 8]]
+    del m
+
+
+class Tagged(np.ndarray):
+    """A user subclass with an attribute shmq cannot know about."""
+
+    def __array_finalize__(self, obj):
+        self.unit = getattr(obj, "unit", "m")
+
+
+def test_other_ndarray_subclasses_are_refused_before_claiming(q):
+    before = q.stats()
+    for bad in (np.arange(3).view(Tagged), {"x": np.zeros(2).view(Tagged)},
+                np.ma.MaskedArray([1, 2]).view(type("MyMasked", (np.ma.MaskedArray,), {}))):
+        with pytest.raises(TypeError, match=r"ndarray subclass.*np\.asarray\(x\)"):
+            q.put(bad)
+    assert q.stats() == before
+    q.put(np.asarray(np.arange(3).view(Tagged)))  # the remedy works
+    assert_same(np.arange(3), q.get(timeout=0))
+
+
+def test_torch_tensors_keep_their_shape_including_zero_dim(q):
+    torch = pytest.importorskip("torch")
+    cases = [torch.tensor(3), torch.tensor(2.5, dtype=torch.float32), torch.tensor(True),
+             torch.arange(6.0).reshape(2, 3).t(), torch.ones(3, requires_grad=True),
+             torch.zeros(0, 4, dtype=torch.int16)]
+    for t in cases:
+        for b in round_trips(q, t):
+            assert isinstance(b, torch.Tensor) and b.shape == t.shape and b.dtype == t.dtype
+            assert torch.equal(b, t.detach())
+
+
+@pytest.mark.parametrize("dtype", ["<M8[ns]", ">m8[s]", [("t", "<M8[s]"), ("v", "<i4")]])
+def test_datetime_arrays_inside_trees(q, dtype):
+    """numpy exports no buffer for datetime dtypes; they used to fail in
+    put() inside a tree (and off the fast path)."""
+    a = sample(dtype, (2, 3))
+    for b in round_trips(q, a):
+        assert_same(a, b)
+    q.put(np.asfortranarray(np.zeros((2, 3), dtype)))
+    assert q.get(timeout=0).flags.f_contiguous
+    q.put(np.zeros((3, 4), dtype)[:, ::2])  # strided: off the fast path
+    assert_same(np.zeros((3, 2), dtype), q.get(timeout=0))
+
+
 def test_tree_arrays_are_out_of_band_and_copied_once(q):
     big = np.arange(100_000, dtype=np.float64)
     pickled, buffers = shmq.codec.encode({"a": big})
@@ -167,6 +302,88 @@ def test_reserve_rejects_bad_requests(q):
         q.reserve((1 << 30,), "f8").__enter__()
     q.put(np.ones(2))
     assert_same(np.ones(2), q.get(timeout=0))
+
+
+@pytest.mark.parametrize("mpsc", [False, True])
+def test_reserve_that_numpy_refuses_is_refused_before_claiming(mpsc):
+    """repro_shmq_reserve_phantom.py: shape (0, 2**62) of float64 used to be
+    claimed and then refused by numpy, leaving a phantom reservation that
+    jammed an MPSC queue for good."""
+    with shmq.Queue(1 << 16, multi_producer=mpsc) as q:
+        p = shmq.Queue.attach(q.name)
+        before = q.stats()
+        with pytest.raises(ValueError, match=r"numpy cannot make an array of this shape"):
+            with p.reserve((0, 2 ** 62), np.float64):
+                pass
+        assert q.stats() == before  # nothing claimed
+        p.put(np.arange(3))
+        assert_same(np.arange(3), q.get(timeout=2))
+        with p.reserve((3,), np.int64) as arr:
+            arr[:] = [7, 8, 9]
+        assert_same(np.array([7, 8, 9]), q.get(timeout=2))
+        p.close()
+
+
+@pytest.mark.parametrize("mpsc", [False, True])
+def test_put_inside_reserve_on_the_same_handle_is_refused(mpsc):
+    """repro_shmq_put_inside_reserve.py: on an SPSC ring the put claimed the
+    reservation's own position (tail had not moved) and the two records
+    overlapped; on an MPSC ring it replaced the reservation's claim
+    announcement.  Refused now, with the remedy."""
+    with shmq.Queue(1 << 16, multi_producer=mpsc) as q:
+        p = shmq.Queue.attach(q.name)
+        with p.reserve((1000,), np.int64) as arr:
+            arr[:] = 7
+            with pytest.raises(shmq.ShmqError, match=r"open reserve\(\) block .* refused"):
+                p.put({"meta": "hello", "n": np.arange(5)})
+            with pytest.raises(shmq.ShmqError, match="open reserve"):
+                p.put(np.arange(3))
+            with pytest.raises(shmq.ShmqError, match="already holds a reservation"):
+                p.reserve(3, "i8").__enter__()
+        p.put({"meta": "hello"})  # after the block: fine
+        assert_same(np.full(1000, 7, np.int64), q.get(timeout=1))
+        assert_same({"meta": "hello"}, q.get(timeout=1))
+        with pytest.raises(shmq.Empty):
+            q.get_nowait()
+        p.close()
+
+
+@pytest.mark.parametrize("mpsc", [False, True])
+def test_get_of_the_handles_own_open_reservation_is_refused(mpsc):
+    """A handle that is also the consumer would wait for its own reservation
+    (no timeout: forever): refused at once instead."""
+    with shmq.Queue(1 << 16, multi_producer=mpsc) as q:
+        q.put(np.arange(2))
+        with q.reserve((4,), np.int16) as arr:
+            assert_same(np.arange(2), q.get(timeout=0))  # before the reservation: fine
+            with pytest.raises(shmq.ShmqError, match="own open reserve"):
+                q.get()  # timeout=None
+            with pytest.raises(shmq.ShmqError, match="own open reserve"):
+                with q.get_view(timeout=0):
+                    pass
+            arr[:] = 5
+        assert_same(np.full(4, 5, np.int16), q.get(timeout=0))
+
+
+def test_view_nesting_rules(q):
+    """One get_view block at a time per handle, and no get inside it; put
+    (and reserve) inside a view block are fine: they do not touch the
+    record it holds."""
+    q.put(np.ones(3))
+    q.put(np.zeros(2))
+    with q.get_view(timeout=0) as v:
+        with pytest.raises(shmq.ShmqError, match="get_view"):
+            with q.get_view(timeout=0):
+                pass
+        with pytest.raises(shmq.ShmqError, match="get_view"):
+            q.get_nowait()
+        q.put(np.full(2, 9.0))
+        with q.reserve(1, "u1") as r:
+            r[0] = 4
+        assert_same(np.ones(3), v)
+    assert_same(np.zeros(2), q.get(timeout=0))
+    assert_same(np.full(2, 9.0), q.get(timeout=0))
+    assert_same(np.array([4], np.uint8), q.get(timeout=0))
 
 
 def test_object_dtype_refused_before_claim_and_queue_usable(q):

@@ -2,9 +2,11 @@
 names after a crash (R15), and the `python -m shmq` cleaner."""
 
 import os
+import pickle
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import posix_ipc
@@ -30,6 +32,8 @@ def header_of(q) -> bytearray:
 
 
 def poke(name: str, offset: int, fmt: str, value):
+    if fmt == "<Q":
+        value %= 1 << 64  # positions computed below zero wrap, as in C
     with open(segment.SHM_DIR + name, "r+b") as f:
         f.seek(offset)
         f.write(struct.pack(fmt, value))
@@ -43,7 +47,10 @@ def poke(name: str, offset: int, fmt: str, value):
     ("capacity_bytes", "<Q", 1 << 20, "field"),          # power of two but not the file's
     ("data_offset", "<Q", 1 << 40, "field region offsets"),
     ("tail_pos", "<Q", 1 << 50, "field head_pos/tail_pos"),
-    ("consumer_slot", "<i", 1 << 20, "field consumer_slot/producer_slot"),
+    ("tail_pos", "<Q", 64 * 3 + 8, "field head_pos/tail_pos"),  # not a record boundary
+    ("consumer_slot", "<i", 1 << 20, "field consumer_slot: 1048576 is not -1 or a slot index"),
+    ("consumer_slot", "<i", -7, "field consumer_slot: -7"),
+    ("producer_slot", "<i", 256, "field producer_slot: 256"),
 ])
 def test_attach_refuses_inconsistent_header(field, fmt, value, expect):
     with shmq.Queue(1 << 16) as q:
@@ -132,6 +139,287 @@ def test_malformed_tree_record(field, fmt, value, expect):
         assert_still_usable(q)
 
 
+# --- R11 on a live segment: fields re-checked at every read --------------------
+
+def header_field(q, field, fmt):
+    return struct.unpack_from(fmt, header_of(q), LAYOUT[field])[0]
+
+
+def consume_after_corruption(name, ready, go, results):
+    """A consumer that is attached and has read once, then reads again
+    after the parent corrupted the segment: it must get a typed error or the
+    right message, never a signal."""
+    c = shmq.Queue.attach(name)
+    try:
+        assert c.get(timeout=10).tolist() == [1, 2, 3]
+        ready.send(True)
+        assert go.poll(20)
+        try:
+            got = c.get(timeout=1)
+            results.send(("message", got.tolist()))
+        except shmq.ShmqError as e:
+            results.send((type(e).__name__, str(e)))
+    finally:
+        c.close()
+
+
+LIVE_HEADER_CASES = {
+    # what the repro did: head moved past tail, a 1 GiB record there
+    "head past tail": ("head_pos", lambda head, tail, cap: tail + 64, "field head_pos/tail_pos"),
+    "tail behind head": ("tail_pos", lambda head, tail, cap: head - 64, "field head_pos/tail_pos"),
+    "tail a lap ahead": ("tail_pos", lambda head, tail, cap: head + 2 * cap, "field head_pos/tail_pos"),
+    "tail off a record boundary": ("tail_pos", lambda head, tail, cap: tail + 72, "field head_pos/tail_pos"),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", sorted(LIVE_HEADER_CASES))
+@pytest.mark.parametrize("mpsc", [False, True])
+def test_live_consumer_rechecks_positions(procs, case, mpsc):
+    import multiprocessing as mp
+
+    field, value, expect = LIVE_HEADER_CASES[case]
+    with shmq.Queue(4096, multi_producer=mpsc) as q:
+        q.put(np.array([1, 2, 3]))
+        ready_r, ready_w = mp.Pipe(False)
+        go_r, go_w = mp.Pipe(False)
+        res_r, res_w = mp.Pipe(False)
+        child = procs.fork(consume_after_corruption, q.name, ready_w, go_r, res_w)
+        assert ready_r.poll(10) and ready_r.recv()
+        q.put(np.arange(100, dtype=np.uint8))  # a real record after the read one
+        head, tail = header_field(q, "head_pos", "<Q"), header_field(q, "tail_pos", "<Q")
+        bad = value(head, tail, q.capacity_bytes)
+        poke(q.name, LAYOUT[field], "<Q", bad)
+        # and at the bad head, a record that claims 1 GiB (as in the repro)
+        data_offset = header_field(q, "data_offset", "<Q")
+        poke(q.name, data_offset + (bad & (q.capacity_bytes - 1)), "<Q", 1 << 30)
+        go_w.send(True)
+        assert res_r.poll(10), "the consumer neither returned nor raised"
+        kind, text = res_r.recv()
+        child.join(10)
+        assert child.exitcode == 0, f"consumer ended with {child.exitcode} (negative: a signal)"
+        assert kind == "IncompatibleRing" and expect in text, (kind, text)
+        assert "recreate the queue" in text
+
+
+def produce_after_corruption(name, ready, go, results, size):
+    p = shmq.Queue.attach(name)
+    try:
+        p.put(np.zeros(8, np.uint8))
+        ready.send(True)
+        assert go.poll(20)
+        try:
+            for _ in range(3):
+                p.put(np.zeros(size, np.uint8), timeout=0.5)
+            results.send(("put", ""))
+        except shmq.ShmqError as e:
+            results.send((type(e).__name__, str(e)))
+    finally:
+        p.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("field,value,expect", [
+    ("head_pos", lambda head, tail, cap: tail + 4096, "field head_pos/tail_pos"),
+    ("head_pos", lambda head, tail, cap: tail - 2 * cap, "field head_pos/tail_pos"),
+    ("tail_pos", lambda head, tail, cap: head - 128, "field head_pos/tail_pos"),
+    ("consumer_slot", lambda head, tail, cap: 1 << 20, "field consumer_slot: 1048576"),
+])
+@pytest.mark.parametrize("mpsc", [False, True])
+def test_live_producer_rechecks_positions_and_consumer_slot(procs, field, value, expect, mpsc):
+    """A producer that finds no room reloads head and reads consumer_slot:
+    both are checked before use; it neither writes out of bounds nor waits
+    for a slot index past the slot array."""
+    import multiprocessing as mp
+
+    with shmq.Queue(4096, multi_producer=mpsc) as q:
+        with pytest.raises(shmq.Empty):
+            q.get_nowait()  # this handle is the consumer, and never reads
+        ready_r, ready_w = mp.Pipe(False)
+        go_r, go_w = mp.Pipe(False)
+        res_r, res_w = mp.Pipe(False)
+        child = procs.fork(produce_after_corruption, q.name, ready_w, go_r, res_w, 1500)
+        assert ready_r.poll(10) and ready_r.recv()
+        head, tail = header_field(q, "head_pos", "<Q"), header_field(q, "tail_pos", "<Q")
+        fmt = "<i" if field == "consumer_slot" else "<Q"
+        poke(q.name, LAYOUT[field], fmt, value(head, tail, q.capacity_bytes))
+        go_w.send(True)
+        assert res_r.poll(10), "the producer neither returned nor raised"
+        kind, text = res_r.recv()
+        child.join(10)
+        assert child.exitcode == 0, f"producer ended with {child.exitcode} (negative: a signal)"
+        assert kind == "IncompatibleRing" and expect in text, (kind, text)
+
+
+@pytest.mark.parametrize("field,fmt,value", [
+    ("capacity_bytes", "<Q", 1 << 40),
+    ("data_offset", "<Q", 1 << 50),
+    ("slots_offset", "<Q", 1 << 50),
+    ("avail_offset", "<Q", 1 << 50),
+    ("max_attach", "<I", 0xFFFFFFFF),
+    ("flags", "<I", 0xFFFFFFFF),
+])
+@pytest.mark.parametrize("mpsc", [False, True])
+def test_geometry_is_read_once_at_attach(field, fmt, value, mpsc):
+    """Open handles never read the geometry from the header again, so
+    overwriting it changes nothing for them (and a loop over the slots
+    stays inside the slot array); a new attach refuses the segment."""
+    with shmq.Queue(4096, multi_producer=mpsc) as q:
+        p = shmq.Queue.attach(q.name)
+        p.put(np.arange(5))
+        poke(q.name, LAYOUT[field], fmt, value)
+        assert q.get(timeout=1).tolist() == [0, 1, 2, 3, 4]
+        p.put(np.arange(6))
+        assert q.get(timeout=1).tolist() == list(range(6))
+        p.close()  # the consumer scans every slot for live producers next
+        with pytest.raises(shmq.Closed):
+            q.get(timeout=1)
+        with pytest.raises(shmq.IncompatibleRing):
+            shmq.Queue.attach(q.name)
+
+
+def test_role_slot_is_checked_before_use():
+    with shmq.Queue(4096) as q:
+        p = shmq.Queue.attach(q.name)
+        poke(q.name, LAYOUT["producer_slot"], "<i", 1 << 24)
+        with pytest.raises(shmq.IncompatibleRing, match="field producer_slot: 16777216"):
+            p.put(np.ones(1))
+        poke(q.name, LAYOUT["consumer_slot"], "<i", -5)
+        with pytest.raises(shmq.IncompatibleRing, match="field consumer_slot: -5"):
+            q.get(timeout=0)
+        p.close()
+
+
+def test_shape_with_a_zero_dimension_cannot_hide_an_overflow():
+    """numpy refuses shape (0, 2**62) of float64 (the non-zero dimensions
+    times the itemsize overflow) even though the array is empty: the
+    decoder checks the same, and says so as IncompatibleRing."""
+    with shmq.Queue(1 << 16) as q:
+        q.put(np.zeros((0, 2), "<f8"))
+        corrupt_first_record(q, rec + LAYOUT["array_meta_bytes"] + 8, "<Q", 1 << 62)
+        with pytest.raises(shmq.IncompatibleRing, match=r"shape\[1\] = 4611686018427387904"):
+            q.get(timeout=0)
+        assert_still_usable(q)
+
+
+def test_dtype_code_numpy_warns_about_is_a_typed_error():
+    """'|a3' is a dtype numpy still parses, with a DeprecationWarning (an
+    exception under -W error): the decoder refuses it as corrupt either way."""
+    with shmq.Queue(1 << 16) as q:
+        q.put(np.zeros(3, "|S3"))
+        corrupt_first_record(q, rec + LAYOUT["array_meta_bytes"] + 8, "<3s", b"|a3")
+        with pytest.raises(shmq.IncompatibleRing, match="dtype code b'\\|a3'"):
+            q.get(timeout=0)
+        assert_still_usable(q)
+
+
+# --- tree records: the pickle stream is checked before it is unpickled -------
+
+def rewrite_tree_stream(q, stream: bytes):
+    """Replace the pickle stream of the TREE record at head (same record,
+    same buffer table) and set pickle_bytes to its length."""
+    data_offset = header_field(q, "data_offset", "<Q")
+    head = header_field(q, "head_pos", "<Q")
+    at = data_offset + (head & (q.capacity_bytes - 1))
+    with open(segment.SHM_DIR + q.name, "r+b") as f:
+        f.seek(at + rec)
+        poff, plen = struct.unpack("<QQ", f.read(16))
+        f.seek(at + rec + 8)
+        f.write(struct.pack("<Q", len(stream)))
+        f.seek(at + poff)
+        f.write(stream)
+
+
+P5 = b"\x80\x05"
+BAD_STREAMS = {
+    # the repro: LONG_BINPUT 0x08000000 made the unpickler zero a 2 GiB memo
+    "memo bomb": (P5 + b"Nr" + struct.pack("<I", 0x08000000) + b".", "opcode 0x72"),
+    "protocol 4": (b"\x80\x04N.", "PROTO 5"),
+    "no STOP": (P5 + b"NN", "no STOP"),
+    "STOP inside": (P5 + b"N.N.", "STOP at byte 3"),
+    "text opcode": (P5 + b"I12\n.", "opcode 0x49"),
+    "persistent id": (P5 + b"NQ.", "opcode 0x51"),
+    "string longer than stream": (P5 + b"\x8d" + struct.pack("<Q", 1 << 40) + b"ab.", "1099511627776-byte"),
+    "bytes longer than stream": (P5 + b"B" + struct.pack("<I", 1000) + b"x.", "1000-byte"),
+    "frame longer than stream": (P5 + b"\x95" + struct.pack("<Q", 1 << 33) + b"N.", "frame of 8589934592"),
+    "negative LONG4": (P5 + b"\x8b" + struct.pack("<I", 0xFFFFFFF0) + b".", "negative length"),
+    "truncated argument": (P5 + b"J\x01\x02", "runs past the end"),
+    "memo get past memo": (P5 + b"N\x94j" + struct.pack("<I", 5) + b".", "memo index 5"),
+    "more buffers than the table": (P5 + b"\x97\x97\x97.", "3 out-of-band buffers used, 1"),
+}
+
+
+@pytest.mark.parametrize("how", ["get", "get_view"])
+@pytest.mark.parametrize("case", sorted(BAD_STREAMS))
+def test_malformed_pickle_stream_is_refused_before_unpickling(case, how):
+    stream, expect = BAD_STREAMS[case]
+    with shmq.Queue(1 << 16) as q:
+        q.put({"a": np.arange(4), "b": "x" * 40})  # one out-of-band buffer
+        rewrite_tree_stream(q, stream)
+        t0 = time.monotonic()
+        with pytest.raises(shmq.IncompatibleRing) as info:
+            if how == "get":
+                q.get(timeout=0.05)
+            else:
+                with q.get_view(timeout=0.05):
+                    pass
+        assert time.monotonic() - t0 < 0.5
+        text = str(info.value)
+        assert expect in text and "record at position 0" in text
+        assert f"producer pid {os.getpid()}" in text
+        assert_still_usable(q)
+
+
+def get_in_child_and_measure(name, results):
+    import resource
+
+    c = shmq.Queue.attach(name)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        c.get(timeout=1)
+        results.send(("message", 0))
+    except shmq.ShmqError as e:
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        results.send((type(e).__name__, grown))
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(30)
+def test_memo_bomb_allocates_nothing_in_the_consumer(procs):
+    import multiprocessing as mp
+
+    with shmq.Queue(1 << 16) as q:
+        q.put({"a": "x" * 20})
+        rewrite_tree_stream(q, BAD_STREAMS["memo bomb"][0])
+        res_r, res_w = mp.Pipe(False)
+        child = procs.fork(get_in_child_and_measure, q.name, res_w)
+        assert res_r.poll(20)
+        kind, grown_kib = res_r.recv()
+        child.join(10)
+        assert child.exitcode == 0
+        assert kind == "IncompatibleRing" and grown_kib < 8 << 10, (kind, grown_kib)
+
+
+@pytest.mark.parametrize("stream,cause", [
+    # well-formed, but rebuilding fails: the unpickler's own error becomes
+    # the cause of an IncompatibleRing naming the record
+    (P5 + b"\x970\x8c\x0bno_such_mod\x94\x8c\x01x\x94\x93\x94.", ModuleNotFoundError),
+    (P5 + b"\x970\x8c\x02\xff\xfe\x94.", UnicodeDecodeError),
+    (P5 + b"\x97\x85\x94R.", pickle.UnpicklingError),          # REDUCE on a short stack
+    (P5 + b"\x8c\x08builtins\x8c\x03int\x93\x8c\x01z\x85R\x97\x86.", ValueError),
+])
+def test_tree_that_cannot_be_rebuilt_is_incompatible_ring_with_the_cause(stream, cause):
+    with shmq.Queue(1 << 16) as q:
+        q.put({"a": np.arange(4)})
+        rewrite_tree_stream(q, stream)
+        with pytest.raises(shmq.IncompatibleRing, match="could not be rebuilt") as info:
+            q.get(timeout=0)
+        assert isinstance(info.value.__cause__, cause)
+        assert "record at position 0" in str(info.value)
+        assert_still_usable(q)
+
+
 def test_shm_full_is_reported_up_front_and_leaves_nothing():
     before = set(os.listdir(segment.SHM_DIR))
     with pytest.raises(shmq.ShmFull, match=r"--shm-size") as info:
@@ -203,3 +491,36 @@ def test_cli_list_and_clean():
     cleaned = run("clean")
     assert f"removed {stale}" in cleaned.stdout
     assert not os.path.exists(segment.SHM_DIR + stale)
+
+
+@pytest.mark.timeout(60)
+def test_list_and_clean_never_open_a_fifo_or_follow_a_symlink():
+    """repro_shmq_list_fifo.py: /dev/shm is world-writable, and a FIFO named
+    shmq-* blocked `python -m shmq list` and `clean` forever in open().
+    Entries that are not regular files are not segments: not opened, not
+    listed, not removed; a symlink is not followed (here to a stale
+    segment, which would otherwise be reported and unlinked by its name)."""
+    stale = make_stale_segment()
+    tag = f"{os.getpid()}-{os.urandom(4).hex()}"
+    fifo = os.path.join(segment.SHM_DIR, f"shmq-fifo-{tag}")
+    link = os.path.join(segment.SHM_DIR, f"shmq-link-{tag}")
+    os.mkfifo(fifo)
+    os.symlink(segment.SHM_DIR + stale, link)
+    try:
+        names = {s.name for s in segment.list_segments()}
+        assert stale in names and "/" + os.path.basename(fifo) not in names
+        assert "/" + os.path.basename(link) not in names
+        run = lambda *a: subprocess.run([sys.executable, "-m", "shmq", *a], capture_output=True,
+                                        text=True, timeout=30)
+        listed = run("list")
+        assert listed.returncode == 0 and "fifo" not in listed.stdout and "link" not in listed.stdout
+        cleaned = run("clean")
+        assert cleaned.returncode == 0 and f"removed {stale} " in cleaned.stdout
+        assert "fifo" not in cleaned.stdout and "link" not in cleaned.stdout
+        assert os.path.lexists(fifo) and os.path.lexists(link)  # not ours to remove
+        with pytest.raises(shmq.IncompatibleRing, match="not a shared-memory segment but a FIFO"):
+            shmq.Queue.attach("/" + os.path.basename(fifo))
+    finally:
+        for path in (fifo, link):
+            os.unlink(path)
+        segment.unlink(stale)
