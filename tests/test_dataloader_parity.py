@@ -49,8 +49,10 @@ def run_both(make_dataset, epochs=3, generator_seed=None, global_seed=5, **kwarg
     """Each loader's epochs, from the same global seed and generator seed.
     A kwargs value that is a function is called for each loader (a sampler
     with a generator of its own must start from the same state for both)."""
-    results = []
-    for cls in (tud.DataLoader, DataLoader):
+    results = {}
+    # ours first: torch's workers leave queue feeder threads behind for a while,
+    # and forking beside a thread makes ShmLoader warn (R16)
+    for cls in (DataLoader, tud.DataLoader):
         kw = {k: v() if callable(v) and k in ("sampler", "batch_sampler") else v
               for k, v in kwargs.items()}
         if generator_seed is not None:
@@ -59,11 +61,11 @@ def run_both(make_dataset, epochs=3, generator_seed=None, global_seed=5, **kwarg
         np.random.seed(global_seed)   # num_workers=0: the dataset draws from main's generators
         random.seed(global_seed)
         loader = cls(make_dataset(), **kw)
-        results.append(([list(loader) for _ in range(epochs)], len(loader)
-                        if not isinstance(loader.dataset, IterableDataset) else None))
+        results[cls] = ([list(loader) for _ in range(epochs)], len(loader)
+                        if not isinstance(loader.dataset, IterableDataset) else None)
         if cls is DataLoader:
             loader.close()
-    (theirs, their_len), (ours, our_len) = results
+    (theirs, their_len), (ours, our_len) = results[tud.DataLoader], results[DataLoader]
     assert our_len == their_len
     assert [len(e) for e in ours] == [len(e) for e in theirs]
     for e, (t, o) in enumerate(zip(theirs, ours)):
