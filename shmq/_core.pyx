@@ -159,6 +159,9 @@ def segment_bytes(uint64_t capacity, bint mpsc):
     return dof + capacity
 
 
+STARTTIME_UNKNOWN = SHMQ_STARTTIME_UNKNOWN
+
+
 def proc_starttime(uint32_t pid):
     """Start time of a live, non-zombie process (clock ticks), or 0."""
     return shmq_proc_starttime(pid)
@@ -495,9 +498,12 @@ cdef uint64_t _this_starttime = 0
 cdef uint64_t _own_starttime():
     global _this_starttime_pid, _this_starttime
     cdef uint32_t pid = getpid()
+    cdef uint64_t st
     if _this_starttime_pid != pid:
-        _this_starttime = shmq_proc_starttime(pid)
-        _this_starttime_pid = pid
+        st = shmq_proc_starttime(pid)
+        if st == SHMQ_STARTTIME_UNKNOWN:
+            return 0  # unknown now (out of fds): pid alone decides; read it next time
+        _this_starttime, _this_starttime_pid = st, pid
     return _this_starttime
 
 

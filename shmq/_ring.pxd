@@ -134,6 +134,7 @@ cdef extern from "shmq_ring.h" nogil:
     uint64_t shmq_align_up(uint64_t x, uint64_t a)
     void shmq_layout(uint64_t capacity, int mpsc, uint32_t max_attach,
                      uint64_t *slots_offset, uint64_t *avail_offset, uint64_t *data_offset)
+    uint64_t SHMQ_STARTTIME_UNKNOWN
     uint64_t shmq_proc_starttime(uint32_t pid)
     int shmq_owner_alive(const shmq_slot *s, uint64_t owner)
     void shmq_init(void *base, uint64_t capacity, int mpsc, uint32_t creator_pid,

@@ -128,11 +128,14 @@ class Queue:
         return q
 
     def _setup(self, ring, name, creator_pid):
-        self._ring = ring
+        # Everything __del__ reads before the ring: a KeyboardInterrupt here
+        # leaves either a handle __del__ can close, or none (the Ring closes
+        # its slot when dropped).
+        self._site = _creation_site()
         self._name = name
         self._creator_pid = creator_pid
         self._pid = os.getpid()
-        self._site = _creation_site()
+        self._ring = ring
         _core.register_handle(self)  # for the fork and exit hooks
 
     # --- data -------------------------------------------------------------

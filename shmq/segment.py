@@ -198,7 +198,8 @@ def list_segments() -> list[SegmentInfo]:
         if creator is not None:
             pid, starttime = creator
             now = _core.proc_starttime(pid)
-            alive = now != 0 and (starttime == 0 or now == starttime)
+            alive = now != 0 and (starttime == 0 or now == starttime
+                                  or now == _core.STARTTIME_UNKNOWN)  # never remove if unsure
         else:
             pid = _pid_from_name(entry)
             alive = pid is not None and _core.proc_starttime(pid) != 0

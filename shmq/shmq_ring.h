@@ -202,6 +202,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -497,14 +498,26 @@ static inline unsigned shmq_log2(uint64_t x) {
 /* Process liveness (Linux /proc)                                            */
 /* ------------------------------------------------------------------------ */
 
-/* Start time (clock ticks since boot) of a live, non-zombie process, or 0 if
- * there is no such process.  A zombie counts as dead: a SIGKILLed child that
- * its parent has not reaped yet must not keep a queue open. */
+/* Returned by shmq_proc_starttime for a process that exists but whose
+ * /proc entry this process cannot read now (no file descriptor left, no
+ * memory): alive, start time unknown.  Taking it for dead would retire a
+ * live peer for good (a consumer at its fd limit saw PeerLost). */
+#define SHMQ_STARTTIME_UNKNOWN UINT64_MAX
+
+/* Start time (clock ticks since boot) of a live, non-zombie process, 0 if
+ * there is no such process, or SHMQ_STARTTIME_UNKNOWN (see above).  A
+ * zombie counts as dead: a SIGKILLed child that its parent has not reaped
+ * yet must not keep a queue open. */
 static inline uint64_t shmq_proc_starttime(uint32_t pid) {
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%u/stat", pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return 0;
+    if (fd < 0) {
+        if (errno == ENOENT || errno == ESRCH) return 0;
+        /* Out of fds or memory: ask the kernel without a file.  EPERM
+         * still means the process exists. */
+        return (kill((pid_t)pid, 0) == 0 || errno == EPERM) ? SHMQ_STARTTIME_UNKNOWN : 0;
+    }
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
     if (n <= 0) return 0;
@@ -536,7 +549,7 @@ static inline int shmq_owner_alive(const shmq_slot *s, uint64_t owner) {
     uint64_t want = __atomic_load_n(&s->starttime, __ATOMIC_RELAXED);
     uint64_t have = shmq_proc_starttime(pid);
     if (!have) return 0;
-    return want == 0 || want == have;
+    return want == 0 || want == have || have == SHMQ_STARTTIME_UNKNOWN;
 }
 
 /* ------------------------------------------------------------------------ */

@@ -174,23 +174,6 @@ def test_main_killed_at_a_random_moment_leaves_nothing(phase, sig, target, count
             prog.cleanup()
 
 
-# Failures of the random Ctrl-C tests that are known bugs, each pinned by a
-# strict xfail below: when one shows, the test is reported as xfailed (so
-# the suite stays green) instead of hiding anything else.
-KNOWN_CTRL_C_BUGS = {
-    "Exception ignored in: <function Queue.__del__":
-        "known bug: a Ctrl-C inside shmq.Queue() makes its __del__ raise AttributeError "
-        "(test_ctrl_c_inside_queue_creation_says_nothing_more)",
-}
-
-
-def _xfail_if_known(prog: Program) -> None:
-    err = prog.stderr()
-    for signature, reason in KNOWN_CTRL_C_BUGS.items():
-        if signature in err:
-            pytest.xfail(f"{reason}; stderr: {err[-1500:]}")
-
-
 def _assert_interrupted_cleanly(prog: Program, phase: str, rep: int) -> None:
     out, err = prog.stdout(), prog.stderr()
     if "interrupted" in out:
@@ -220,8 +203,6 @@ def test_ctrl_c_to_main_at_a_random_moment(phase, count):
         prog, sent = _signal_at_random_moment(rng, phase, signal.SIGINT, group=True)
         try:
             code = prog.wait(5)
-            if code is None or prog.stderr():
-                _xfail_if_known(prog)
             assert code is not None, (f"rep {rep}: still running 5 s after Ctrl-C; stdout "
                                       f"{prog.stdout()[-5:]}; stderr {prog.stderr()[-2000:]}")
             _assert_interrupted_cleanly(prog, phase, rep)
@@ -272,8 +253,6 @@ def test_ctrl_c_during_start_up_of_eight_workers(count):
             time.sleep(rng.uniform(0, 0.3))   # 1-3 start-ups of 8 workers
             prog.signal(signal.SIGINT, group=rep % 2 == 0)
             code = prog.wait(5)
-            if code is None or prog.stderr():
-                _xfail_if_known(prog)
             assert code is not None, (f"rep {rep}: SIGINT lost: still running 5 s later, "
                                       f"{sum(line.startswith('epoch') for line in prog.stdout())} "
                                       f"epochs; stderr: {prog.stderr()[-2000:]}")
@@ -795,14 +774,10 @@ def test_a_start_failure_at_any_fd_limit_leaves_no_fd_open():
     assert leaks == {}
 
 
-@pytest.mark.xfail(strict=True, reason="at its fd limit main cannot open /proc/<pid>/stat, "
-                                       "shmq takes the live collator for dead: WorkerError "
-                                       "'the collator's ring to main ended ... while every "
-                                       "process is still running'")
 def test_the_smallest_fd_limit_that_fits_every_child_gives_a_working_loader():
     """R17 swept: at the smallest limit where every child can be forked,
     main is left with no fd free.  Expected: the loader works (64 samples
-    in order) - or at worst LoaderStartError naming `ulimit -n`.  Observed:
+    in order) - or at worst LoaderStartError naming `ulimit -n`.  Before the fix:
     main's first get() on to_main waits on an empty ring (sample 0 is slow)
     and checks whether its producers live: shmq_proc_starttime
     (shmq_ring.h) cannot open /proc/<pid>/stat (EMFILE) and returns 0,
@@ -857,13 +832,11 @@ FD_STARVED_CONSUMER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="shmq: a consumer that cannot open /proc/<pid>/stat "
-                                       "(EMFILE) retires its live producers as dead: PeerLost")
 def test_a_consumer_out_of_fds_does_not_take_live_producers_for_dead():
     """The cause of the failure above, in shmq alone: a consumer with every
     fd in use waits on an empty ring whose producer is alive.  Expected:
     Empty after the timeout, then, with fds free again, the producer's
-    message.  Observed: PeerLost at once (shmq_proc_starttime returns 0 when
+    message.  Before the fix: PeerLost at once (shmq_proc_starttime returned 0 when
     open() fails for any reason, and shmq_owner_alive reads 0 as 'no such
     process'), and the producer's slot stays retired: the later get() sees
     no producer left either."""
@@ -1072,15 +1045,13 @@ CTRL_C_IN_QUEUE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="a KeyboardInterrupt inside shmq.Queue() (after _ring, "
-                                       "before _site) makes Queue.__del__ raise AttributeError")
 def test_ctrl_c_inside_queue_creation_says_nothing_more():
     """Found by test_ctrl_c_to_main_at_a_random_moment (start-up): stderr
     'Exception ignored in: <function Queue.__del__> ... AttributeError:
     'Queue' object has no attribute '_site''.  Made deterministic: the
     SIGINT arrives while Queue._setup runs (after `self._ring = ring`,
     before `self._site = ...`).  Expected: KeyboardInterrupt, and nothing on
-    stderr (the half-made handle closed quietly).  Observed: __del__ finds
+    stderr (the half-made handle closed quietly).  Before the fix: __del__ found
     an open ring and formats its ResourceWarning with self._site, which was
     never set: AttributeError, printed as unraisable."""
     prog = _run_to_end(CTRL_C_IN_QUEUE, timeout=30)
