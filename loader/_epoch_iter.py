@@ -43,6 +43,21 @@ class _Epoch:
     def _started(self) -> None:
         pass
 
+    def _resumed(self) -> None:
+        """What every next() checks first (and the first one starts)."""
+        if self.finished:
+            raise StopIteration
+        self.loader._check_current(self.epoch)
+        if self.run is None:
+            self._begin()
+
+    def _failed(self, msg: P.Failed) -> None:
+        """In order, a batch's error is raised when its turn comes; else at once."""
+        if self.loader.in_order and msg.batch >= 0:
+            self.errors.setdefault(msg.batch, msg)
+        else:
+            self.loader._raise_failed(msg)
+
     def _receive(self):
         ld = self.loader
         deadline = None if ld.timeout is None else time.monotonic() + ld.timeout
@@ -103,11 +118,7 @@ class MapEpoch(_Epoch):
 
     def __next__(self):
         ld = self.loader
-        if self.finished:
-            raise StopIteration
-        ld._check_current(self.epoch)
-        if self.run is None:
-            self._begin()
+        self._resumed()
         while True:
             batch = self._next_ready()
             if batch is not None:
@@ -122,10 +133,8 @@ class MapEpoch(_Epoch):
             kind = type(msg)
             if kind is P.Failed:
                 if ld.in_order and msg.batch >= 0:
-                    self.errors.setdefault(msg.batch, msg)  # raised when its turn comes
                     self.failed.add(msg.batch)
-                else:
-                    ld._raise_failed(msg)
+                self._failed(msg)
             elif kind is P.RunEnded:
                 if ld.in_order and msg.batches != self.total - len(self.failed):
                     raise WorkerError(
@@ -197,11 +206,7 @@ class StreamEpoch(_Epoch):
 
     def __next__(self):
         ld = self.loader
-        if self.finished:
-            raise StopIteration
-        ld._check_current(self.epoch)
-        if self.run is None:
-            self._begin()
+        self._resumed()
         while True:
             batch = self._next_ready()
             if batch is not None:
@@ -214,10 +219,7 @@ class StreamEpoch(_Epoch):
             msg = self._receive()
             kind = type(msg)
             if kind is P.Failed:
-                if ld.in_order and msg.batch >= 0:
-                    self.errors[msg.batch] = msg
-                else:
-                    ld._raise_failed(msg)
+                self._failed(msg)
             elif kind is P.StreamEnded:
                 self.ends[msg.worker] = (msg.batches, set(msg.dropped))
             elif kind is P.RunEnded:

@@ -478,8 +478,8 @@ def test_typing(impl):
     assert create_dataloader.__annotations__["return"] is not None
 
 
-FD_LIMIT_SCRIPT = """
-import os, resource, sys
+# The start of the scripts below: the implementation under test and a dataset.
+SCRIPT_PRELUDE = """
 import torch
 from torch.utils.data import IterableDataset
 if os.environ["CONFORMANCE_IMPL"] == "torch":
@@ -497,7 +497,12 @@ class RandomTensors(IterableDataset):
             raise StopIteration
         self.n -= 1
         return torch.randn(self.shape)
+"""
 
+
+FD_LIMIT_SCRIPT = """
+import os, resource, sys
+""" + SCRIPT_PRELUDE + """
 persistent = sys.argv[1] == "1"
 kept = []
 resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
@@ -1619,24 +1624,7 @@ def test_dataset_not_reset(impl):
 
 EARLY_EXIT_SCRIPT = """
 import os
-import torch
-from torch.utils.data import IterableDataset
-if os.environ["CONFORMANCE_IMPL"] == "torch":
-    from torch.utils.data import DataLoader
-else:
-    from loader import DataLoader
-
-class RandomTensors(IterableDataset):
-    def __init__(self, n, shape):
-        self.n, self.shape = n, shape
-    def __iter__(self):
-        return self
-    def __next__(self):
-        if self.n <= 0:
-            raise StopIteration
-        self.n -= 1
-        return torch.randn(self.shape)
-
+""" + SCRIPT_PRELUDE + """
 if __name__ == "__main__":
     dl = DataLoader(RandomTensors(64, (28, 28)), batch_size=16, num_workers=2, pin_memory=True,
                     persistent_workers=True, multiprocessing_context="fork")
