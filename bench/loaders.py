@@ -375,6 +375,9 @@ def run_w7(steps):
           f"CPU of the loader's processes while the loop trains")
     print(f"{'loader':<24} {'% of one core':>14} {'ShmLoader uses':>15}")
     rows = {}
+    # Only the loader's own processes count: anything an earlier workload
+    # left running under this process (a peer's helper) is not the loader's.
+    before = set(_tree(os.getpid()))
     for kind in ("ShmLoader", "PyTorch tensor path"):
         if kind == "ShmLoader":
             loader = ShmLoader(W7Samples(), batch_size=32, num_workers=8)
@@ -387,7 +390,7 @@ def run_w7(steps):
             it = iter(loader)
             next(it)
             time.sleep(1.0)  # prefetch full: from here on the loader only waits
-            kids = _tree(os.getpid())[1:]
+            kids = [pid for pid in _tree(os.getpid()) if pid not in before]
             c0, t0 = _cpu_seconds(kids), time.perf_counter()
             for _ in range(steps):
                 next(it)
