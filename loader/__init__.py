@@ -26,6 +26,13 @@ def __getattr__(name):
     # DataLoader imports torch: only when asked for, so that numpy users of
     # ShmLoader never pay for importing it.
     if name == "DataLoader":
+        try:
+            import torch  # noqa: F401
+        except ImportError as exc:
+            raise ModuleNotFoundError(
+                "loader.DataLoader is PyTorch's DataLoader running on ShmLoader, so it needs "
+                "PyTorch: pip install torch (or use loader.ShmLoader, which does not)",
+                name="torch") from exc
         from loader._torch import DataLoader
 
         return DataLoader

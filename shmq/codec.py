@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+import warnings
 
 import numpy as np
 
@@ -68,8 +69,19 @@ def _tensor_from_buffer(buf, dtype, shape):
     return torch.from_numpy(array_from_buffer(buf, dtype, shape, "C"))
 
 
+def _chararray_class():
+    """np.char.chararray, or None once numpy has removed it.  numpy 2.5
+    deprecates the class with a warning on attribute access; shmq only
+    recognises the type (it never makes one of its own accord), so importing
+    shmq must not warn."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return getattr(np.char, "chararray", None)
+
+
 # ndarray subclasses that hold nothing but the array: a view restores them.
-_STATELESS_SUBCLASSES = (np.matrix, np.recarray, np.char.chararray)
+_STATELESS_SUBCLASSES = tuple(cls for cls in (np.matrix, np.recarray, _chararray_class())
+                              if cls is not None)
 
 
 def _c_contiguous(arr: np.ndarray) -> np.ndarray:

@@ -212,12 +212,15 @@ class Program:
             self._err.close()
 
 
-def assert_nothing_left(prog: Program, since: float, within: float = 2.0) -> None:
+def assert_nothing_left(prog: Program, since: float, within: float = 2.0) -> float:
     """Every process of the program's session gone (orphan zombies count as
     gone) within `within` seconds of `since` (a time.monotonic()), and no
-    /dev/shm entry made by any of them."""
+    /dev/shm entry made by any of them.  Returns how long after `since` the
+    last one was seen gone (to within the 10 ms of wait_until's checks)."""
     ok = wait_until(lambda: not prog.leftovers(), max(0.0, since + within - time.monotonic()))
+    gone = time.monotonic() - since
     assert ok, (f"processes of the killed program still there {within}s later (pid: state): "
                 f"{prog.leftovers()}; reported {sorted(prog.reported_pids())}")
     leaked = shm_entries_of({prog.pid} | prog.seen | prog.reported_pids())
     assert not leaked, f"/dev/shm entries left by the program: {sorted(leaked)}"
+    return gone

@@ -16,6 +16,7 @@ import pytest
 import shmq
 from conftest import descendants, segment_pid, wait_until
 from loader import CollateError, LoaderTimeout, ShmLoader, WorkerError, get_worker_info
+from measure import record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -569,6 +570,9 @@ def test_create_iterate_drop_loop_does_not_grow(loops):
         once(k)
     gc.collect()
     assert wait_until(lambda: _resources() == before, 5), (before, _resources())
+    record("R6", "create, iterate (break / exception / to the end / left suspended), drop: "
+           "fds, threads, processes, /dev/shm back to where they were", count=loops,
+           what="loaders")
 
 
 def test_sigterm_to_main_leaves_nothing():

@@ -31,6 +31,7 @@ import pytest
 import shmq
 from conftest import descendants, wait_until
 from killkit import Program, assert_nothing_left, kill_pids, rng_for, shm_entries_of
+from measure import record
 from loader import ShmLoader, WorkerError
 
 pytestmark = pytest.mark.timeout(120)
@@ -166,10 +167,14 @@ def test_main_killed_at_a_random_moment_leaves_nothing(phase, sig, target, count
             assert code is not None, f"rep {rep}: still running 10 s after {sig.name}"
             # close: the program may have ended by itself before the signal came
             assert code == -sig or (phase == "close" and code == 0), (rep, code, prog.stderr())
-            assert_nothing_left(prog, since=sent, within=2.0)
+            gone = assert_nothing_left(prog, since=sent, within=2.0)
             assert _child_noise(prog.stderr()) == [], prog.stderr()
             if code == -sig:
                 assert "interrupted" not in prog.stdout()
+            record("R22" if sig == signal.SIGKILL else "R8",
+                   f"{sig.name} to main{' and its group' if target == 'group' else ' alone'}, "
+                   f"phase {phase}: nothing left in /dev/shm, no process left",
+                   gone, what="signal → last process gone")
         finally:
             prog.cleanup()
 
@@ -207,6 +212,8 @@ def test_ctrl_c_to_main_at_a_random_moment(phase, count):
                                       f"{prog.stdout()[-5:]}; stderr {prog.stderr()[-2000:]}")
             _assert_interrupted_cleanly(prog, phase, rep)
             assert_nothing_left(prog, since=prog.exited_at, within=2.0)
+            record("R7", f"Ctrl-C to main's group, phase {phase}: KeyboardInterrupt in main, "
+                   f"children silent", prog.exited_at - sent, what="signal → main exited")
         finally:
             prog.cleanup()
 
@@ -251,6 +258,7 @@ def test_ctrl_c_during_start_up_of_eight_workers(count):
         try:
             prog.wait_for("ready", 30)
             time.sleep(rng.uniform(0, 0.3))   # 1-3 start-ups of 8 workers
+            sent = time.monotonic()
             prog.signal(signal.SIGINT, group=rep % 2 == 0)
             code = prog.wait(5)
             assert code is not None, (f"rep {rep}: SIGINT lost: still running 5 s later, "
@@ -259,6 +267,8 @@ def test_ctrl_c_during_start_up_of_eight_workers(count):
             assert code == 0 and "interrupted" in prog.stdout(), (rep, code, prog.stderr())
             assert prog.stderr() == "", prog.stderr()
             assert_nothing_left(prog, since=prog.exited_at, within=2.0)
+            record("R7", "Ctrl-C during start-ups of 8 workers: never lost in a fork",
+                   prog.exited_at - sent, what="signal → main exited")
         finally:
             prog.cleanup()
 
@@ -382,6 +392,10 @@ def test_child_killed_at_a_random_moment_raises_worker_error(which, how, moment,
             loader.close()
             assert not set(pids) & set(descendants())  # every child reaped
             assert not shm_entries_of({os.getpid(), *pids})
+            record("R5" if which == "the collator" else "R2",
+                   f"{how.name} to {which}, {moment}: WorkerError naming role, pid, signal",
+                   elapsed if moment == "between-batches" else None,
+                   what="death → WorkerError in main")
         finally:
             if killer is not None:
                 killer.cancel()
@@ -451,7 +465,10 @@ def test_first_ready_mode_reports_a_dead_worker_within_two_seconds():
                 time.sleep(0.02)
                 if time.monotonic() - t0 > 3.0:
                     break
-        assert time.monotonic() - t0 < 2.0, f"{delivered} batches later"
+        detected = time.monotonic() - t0
+        assert detected < 2.0, f"{delivered} batches later"
+        record("R2", "SIGKILL to one of 3 workers, in_order=False: WorkerError although the "
+               "others keep batches coming", detected, what="death → WorkerError in main")
 
 
 # --- forked children of the training process (R21) ----------------------------------------
@@ -749,6 +766,8 @@ def test_start_at_every_fd_limit_leaves_no_child_and_close_works():
     assert all(r["close"] == "closed" and r["children"] == [] for r in results.values()), results
     assert results[max(results)]["outcome"] == ["ok", True]
     assert any(r["outcome"][0] == "LoaderStartError" for r in results.values())
+    record("R17", "start of 5 workers at every fd limit from none free to enough: "
+           "LoaderStartError or a working loader, no child or fd left", count=len(results))
 
 
 def test_start_failure_with_no_fd_free_names_ulimit():

@@ -14,6 +14,7 @@ import pytest
 import payload
 import shmq
 from conftest import wait_until
+from measure import record
 from shmq import _core
 
 pytestmark = pytest.mark.timeout(60)
@@ -169,8 +170,11 @@ def test_all_producers_killed_while_consumer_blocked(procs):
         threading.Thread(target=kill_later).start()
         with pytest.raises(shmq.PeerLost, match="3 producer"):
             q.get()  # no timeout: must not hang
-        assert time.monotonic() - killed_at[0] < 2.0
+        detected = time.monotonic() - killed_at[0]
+        assert detected < 2.0
         assert tally.next_seq == [10, 10, 10]
+        record("R1", "3 producers SIGKILLed while the consumer waits: PeerLost naming them",
+               detected, what="kill → PeerLost")
 
 
 def test_producer_blocked_on_full_ring_sees_dead_consumer(procs):
@@ -184,7 +188,10 @@ def test_producer_blocked_on_full_ring_sees_dead_consumer(procs):
         t0 = time.monotonic()
         with pytest.raises(shmq.PeerLost, match=r"consumer \(pid \d+\) died"):
             q.put(chunk)  # no timeout: must not hang
-        assert time.monotonic() - t0 < 2.5
+        detected = time.monotonic() - t0
+        assert detected < 2.5
+        record("R1", "consumer SIGKILLed while a producer waits on a full ring: PeerLost",
+               max(0.0, detected - 0.3), what="kill → PeerLost")
 
 
 def test_producer_sees_consumer_close(procs):
@@ -208,8 +215,11 @@ def test_spsc_producer_killed_mid_write(procs, point):
             while True:
                 tally.add(q.get(timeout=10))
                 t_end = time.monotonic()
-        assert time.monotonic() - t_end < 2.0
+        detected = time.monotonic() - t_end
+        assert detected < 2.0
         assert tally.next_seq == [6]  # the 7th put died before it was published
+        record("R1", f"SPSC producer SIGKILLed {point}: 6 messages, then PeerLost",
+               detected, what="last message → PeerLost")
 
 
 @pytest.mark.parametrize("point", ["after_claim", "mid_copy", "before_publish"])
@@ -232,6 +242,7 @@ def test_mpsc_producer_killed_mid_write_does_not_block_others(procs, point):
         assert tally.next_seq == [4, 300, 300]
         assert len(dropped) == 1 and "died while writing" in dropped[0], dropped
         assert q.stats()["skipped_records"] == 1
+        record("R1", f"MPSC producer SIGKILLed {point}: its record dropped, 2 others unblocked")
 
 
 def die_after_claiming(q, size):

@@ -10,9 +10,9 @@ import random
 import numpy as np
 import pytest
 
-from loader import DataLoader, ShmLoader, get_worker_info
+torch = pytest.importorskip("torch")  # the samples draw from torch's generator too
 
-torch = pytest.importorskip("torch")
+from loader import DataLoader, ShmLoader, get_worker_info  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

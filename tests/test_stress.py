@@ -9,6 +9,7 @@ import pytest
 
 import payload
 import shmq
+from measure import record
 from test_multiprocess import drain
 
 SEED = int(os.environ.get("SHMQ_STRESS_SEED", random.randrange(1 << 30)))
@@ -35,6 +36,8 @@ def test_r12_mpsc_eight_producers_exactly_once_in_order(procs, capacity, count):
         tally, _ = drain(q, 8, timeout=60)
         assert tally.next_seq == [count] * 8, f"seed {SEED}"
         assert q.stats()["skipped_records"] == 0
+    record("R12", f"8 producers x {count:,} messages, {capacity:,} B ring: exactly once, "
+           f"per-producer order", count=8 * count, what="messages")
 
 
 @pytest.mark.parametrize("count", [
@@ -47,3 +50,5 @@ def test_r13_spsc_constant_wraparound_exactly_once_in_order(procs, count):
         procs.fork(produce_sizes, q, 0, count, 300, SEED)
         tally, _ = drain(q, 1, timeout=60)
         assert tally.next_seq == [count], f"seed {SEED}"
+    record("R13", f"{count:,} messages through a 4 KiB ring: exactly once, in order",
+           count=count, what="messages")
