@@ -14,12 +14,13 @@ from loader._layout import BatchMismatch, CollateError, UnsupportedLeaf
 from loader._loader import LoaderTimeout, ShmLoader, WorkerError
 from loader._parquet import ParquetDataset
 from loader._procs import LoaderStartError
+from loader._stats import DataStallWarning
 from loader._worker import WorkerInfo, get_worker_info
 
 __all__ = ["ShmLoader", "DataLoader", "FileDataset", "FileArray", "ParquetDataset",
            "get_worker_info", "WorkerInfo",
            "WorkerError", "LoaderTimeout", "LoaderStartError", "CollateError", "BatchMismatch",
-           "UnsupportedLeaf"]
+           "UnsupportedLeaf", "DataStallWarning"]
 
 
 def __getattr__(name):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import time
 
-import shmq
+from loader._stats import waited_ns
 
 INTERVAL_S = 0.25      # shortest time between two decisions
 MIN_BATCHES = 4        # fewest batches between two decisions
@@ -85,8 +85,8 @@ class Autoscaler:
     def _counts(self) -> tuple[int, int, int]:
         """(ns the active workers waited, machine idle ticks, total ticks), so far."""
         ld = self.loader
-        waited = ld._shared.waited
-        return (sum(shmq.atomic_load(waited, i) for i in range(self.active)),
+        waited, now = ld._shared.waited, time.perf_counter_ns()
+        return (sum(waited_ns(waited, i, now) for i in range(self.active)),
                 *_machine_cpu())
 
     def waited_for(self, seconds: float) -> None:

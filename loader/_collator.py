@@ -25,6 +25,7 @@ from loader._layout import (
 )
 from loader._shared import LoaderConfig, SharedState
 from loader._slabs import Slab, SlabAllocator
+from loader._stats import WaitClock
 from loader._progress import stream_skips
 from loader._table import CONFIRMED, REFUSED, count_of
 from loader._worker import exit_if_orphaned
@@ -87,6 +88,7 @@ class _Pass:
         self.done: dict[int, P.Done] = {}  # workers that said Done, not yet settled
         self.settled: set[int] = set()     # workers whose batches are all sent or freed
         self.sent = self.samples = self.rows_by_collator = self.relayouts = 0
+        self.peak_slab_bytes = 0
         self.ended = False
 
     def rows_of(self, index: int) -> int:
@@ -147,6 +149,7 @@ class Collator:
         self.early = None              # a message taken while checking whether to sleep
         self.freed = False             # memory was reclaimed while checking whether to sleep
         self.pid = os.getpid()
+        self.clock = WaitClock(shared.waited, len(shared.waited) - 1)  # NOTE [ Wait clocks ]
 
     # --- loop ---------------------------------------------------------------------
 
@@ -209,8 +212,12 @@ class Collator:
                 self.freed = True
             return self.freed
 
-        if not c.collator_bell.wait(ready, P.IDLE_SLICE_S):
-            exit_if_orphaned(self.cfg.parent_pid)
+        self.clock.begin()
+        try:
+            if not c.collator_bell.wait(ready, P.IDLE_SLICE_S):
+                exit_if_orphaned(self.cfg.parent_pid)
+        finally:
+            self.clock.end()
 
     # --- to main --------------------------------------------------------------------
 
@@ -360,7 +367,8 @@ class Collator:
                 self._drop(p, b)
         self.waiting = [(r, i) for r, i in self.waiting if r != p.run]
         del self.passes[p.run]
-        self._send(P.RunEnded(p.run, p.sent, p.samples, p.rows_by_collator, p.relayouts))
+        self._send(P.RunEnded(p.run, p.sent, p.samples, p.rows_by_collator, p.relayouts,
+                               p.peak_slab_bytes))
 
     # --- layouts, slabs and the table --------------------------------------------------
 
@@ -373,7 +381,7 @@ class Collator:
                 f"{self.slabs.capacity}: pass memory_cap_bytes >= {nbytes} (a few batches' worth "
                 f"lets loading run ahead), or use smaller batches"))
             return None
-        slab = self.slabs.allocate(nbytes)
+        slab = self._take_slab(nbytes)
         if slab is None:
             if (p.run, b.index) not in self.waiting:
                 self.waiting.append((p.run, b.index))
@@ -381,6 +389,13 @@ class Collator:
                 self.told_memory_wait = True
                 self._send(P.MemoryWait(self.slabs.held_bytes, self.slabs.capacity,
                                         len(self.slabs.live), nbytes))
+        return slab
+
+    def _take_slab(self, nbytes: int) -> Slab | None:
+        slab = self.slabs.allocate(nbytes)
+        if slab is not None:
+            for p in self.passes.values():  # every run going on sees the pool's use
+                p.peak_slab_bytes = max(p.peak_slab_bytes, self.slabs.in_use)
         return slab
 
     def _retry_waiting(self) -> None:
@@ -503,7 +518,7 @@ class Collator:
             if not self._entry_free(p, b):
                 continue
             layout = self.layouts.get(self.guess, b.rows, b.batched)
-            slab = self.slabs.allocate(layout.nbytes)
+            slab = self._take_slab(layout.nbytes)
             if slab is None:
                 return  # memory is short: batches wait for it when a sample asks
             b.layout, b.slab = layout, slab

@@ -14,6 +14,7 @@ import time
 
 from loader import _protocol as P
 from loader._errors import WorkerError
+from loader._stats import EpochClock
 
 
 class _Epoch:
@@ -38,6 +39,8 @@ class _Epoch:
         ld = self.loader
         self.run = ld._run_for(self.epoch, self.resume)
         self.progress = ld._track(self.run.plan)
+        self.clock = EpochClock(ld._shared.waited)
+        self.run_ended = None     # its RunEnded, for stats() at the epoch's end
         self._started()
 
     def _started(self) -> None:
@@ -61,22 +64,31 @@ class _Epoch:
     def _receive(self):
         ld = self.loader
         deadline = None if ld.timeout is None else time.monotonic() + ld.timeout
-        scaler = getattr(ld, "_autoscaler", None)
-        if scaler is None:
+        t0 = time.perf_counter_ns()  # the training loop waits from here
+        try:
             return ld._next_of(self.run.id, deadline)
-        t0 = time.perf_counter()  # the training loop waits from here (see _autoscale.py)
-        msg = ld._next_of(self.run.id, deadline)
-        scaler.waited_for(time.perf_counter() - t0)
-        return msg
+        finally:
+            waited = time.perf_counter_ns() - t0
+            self.clock.loop_wait_ns += waited
+            scaler = getattr(ld, "_autoscaler", None)
+            if scaler is not None:
+                scaler.waited_for(waited / 1e9)
 
     def _hand_out(self, msg: P.BatchReady):
         scaler = getattr(self.loader, "_autoscaler", None)
         if scaler is not None:
             scaler.batch_handed_out()
+        self.clock.bytes += msg.slab.nbytes
         return self.loader._batch(msg)
+
+    def _run_ended(self, msg: P.RunEnded) -> None:
+        self.ended = True
+        self.run_ended = msg
 
     def _done(self):
         self.finished = True
+        if self.run_ended is not None:
+            self.loader._record_stats(self.epoch, self.run_ended, self.clock)
         self.close()
         raise StopIteration
 
@@ -142,8 +154,7 @@ class MapEpoch(_Epoch):
                         f"{self.total - len(self.failed)} batches without an error; its shared "
                         f"state was changed from outside (another process writing into this "
                         f"process's memory?)")
-                self.ended = True
-                ld._record_stats(self.epoch, msg)
+                self._run_ended(msg)
             else:
                 self.pending[msg.batch] = msg
 
@@ -223,8 +234,7 @@ class StreamEpoch(_Epoch):
             elif kind is P.StreamEnded:
                 self.ends[msg.worker] = (msg.batches, set(msg.dropped))
             elif kind is P.RunEnded:
-                self.ended = True
-                ld._record_stats(self.epoch, msg)
+                self._run_ended(msg)
             else:
                 self.pending[msg.batch] = msg
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 
 import numpy as np
 
 from loader import _order as O
+from loader._stats import EpochClock
 from loader._layout import Layout, LayoutCache, materialize, signature_and_leaves, stack
 from loader._worker import SampleSeeder
 
@@ -42,6 +44,8 @@ class InlineEpoch:
         self.cache = LayoutCache()
         self.seeder = SampleSeeder(loader.seed) if loader.reproducible else None
         self.plan = None  # made at the first next()
+        self.clock = None
+        self.batches = self.samples = 0   # delivered (a batch that raised is not)
 
     def __iter__(self):
         return self
@@ -69,6 +73,24 @@ class InlineEpoch:
     def __next__(self):
         if self.plan is None:
             self._begin()
+            self.clock = EpochClock()
+        t0 = time.perf_counter_ns()  # all of next() is the training loop waiting
+        try:
+            batch, rows = self._next()
+            self.batches += 1
+            self.samples += rows
+            return batch
+        except StopIteration:
+            if self.clock is not None:  # the first StopIteration: the epoch's end
+                self.loader._record_stats(self.epoch, None, self.clock, self.batches,
+                                          self.samples)
+                self.clock = None
+            raise
+        finally:
+            if self.clock is not None:
+                self.clock.loop_wait_ns += time.perf_counter_ns() - t0
+
+    def _next(self):
         if self.loader.iterable:
             return self._next_of_stream()
         k = self.k
@@ -84,7 +106,7 @@ class InlineEpoch:
                 saved.restore()
         batch = self._collate(k, samples)
         self.progress.mark_batch(k)
-        return batch
+        return batch, len(samples)
 
     def _load(self, index, pos: int):
         if self.seeder is not None:  # a sampler's non-int index: seeded by its position
@@ -117,7 +139,7 @@ class InlineEpoch:
         self.k += 1
         batch = self._collate(self.k - 1, pending)
         self.progress.mark_batch(0)
-        return batch
+        return batch, len(pending)
 
     def _collate(self, k: int, samples: list):
         ld = self.loader
@@ -129,6 +151,7 @@ class InlineEpoch:
         if ld.batch_size is None:
             return self._convert(samples[0])
         spec, buf = stack(samples, self.cache, batch=k)
+        self.clock.bytes += buf.nbytes
         return materialize(spec, buf, ld.output, ld._torch_rules)
 
     def _convert(self, obj):

@@ -33,6 +33,7 @@ from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import LoaderStartError, fork_children, start_error, wait_all
 from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
 from loader._shared import LoaderConfig, SharedState
+from loader._stats import EpochClock, summary_line, warn_if_stalled
 from loader._threads import start_threads
 from loader._worker import worker_main
 
@@ -221,6 +222,7 @@ class ShmLoader:
         self._progress = self._progress_plan = None  # of the epoch state_dict() describes
         self._closed = False
         self._stats = None
+        self._warned_stall = False
         self._rank, self._world = (0, 1)
         _live_loaders.add(self)
 
@@ -251,12 +253,30 @@ class ShmLoader:
         return -(-O.kept_of(n, self.batch_size, self.drop_last) // self.batch_size)
 
     def stats(self) -> dict | None:
-        """How the last epoch whose end was seen was delivered: batches,
-        samples, rows the collator had to write itself (samples of a batch
-        whose dtypes differ), batches laid out again (shapes that change
-        between batches, promotions), and the workers loading now (with
-        num_workers="auto", the count it chose, and "worker_counts": the
-        counts it went through).  None before the end of the first epoch."""
+        """How the last epoch that ran to its end was delivered, and where
+        its time went; None before the end of the first epoch.
+
+        - "summary": all of it in one line, for a log.
+        - "epoch", "batches", "samples"; "seconds" from the epoch's first
+          next() to its end; "bytes" of batch memory handed out (slabs, with
+          their row tags) and "bytes_per_second".
+        - "loop_wait_seconds", "loop_wait_share": how long the training loop
+          waited in next() for a batch (num_workers=0: loading them).  Above
+          half of an epoch of 5 s or more, a DataStallWarning says why, once.
+        - "workers_busy_share", "collator_busy_share": the share of the
+          epoch the workers (on average) and the collator were not waiting;
+          None with num_workers=0.
+        - "peak_slab_bytes" of "memory_cap_bytes": the most batch memory in
+          use (batches being filled, ready, or still referenced by you).
+        - "samples_written_by_workers" / "samples_written_by_collator":
+          samples whose dtypes or structure differ from the batch's layout
+          are written by the collator, slower; "relayouts": batches laid out
+          again (shapes that change between batches, promotions).
+        - "workers": the workers loading now (num_workers="auto": the count
+          it chose, and "worker_counts": the counts it went through).
+
+        The busy shares include the next epoch's loading once it starts
+        early (persistent workers run ahead into it)."""
         if self._stats is None:
             return None
         out = dict(self._stats)
@@ -759,11 +779,27 @@ class ShmLoader:
                                  "or drop_last with fewer samples than a batch); there is nothing "
                                  "to step through")
 
-    def _record_stats(self, epoch: int, msg: P.RunEnded) -> None:
-        self._stats = {"epoch": epoch, "batches": msg.batches, "samples": msg.samples,
-                       "samples_written_by_workers": msg.samples - msg.rows_by_collator,
-                       "samples_written_by_collator": msg.rows_by_collator,
-                       "relayouts": msg.relayouts}
+    def _record_stats(self, epoch: int, msg: P.RunEnded | None, clock: EpochClock,
+                      batches: int = 0, samples: int = 0) -> None:
+        """An epoch ran to its end: keep its figures for stats() (msg: the
+        collator's account; None when the epoch was loaded in this process,
+        which counted `batches` and `samples` itself)."""
+        if msg is not None:
+            batches, samples = msg.batches, msg.samples
+        scaler = getattr(self, "_autoscaler", None)
+        workers = scaler.active if scaler is not None else self.num_workers
+        s = {"epoch": epoch, "batches": batches, "samples": samples,
+             "samples_written_by_workers": samples - (msg.rows_by_collator if msg else 0),
+             "samples_written_by_collator": msg.rows_by_collator if msg else 0,
+             "relayouts": msg.relayouts if msg else 0,
+             "workers": workers,
+             **clock.figures(workers, msg.peak_slab_bytes if msg else 0,
+                             self.memory_cap_bytes if msg else 0)}
+        s["summary"] = summary_line(s)
+        self._stats = s
+        # once per loader; loader.DataLoader keeps torch's behaviour (no warning)
+        if not self._warned_stall and not self._torch_rules:
+            self._warned_stall = warn_if_stalled(s)
 
     def _check_current(self, epoch):
         """An iterator is resumed: it must still be the loader's current one,

@@ -145,6 +145,7 @@ class RunEnded(NamedTuple):
     samples: int
     rows_by_collator: int   # rows the collator wrote itself (SampleRow)
     relayouts: int          # batches laid out again (a wrong guess, or promotion)
+    peak_slab_bytes: int    # most slab memory in use while the run went on
 
 
 class StreamEnded(NamedTuple):

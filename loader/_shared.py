@@ -111,9 +111,9 @@ class SharedState:
         self.released = shmq.shared_array(MAX_LEASES, np.int64)
         workers = max(cfg.num_workers, cfg.max_workers, 1)  # ids of workers added later too
         self.hazards = shmq.shared_array(workers, np.int64)
-        # num_workers="auto": per worker, ns it spent waiting (for main's limit, a
-        # layout, its turn), for _autoscale.py; the rest of its time it was busy
-        self.waited = shmq.shared_array(workers, np.int64)
+        # wait clocks, one per worker id and the collator's last (NOTE [ Wait clocks ]
+        # in _stats.py): for stats() and num_workers="auto"
+        self.waited = shmq.shared_array(workers + 1, np.int64)
         self.order_fds: list[int] = []
         self.snapshot_fds: list[int] = []
         self.rings: list[shmq.Queue] = []

@@ -44,6 +44,7 @@ class SlabAllocator:
         self.slabs_in_flight = slabs_in_flight
         self.warm = 0        # arena[:warm] is faulted in
         self.largest = 0     # largest slab so far
+        self.in_use = 0      # bytes of the slabs not free (live or in limbo), for stats()
         self.free = [(0, arena.nbytes)]        # sorted (offset, size)
         self.live: dict[int, Slab] = {}        # lease -> slab, handed out or in use
         self.limbo: list[Slab] = []            # retired while a worker may still write into it
@@ -74,6 +75,7 @@ class SlabAllocator:
             return None
         self.largest = max(self.largest, nbytes)
         self.warm = max(self.warm, found + nbytes)  # its first copy faults it in
+        self.in_use += nbytes
         lease = self.free_leases.pop()
         self.generation[lease] += 1
         slab = self.live[lease] = Slab(lease, int(self.generation[lease]), found, nbytes)
@@ -137,6 +139,7 @@ class SlabAllocator:
         self.limbo.append(self.live.pop(lease))
 
     def _free_lease(self, slab: Slab) -> None:
+        self.in_use -= slab.nbytes
         self.free_leases.append(slab.lease)
         self._give_back(slab.offset, slab.nbytes)
 

@@ -21,6 +21,7 @@ from loader import _protocol as P
 from loader._native import DROPPED, ENDED, RowWriter, RunCounters, StreamSlots, derived_seeds
 from loader._progress import stream_skips
 from loader._shared import LoaderConfig, SharedState
+from loader._stats import WaitClock
 from loader._table import SEQ
 
 _worker_info = None              # a worker process's
@@ -139,19 +140,21 @@ def exit_if_orphaned(parent_pid: int) -> None:
 
 class Sleeper:
     """A worker's one way to wait: on a bell, in bounded slices that check
-    its parent is alive, adding the time to its `waited` word (what
-    num_workers="auto" reads, see _autoscale.py)."""
+    its parent is alive, timed by its wait clock (NOTE [ Wait clocks ] in
+    _stats.py: what stats() and num_workers="auto" read)."""
 
     def __init__(self, shared: SharedState, worker_id: int, parent_pid: int):
-        self.waited, self.index, self.parent_pid = shared.waited, worker_id, parent_pid
-        self.total = 0
+        self.clock, self.parent_pid = WaitClock(shared.waited, worker_id), parent_pid
 
     def until(self, bell, ready) -> None:
-        t0 = time.perf_counter_ns()
-        while not bell.wait(ready, P.IDLE_SLICE_S):
-            exit_if_orphaned(self.parent_pid)
-        self.total += time.perf_counter_ns() - t0
-        shmq.atomic_store(self.waited, self.index, self.total)
+        if ready():
+            return
+        self.clock.begin()
+        try:
+            while not bell.wait(ready, P.IDLE_SLICE_S):
+                exit_if_orphaned(self.parent_pid)
+        finally:
+            self.clock.end()
 
 
 class Channel:

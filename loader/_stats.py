@@ -1,0 +1,165 @@
+"""Where an epoch's time goes: the clocks the processes keep, and what main
+makes of them for ShmLoader.stats() and DataStallWarning.
+
+NOTE [ Wait clocks ]
+~~~~~~~~~~~~~~~~~~~~
+Each worker and the collator count the nanoseconds they spend waiting in
+one shared int64 word (SharedState.waited: one per worker id, the last one
+the collator's).  Busy time is the rest.  Main reads the words at any
+moment, also while their owner is in the middle of a wait, so a wait is
+published when it starts, not only when it ends, and in one word (a pair
+of words could be read torn):
+
+    word >= 0     not waiting; the word is the total waited so far
+    word <  0     waiting since `since`: the word is -(since - total) - 1
+
+so that at time `now` the total waited is `now - (since - total)`.  The
+clock is CLOCK_MONOTONIC (time.perf_counter_ns on Linux), the same in
+every process.  A worker forked again for the same id (persistent_workers
+=False) goes on from the word's total, so totals never go back.
+
+The training loop's waits (main blocked in next()) are timed by the epoch
+iterator itself; the slab pool's peak use per run comes with RunEnded.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import shmq
+
+
+class DataStallWarning(UserWarning):
+    """The training loop spent most of an epoch waiting for batches.  The
+    message says which part of the loader was the bottleneck and what to
+    change; ShmLoader.stats() has the figures.  Silence it with
+    warnings.filterwarnings("ignore", category=loader.DataStallWarning)."""
+
+
+STALL_SHARE = 0.5        # warn when the loop waited more than this share of an epoch ...
+STALL_MIN_SECONDS = 5.0  # ... of at least this long (short epochs are mostly start-up)
+BUSY = 0.9               # a part busier than this is the bottleneck
+
+
+def waited_ns(words, index: int, now_ns: int) -> int:
+    """The total a wait clock holds at now_ns (see NOTE [ Wait clocks ])."""
+    word = shmq.atomic_load(words, index)
+    return word if word >= 0 else now_ns - (-word - 1)
+
+
+class WaitClock:
+    """One process's (or worker thread's) wait clock: begin() and end()
+    around every wait."""
+
+    def __init__(self, words, index: int):
+        self.words, self.index = words, index
+        self.total = waited_ns(words, index, time.perf_counter_ns())
+        self.since = 0
+
+    def begin(self) -> None:
+        self.since = time.perf_counter_ns()
+        # SYNC POINT: release store; main's acquire load (waited_ns) pairs with it
+        shmq.atomic_store(self.words, self.index, -(self.since - self.total) - 1)
+
+    def end(self) -> None:
+        self.total += time.perf_counter_ns() - self.since
+        shmq.atomic_store(self.words, self.index, self.total)
+
+
+class EpochClock:
+    """Main's account of one epoch, from its first next() to its end: the
+    time the training loop waited in next(), the slab bytes handed out,
+    and the wait clocks of the workers and the collator (None: the epoch
+    is loaded in the training process, num_workers=0)."""
+
+    def __init__(self, words=None):
+        self.words = words
+        self.t0 = time.perf_counter_ns()
+        self.waits0 = self._waits(self.t0)
+        self.loop_wait_ns = 0
+        self.bytes = 0
+
+    def _waits(self, now: int) -> list[int]:
+        if self.words is None:
+            return []
+        return [waited_ns(self.words, i, now) for i in range(len(self.words))]
+
+    def figures(self, workers: int, peak_slab_bytes: int, cap_bytes: int) -> dict:
+        """What ShmLoader.stats() reports of the epoch just ended (workers:
+        the first `workers` ids were the ones loading)."""
+        now = time.perf_counter_ns()
+        wall = max(now - self.t0, 1)
+        out = {"seconds": wall / 1e9,
+               "loop_wait_seconds": self.loop_wait_ns / 1e9,
+               "loop_wait_share": min(self.loop_wait_ns / wall, 1.0),
+               "bytes": self.bytes,
+               "bytes_per_second": self.bytes * 1e9 / wall,
+               "workers_busy_share": None, "collator_busy_share": None,
+               "peak_slab_bytes": peak_slab_bytes, "memory_cap_bytes": cap_bytes}
+        if self.words is not None:
+            d = [w - w0 for w, w0 in zip(self._waits(now), self.waits0)]
+            out["workers_busy_share"] = _share(1 - sum(d[:workers]) / (wall * max(workers, 1)))
+            out["collator_busy_share"] = _share(1 - d[-1] / wall)
+        return out
+
+
+def _share(x: float) -> float:
+    return min(max(x, 0.0), 1.0)
+
+
+def summary_line(s: dict) -> str:
+    """One line for logs: the epoch's rate and where its time went."""
+    line = (f"epoch {s['epoch']}: {s['batches']} batches, {s['samples']} samples in "
+            f"{s['seconds']:.2f} s ({_size(s['bytes_per_second'])}/s); the training loop "
+            f"waited {s['loop_wait_share']:.0%} of it")
+    if s["workers"]:
+        line += (f"; {s['workers']} workers busy {s['workers_busy_share']:.0%}, collator busy "
+                 f"{s['collator_busy_share']:.0%}; slab pool peak "
+                 f"{_size(s['peak_slab_bytes'])} of {_size(s['memory_cap_bytes'])}")
+    return line
+
+
+def stall_advice(s: dict) -> str | None:
+    """A DataStallWarning's text when the epoch stalled on data, else None."""
+    if s["seconds"] < STALL_MIN_SECONDS or s["loop_wait_share"] <= STALL_SHARE:
+        return None
+    head = (f"ShmLoader: the training loop waited for batches {s['loop_wait_share']:.0%} of "
+            f"epoch {s['epoch']} ({s['loop_wait_seconds']:.1f} of {s['seconds']:.1f} s). ")
+    if not s["workers"]:
+        return head + ("num_workers=0 loads in the training process itself: use worker "
+                       "processes (num_workers='auto' picks a count).")
+    if s["workers_busy_share"] >= BUSY:
+        return head + (f"Its {s['workers']} workers were busy {s['workers_busy_share']:.0%} of "
+                       f"the time: they are the bottleneck. Use more workers "
+                       f"(num_workers='auto' finds a count), or make dataset[i] cheaper.")
+    if s["collator_busy_share"] >= BUSY:
+        return head + (f"The collator was busy {s['collator_busy_share']:.0%} of the time: "
+                       f"{s['samples_written_by_collator']} of {s['samples']} samples were "
+                       f"written by it because their dtypes or structure differ from the "
+                       f"batch's layout; give every sample the same dtypes and keys, or a "
+                       f"collate_fn.")
+    if s["peak_slab_bytes"] >= 0.9 * s["memory_cap_bytes"]:
+        return head + (f"The slab pool was full ({_size(s['peak_slab_bytes'])} of "
+                       f"memory_cap_bytes={_size(s['memory_cap_bytes'])}): raise "
+                       f"memory_cap_bytes, or drop references to old batches sooner.")
+    return head + (f"Neither the {s['workers']} workers ({s['workers_busy_share']:.0%} busy) "
+                   f"nor the collator ({s['collator_busy_share']:.0%}) were saturated: the "
+                   f"wait is in start-up or in latency; raise prefetch_factor, or use "
+                   f"persistent_workers=True if it is off.")
+
+
+def warn_if_stalled(s: dict) -> bool:
+    advice = stall_advice(s)
+    if advice is None:
+        return False
+    warnings.warn(advice, DataStallWarning, stacklevel=5)  # the training loop's line
+    return True
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
