@@ -120,6 +120,42 @@ class ShmLoader:
     arrays (or torch tensors with ``output="torch"``) that view those slabs:
     no copy, no unpickling in the training loop.  A slab is reused only when
     every array of its batch is gone, so batches you keep stay intact.
+
+    dataset: map-style (``__len__`` and ``__getitem__``; a torch Dataset, a
+        FileDataset) or iterable (``__iter__`` only; a torch IterableDataset,
+        a ParquetDataset), each worker iterating its own copy (split it with
+        ``get_worker_info()``).
+    batch_size: samples per batch (None: samples unbatched, one at a time).
+    shuffle, sampler, batch_sampler, drop_last, collate_fn, timeout,
+    worker_init_fn, persistent_workers, pin_memory, in_order, generator: as
+        in torch's DataLoader (timeout=None waits for ever; persistent_workers
+        defaults to True, so that the next epoch starts loading before this
+        one ends).  in_order=False hands out batches as they are ready.
+    num_workers: worker processes (default 2; 0 loads in the training
+        process; "auto" grows and shrinks the pool from what it measures,
+        up to max_workers).
+    prefetch: batches loaded ahead of the training loop (default 3; for an
+        iterable dataset, shared among the workers' streams).
+    seed: the base of every random choice: the shuffle order, the workers'
+        generators.  With a seed, reproducible=True by default: the global
+        generators are seeded from (seed, epoch, index) before each
+        dataset[i], so batches do not depend on the number of workers.
+    output: "numpy" (default), "torch" (tensors viewing the same memory) or
+        "keep" (each leaf as dataset or collate_fn gave it).
+    memory_cap_bytes: the most batch memory in use at once (default a
+        quarter of RAM): batches loaded ahead and batches you still hold.
+    distributed: True (ranks from torch.distributed or torchrun's RANK and
+        WORLD_SIZE) or (rank, world_size): each rank gets a disjoint share
+        of every epoch.
+    shuffle_buffer: iterable datasets: place each sample in a random row of
+        the next this-many samples' batches.
+    worker_mode: "process" (default, forked) or "thread" (for preprocessing
+        that releases the GIL, or that cannot be forked).
+
+    stats() says where the last epoch's time went; state_dict() and
+    load_state_dict() resume mid-epoch; steps(n) runs n batches across
+    epoch boundaries.  Close it (or use ``with``) to stop the workers at
+    once; garbage collection and interpreter exit do it too.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=False, sampler=None, batch_sampler=None,

@@ -145,7 +145,7 @@ def stall_advice(s: dict) -> str | None:
                        f"memory_cap_bytes, or drop references to old batches sooner.")
     return head + (f"Neither the {s['workers']} workers ({s['workers_busy_share']:.0%} busy) "
                    f"nor the collator ({s['collator_busy_share']:.0%}) were saturated: the "
-                   f"wait is in start-up or in latency; raise prefetch_factor, or use "
+                   f"wait is in start-up or in latency; raise prefetch, or use "
                    f"persistent_workers=True if it is off.")
 
 

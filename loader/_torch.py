@@ -121,6 +121,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def load_state_dict(self, state: dict) -> None:
         self._shm_loader().load_state_dict(state)
 
+    def stats(self) -> dict | None:
+        """Where the last complete epoch's time went: see ShmLoader.stats
+        (None before one ended)."""
+        return None if self._shm is None else self._shm.stats()
+
 
 class _Iterator:
     """What iter(DataLoader) returns: torch's iterator protocol (len(),

@@ -119,6 +119,7 @@ def test_no_stall_warning_from_the_torch_compatible_dataloader(monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error", DataStallWarning)
             assert sum(len(b) for b in loader) == 200  # as torch's DataLoader: no warning
+        assert loader.stats()["samples"] == 200 and loader.stats()["batches"] == 20
     finally:
         loader._shm_loader().close()
 
@@ -137,7 +138,7 @@ def _stalled(**over):
     ({"collator_busy_share": 0.95, "samples_written_by_collator": 60},
      "60 of 100 samples were written by it"),
     ({"peak_slab_bytes": 1 << 30}, "raise memory_cap_bytes"),
-    ({}, "raise prefetch_factor"),
+    ({}, "raise prefetch, or use persistent_workers=True"),
     ({"workers": 0, "workers_busy_share": None}, "num_workers=0 loads in the training process"),
 ])
 def test_stall_advice_names_the_bottleneck(over, says):
