@@ -7,8 +7,10 @@ seeded by torch's rules.  The ported upstream conformance suite is
 test_torch_conformance.py."""
 
 import collections
+import errno
 import os
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -22,6 +24,33 @@ from loader import DataLoader, ShmLoader  # noqa: E402
 pytestmark = [pytest.mark.timeout(120),
               # torch warns when workers outnumber this machine's 2 cores: both loaders do
               pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
+
+
+@pytest.fixture(autouse=True)
+def torch_feeder_threads_may_lose_their_pipes():
+    """Torch's own DataLoader, its iterator abandoned by an exception, can
+    leave multiprocessing.Queue feeder threads that write to, or close, a
+    pipe end that the queue's garbage collection closed already: OSError
+    EBADF in a thread named QueueFeederThread.  It happens with torch's
+    DataLoader alone (no ShmLoader in the process), on Python 3.10 and
+    3.11 alike.  Exactly that is let through; any other exception in a
+    thread still fails the test.  The feeder threads are joined before the
+    filter goes, so none fails after it."""
+    previous = threading.excepthook
+
+    def hook(args):
+        if not (args.thread is not None and args.thread.name == "QueueFeederThread"
+                and isinstance(args.exc_value, OSError) and args.exc_value.errno == errno.EBADF):
+            previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+        for t in threading.enumerate():
+            if t.name == "QueueFeederThread":
+                t.join(10)
+    finally:
+        threading.excepthook = previous
 
 
 def assert_same(a, b, path="batch"):
