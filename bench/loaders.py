@@ -1,8 +1,8 @@
 """ShmLoader side by side with PyTorch's DataLoader (tensor path and a
-numpy collate) and Grain's DataLoader: workloads W1-W4 and W7 of docs/benchmarks.md,
-in one run on one machine.
+numpy collate) and Grain's DataLoader: workloads W1-W4, W7-W10 and AUTO of
+docs/benchmarks.md, in one run on one machine.
 
-    python bench/loaders.py [--workloads W1,W2,W3,W4,W7] [--batches 12] [--w3-batches 8]
+    python bench/loaders.py [--workloads W1,W2,W3,W4,W7,W8,W9,W10,AUTO] [--batches 12]
 
 Grain is measured when it is installed (the [bench] extra installs it).
 Its DataLoader starts its worker processes for each pass, so its epochs
@@ -27,6 +27,12 @@ ideal max(step, 128 x 3.125 ms / workers).
 W7: (100,) float32 samples, batch 32, 8 workers, a training loop that takes
 1 s per batch: the CPU the loader's processes use meanwhile (all of them,
 user + system, from /proc), as a percentage of one core.
+W8: FileDataset over a directory of .npy files against PyTorch's DataLoader
+with np.load; W9: ParquetDataset with a shuffle buffer against pyarrow's
+own batch iteration feeding PyTorch's DataLoader; W10: zlib decompression
+per sample on thread workers, process workers and PyTorch's DataLoader;
+AUTO: num_workers="auto" against the best fixed count, on a sleeping
+(IO-bound) and a computing dataset.
 """
 
 from __future__ import annotations

@@ -52,8 +52,13 @@ def array_from_buffer(buf, dtype, shape, order):
     return np.frombuffer(buf, dtype=dtype).reshape(shape, order=order)
 
 
-def subclass_from_buffer(buf, dtype, shape, order, cls):
-    """array_from_buffer, viewed as one of the stateless ndarray subclasses."""
+def subclass_from_buffer(buf, dtype, shape, order, kind):
+    """array_from_buffer, viewed as one of the stateless ndarray subclasses,
+    named by `kind` (a key of _STATELESS_SUBCLASSES)."""
+    cls = _STATELESS_SUBCLASSES.get(kind)
+    if cls is None:
+        raise TypeError(f"this process's numpy has no {kind!r} array class to rebuild a "
+                        f"received one (the sender's numpy is older?)")
     return array_from_buffer(buf, dtype, shape, order).view(cls)
 
 
@@ -80,8 +85,12 @@ def _chararray_class():
 
 
 # ndarray subclasses that hold nothing but the array: a view restores them.
-_STATELESS_SUBCLASSES = tuple(cls for cls in (np.matrix, np.recarray, _chararray_class())
-                              if cls is not None)
+# They travel by these names, not pickled by reference: numpy 2.5 warns on
+# every lookup of np.char.chararray, which pickling by reference would do.
+_STATELESS_SUBCLASSES = {name: cls for name, cls in (
+    ("matrix", np.matrix), ("recarray", np.recarray), ("chararray", _chararray_class()))
+    if cls is not None}
+_SUBCLASS_NAMES = {cls: name for name, cls in _STATELESS_SUBCLASSES.items()}
 
 
 def _c_contiguous(arr: np.ndarray) -> np.ndarray:
@@ -139,12 +148,12 @@ class _OutOfBandPickler(pickle.Pickler):
 
 def _reduce_subclass(obj: np.ndarray):
     cls = type(obj)
-    if cls is np.memmap or cls in _STATELESS_SUBCLASSES:
+    if cls is np.memmap or cls in _SUBCLASS_NAMES:
         check_array(obj)
         base = obj.view(np.ndarray)
         if cls is np.memmap:
             return _buffer_reduce(base)  # its contents, as a plain array
-        return subclass_from_buffer, _buffer_reduce(base)[1] + (cls,)
+        return subclass_from_buffer, _buffer_reduce(base)[1] + (_SUBCLASS_NAMES[cls],)
     if cls is np.ma.MaskedArray:
         # data and mask are plain arrays (or subclasses above), so they come
         # back through reducer_override: out of band.
