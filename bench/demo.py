@@ -1,6 +1,6 @@
 """Headline demo: one producer process sends (1000, 150) float64 arrays
 (1.2 MB) to this process through shmq, multiprocessing.Queue and
-faster-fifo; prints throughput and ratios (workload W5 of BENCHMARKS.md).
+faster-fifo; prints throughput and ratios (workload W5 of docs/benchmarks.md).
 
     python bench/demo.py [--count 600] [--repeats 3]
 """

@@ -1,5 +1,5 @@
 """Side-by-side IPC transports for workloads W5 (1 producer) and W6 (4
-producers) of BENCHMARKS.md.
+producers) of docs/benchmarks.md.
 
 Every transport moves the same numpy array from forked producer processes
 to the consumer (this process) and is timed the same way: producers are

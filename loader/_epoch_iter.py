@@ -87,9 +87,11 @@ class _Epoch:
 
     def _done(self):
         self.finished = True
-        if self.run_ended is not None:
-            self.loader._record_stats(self.epoch, self.run_ended, self.clock)
-        self.close()
+        try:  # (a DataStallWarning may be an error: -W error)
+            if self.run_ended is not None:
+                self.loader._record_stats(self.epoch, self.run_ended, self.clock)
+        finally:
+            self.close()
         raise StopIteration
 
     def close(self) -> None:

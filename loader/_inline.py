@@ -81,10 +81,10 @@ class InlineEpoch:
             self.samples += rows
             return batch
         except StopIteration:
-            if self.clock is not None:  # the first StopIteration: the epoch's end
-                self.loader._record_stats(self.epoch, None, self.clock, self.batches,
-                                          self.samples)
-                self.clock = None
+            clock, self.clock = self.clock, None
+            if clock is not None:  # the first StopIteration: the epoch's end
+                clock.loop_wait_ns += time.perf_counter_ns() - t0
+                self.loader._record_stats(self.epoch, None, clock, self.batches, self.samples)
             raise
         finally:
             if self.clock is not None:

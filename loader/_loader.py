@@ -33,7 +33,7 @@ from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import LoaderStartError, fork_children, start_error, wait_all
 from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
 from loader._shared import LoaderConfig, SharedState
-from loader._stats import EpochClock, summary_line, warn_if_stalled
+from loader._stats import EpochClock, stall_advice, summary_line, warn_stalled
 from loader._threads import start_threads
 from loader._worker import worker_main
 
@@ -835,7 +835,10 @@ class ShmLoader:
         self._stats = s
         # once per loader; loader.DataLoader keeps torch's behaviour (no warning)
         if not self._warned_stall and not self._torch_rules:
-            self._warned_stall = warn_if_stalled(s)
+            advice = stall_advice(s)
+            if advice is not None:
+                self._warned_stall = True  # (before: with -W error the warning raises)
+                warn_stalled(advice)
 
     def _check_current(self, epoch):
         """An iterator is resumed: it must still be the loader's current one,

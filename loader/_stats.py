@@ -24,6 +24,8 @@ iterator itself; the slab pool's peak use per run comes with RunEnded.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import warnings
 
@@ -149,12 +151,21 @@ def stall_advice(s: dict) -> str | None:
                    f"persistent_workers=True if it is off.")
 
 
-def warn_if_stalled(s: dict) -> bool:
-    advice = stall_advice(s)
-    if advice is None:
-        return False
-    warnings.warn(advice, DataStallWarning, stacklevel=5)  # the training loop's line
-    return True
+def warn_stalled(advice: str) -> None:
+    warnings.warn(advice, DataStallWarning, stacklevel=_first_frame_outside_loader())
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _first_frame_outside_loader() -> int:
+    """The stacklevel of the training loop's line, for warnings.warn called
+    by our caller (however deep in the loader that is: an epoch's next(),
+    steps(), num_workers=0)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _size(n: float) -> str:

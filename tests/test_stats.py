@@ -170,3 +170,15 @@ def test_wait_clock_is_readable_mid_wait_and_never_goes_back():
     again = _stats.WaitClock(words, 1)  # a worker forked again for the same id
     assert again.total == total
     assert _stats.waited_ns(words, 0, time.perf_counter_ns()) == 0  # its neighbour untouched
+
+
+@pytest.mark.parametrize("num_workers, use_steps", [(0, False), (2, True)])
+def test_stall_warning_points_at_the_training_loop(monkeypatch, num_workers, use_steps):
+    monkeypatch.setattr(_stats, "STALL_MIN_SECONDS", 0.1)
+    with ShmLoader(Rows(100, sleep=0.005), batch_size=10, num_workers=num_workers) as loader:
+        with pytest.warns(DataStallWarning) as caught:
+            batches = loader.steps(25) if use_steps else iter(loader)
+            assert sum(len(b) for b in batches) == (250 if use_steps else 100)
+    assert len(caught) == 1 and caught[0].filename == __file__
+    if num_workers == 0:
+        assert "num_workers=0 loads in the training process" in str(caught[0].message)

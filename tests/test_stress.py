@@ -1,5 +1,5 @@
 """R12/R13 race stress.  The default run uses reduced counts; the full
-counts of RELIABILITY.md run with `-m stress`.  Seeded: the seed is printed
+counts of docs/reliability.md run with `-m stress`.  Seeded: the seed is printed
 (and shown on failure); set SHMQ_STRESS_SEED to replay one."""
 
 import os
