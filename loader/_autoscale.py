@@ -85,8 +85,8 @@ class Autoscaler:
     def _counts(self) -> tuple[int, int, int]:
         """(ns the active workers waited, machine idle ticks, total ticks), so far."""
         ld = self.loader
-        waited, now = ld._shared.waited, time.perf_counter_ns()
-        return (sum(waited_ns(waited, i, now) for i in range(self.active)),
+        waited = ld._shared.waited
+        return (sum(waited_ns(waited, i) for i in range(self.active)),
                 *_machine_cpu())
 
     def waited_for(self, seconds: float) -> None:

@@ -24,6 +24,8 @@ class _Epoch:
     def __init__(self, loader, epoch: int, resume: dict | None):
         self.loader, self.epoch, self.resume = loader, epoch, resume
         self.run = self.progress = None  # started by the first next(), as a generator would
+        self.clock = None         # made with the run
+        self.called = 0           # when the latest next() began
         self.control = loader._shared.control
         self.pending: dict = {}   # batch -> BatchReady received, not yet handed out
         self.errors: dict = {}    # batch -> Failed, raised when its turn comes (in order)
@@ -34,12 +36,20 @@ class _Epoch:
     def __iter__(self):
         return self
 
+    def __next__(self):
+        t0 = self.called = time.perf_counter_ns()  # all of next() is the loop waiting (stats())
+        try:
+            return self._next()
+        finally:
+            if self.clock is not None:
+                self.clock.loop_wait_ns += time.perf_counter_ns() - t0
+
     def _begin(self) -> None:
         """The first next(): the epoch's run (NOTE [ Runs ])."""
         ld = self.loader
         self.run = ld._run_for(self.epoch, self.resume)
         self.progress = ld._track(self.run.plan)
-        self.clock = EpochClock(ld._shared.waited)
+        self.clock = EpochClock(ld._shared.waited, self.called)
         self.run_ended = None     # its RunEnded, for stats() at the epoch's end
         self._started()
 
@@ -64,15 +74,14 @@ class _Epoch:
     def _receive(self):
         ld = self.loader
         deadline = None if ld.timeout is None else time.monotonic() + ld.timeout
-        t0 = time.perf_counter_ns()  # the training loop waits from here
+        scaler = getattr(ld, "_autoscaler", None)
+        if scaler is None:
+            return ld._next_of(self.run.id, deadline)
+        t0 = time.perf_counter()  # the training loop waits for data from here (_autoscale.py)
         try:
             return ld._next_of(self.run.id, deadline)
         finally:
-            waited = time.perf_counter_ns() - t0
-            self.clock.loop_wait_ns += waited
-            scaler = getattr(ld, "_autoscaler", None)
-            if scaler is not None:
-                scaler.waited_for(waited / 1e9)
+            scaler.waited_for(time.perf_counter() - t0)
 
     def _hand_out(self, msg: P.BatchReady):
         scaler = getattr(self.loader, "_autoscaler", None)
@@ -130,7 +139,7 @@ class MapEpoch(_Epoch):
     def _started(self) -> None:
         self.total = self.run.plan.nbatches
 
-    def __next__(self):
+    def _next(self):
         ld = self.loader
         self._resumed()
         while True:
@@ -217,7 +226,7 @@ class StreamEpoch(_Epoch):
         return len(self.ends) == self.workers and self.next_id > max(
             (k - 1) * self.workers + w for w, (k, _) in self.ends.items())
 
-    def __next__(self):
+    def _next(self):
         ld = self.loader
         self._resumed()
         while True:

@@ -71,11 +71,12 @@ class InlineEpoch:
         self.index_of = O.index_getter(order)
 
     def __next__(self):
-        if self.plan is None:
-            self._begin()
-            self.clock = EpochClock()
         t0 = time.perf_counter_ns()  # all of next() is the training loop waiting
+        if self.plan is None:
+            self.clock = EpochClock(t0=t0)
         try:
+            if self.plan is None:
+                self._begin()
             batch, rows = self._next()
             self.batches += 1
             self.samples += rows
@@ -151,7 +152,8 @@ class InlineEpoch:
         if ld.batch_size is None:
             return self._convert(samples[0])
         spec, buf = stack(samples, self.cache, batch=k)
-        self.clock.bytes += buf.nbytes
+        if self.clock is not None:
+            self.clock.bytes += buf.nbytes
         return materialize(spec, buf, ld.output, ld._torch_rules)
 
     def _convert(self, obj):

@@ -14,6 +14,7 @@ import numpy as np
 import shmq
 from loader._control import Control
 from loader._slabs import MAX_LEASES
+from loader._stats import start_idle
 from loader._table import BatchTable
 from loader._threads import ThreadRing
 
@@ -114,6 +115,7 @@ class SharedState:
         # wait clocks, one per worker id and the collator's last (NOTE [ Wait clocks ]
         # in _stats.py): for stats() and num_workers="auto"
         self.waited = shmq.shared_array(workers + 1, np.int64)
+        start_idle(self.waited)
         self.order_fds: list[int] = []
         self.snapshot_fds: list[int] = []
         self.rings: list[shmq.Queue] = []

@@ -44,10 +44,20 @@ STALL_MIN_SECONDS = 5.0  # ... of at least this long (short epochs are mostly st
 BUSY = 0.9               # a part busier than this is the bottleneck
 
 
-def waited_ns(words, index: int, now_ns: int) -> int:
-    """The total a wait clock holds at now_ns (see NOTE [ Wait clocks ])."""
+def waited_ns(words, index: int) -> int:
+    """The total a wait clock holds now (see NOTE [ Wait clocks ]).  The
+    time is read after the word, so that a wait's start is never later
+    than `now`: readings never go back."""
     word = shmq.atomic_load(words, index)
-    return word if word >= 0 else now_ns - (-word - 1)
+    return word if word >= 0 else time.perf_counter_ns() - (-word - 1)
+
+
+def start_idle(words) -> None:
+    """Every clock waiting since now: a worker not forked yet (a pool that
+    grows later) is idle, not busy, until its own clock starts."""
+    now = time.perf_counter_ns()
+    for i in range(len(words)):
+        shmq.atomic_store(words, i, -now - 1)
 
 
 class WaitClock:
@@ -56,8 +66,9 @@ class WaitClock:
 
     def __init__(self, words, index: int):
         self.words, self.index = words, index
-        self.total = waited_ns(words, index, time.perf_counter_ns())
+        self.total = waited_ns(words, index)  # a worker forked again for its id goes on
         self.since = 0
+        shmq.atomic_store(words, index, self.total)  # busy from now until its first wait
 
     def begin(self) -> None:
         self.since = time.perf_counter_ns()
@@ -75,23 +86,23 @@ class EpochClock:
     and the wait clocks of the workers and the collator (None: the epoch
     is loaded in the training process, num_workers=0)."""
 
-    def __init__(self, words=None):
+    def __init__(self, words=None, t0: int | None = None):
         self.words = words
-        self.t0 = time.perf_counter_ns()
-        self.waits0 = self._waits(self.t0)
+        self.t0 = time.perf_counter_ns() if t0 is None else t0  # the first next()'s start
+        self.waits0 = self._waits()
         self.loop_wait_ns = 0
         self.bytes = 0
 
-    def _waits(self, now: int) -> list[int]:
+    def _waits(self) -> list[int]:
         if self.words is None:
             return []
-        return [waited_ns(self.words, i, now) for i in range(len(self.words))]
+        return [waited_ns(self.words, i) for i in range(len(self.words))]
 
     def figures(self, workers: int, peak_slab_bytes: int, cap_bytes: int) -> dict:
         """What ShmLoader.stats() reports of the epoch just ended (workers:
         the first `workers` ids were the ones loading)."""
-        now = time.perf_counter_ns()
-        wall = max(now - self.t0, 1)
+        waits = self._waits()
+        wall = max(time.perf_counter_ns() - self.t0, 1)
         out = {"seconds": wall / 1e9,
                "loop_wait_seconds": self.loop_wait_ns / 1e9,
                "loop_wait_share": min(self.loop_wait_ns / wall, 1.0),
@@ -100,7 +111,7 @@ class EpochClock:
                "workers_busy_share": None, "collator_busy_share": None,
                "peak_slab_bytes": peak_slab_bytes, "memory_cap_bytes": cap_bytes}
         if self.words is not None:
-            d = [w - w0 for w, w0 in zip(self._waits(now), self.waits0)]
+            d = [w - w0 for w, w0 in zip(waits, self.waits0)]
             out["workers_busy_share"] = _share(1 - sum(d[:workers]) / (wall * max(workers, 1)))
             out["collator_busy_share"] = _share(1 - d[-1] / wall)
         return out
@@ -131,16 +142,23 @@ def stall_advice(s: dict) -> str | None:
     if not s["workers"]:
         return head + ("num_workers=0 loads in the training process itself: use worker "
                        "processes (num_workers='auto' picks a count).")
-    if s["workers_busy_share"] >= BUSY:
-        return head + (f"Its {s['workers']} workers were busy {s['workers_busy_share']:.0%} of "
-                       f"the time: they are the bottleneck. Use more workers "
-                       f"(num_workers='auto' finds a count), or make dataset[i] cheaper.")
-    if s["collator_busy_share"] >= BUSY:
+    collator_busy = s["collator_busy_share"] >= BUSY
+    if collator_busy and s["samples_written_by_collator"]:
+        # (before the workers: a worker blocked sending to a busy collator looks busy too)
         return head + (f"The collator was busy {s['collator_busy_share']:.0%} of the time: "
                        f"{s['samples_written_by_collator']} of {s['samples']} samples were "
                        f"written by it because their dtypes or structure differ from the "
                        f"batch's layout; give every sample the same dtypes and keys, or a "
                        f"collate_fn.")
+    if s["workers_busy_share"] >= BUSY:
+        return head + (f"Its {s['workers']} workers were busy {s['workers_busy_share']:.0%} of "
+                       f"the time: they are the bottleneck. Use more workers "
+                       f"(num_workers='auto' finds a count), or make dataset[i] cheaper.")
+    if collator_busy:
+        return head + (f"The collator was busy {s['collator_busy_share']:.0%} of the time. In "
+                       f"a loader's first epochs it pre-faults the batch memory (fresh shared "
+                       f"memory fills at about 1 GB/s), which passes; if it lasts, use fewer, "
+                       f"larger batches.")
     if s["peak_slab_bytes"] >= 0.9 * s["memory_cap_bytes"]:
         return head + (f"The slab pool was full ({_size(s['peak_slab_bytes'])} of "
                        f"memory_cap_bytes={_size(s['memory_cap_bytes'])}): raise "

@@ -92,7 +92,7 @@ def test_slow_step_shows_idle_workers_and_a_loop_that_never_waits():
 
 def test_stall_warning_once_with_the_bottleneck(monkeypatch):
     monkeypatch.setattr(_stats, "STALL_MIN_SECONDS", 0.1)
-    with ShmLoader(Rows(200, sleep=0.005), batch_size=10, num_workers=2) as loader:
+    with ShmLoader(Rows(100, sleep=0.01), batch_size=10, num_workers=2) as loader:
         with pytest.warns(DataStallWarning) as caught:
             epochs(loader, 3)
     assert len(caught) == 1  # once per loader, not once per epoch
@@ -137,6 +137,10 @@ def _stalled(**over):
     ({"workers_busy_share": 0.97}, "4 workers were busy 97%"),
     ({"collator_busy_share": 0.95, "samples_written_by_collator": 60},
      "60 of 100 samples were written by it"),
+    # workers blocked sending to a saturated collator look busy: the collator is named
+    ({"workers_busy_share": 0.97, "collator_busy_share": 0.95, "samples_written_by_collator": 60},
+     "60 of 100 samples were written by it"),
+    ({"collator_busy_share": 0.95}, "pre-faults the batch memory"),
     ({"peak_slab_bytes": 1 << 30}, "raise memory_cap_bytes"),
     ({}, "raise prefetch, or use persistent_workers=True"),
     ({"workers": 0, "workers_busy_share": None}, "num_workers=0 loads in the training process"),
@@ -157,19 +161,19 @@ def test_no_stall_advice_for_short_epochs_or_half_waits(over):
 def test_wait_clock_is_readable_mid_wait_and_never_goes_back():
     words = shmq.shared_array(2, np.int64)
     clock = _stats.WaitClock(words, 1)
-    assert _stats.waited_ns(words, 1, time.perf_counter_ns()) == 0
+    assert _stats.waited_ns(words, 1) == 0
     clock.begin()
     time.sleep(0.05)
-    mid = _stats.waited_ns(words, 1, time.perf_counter_ns())
+    mid = _stats.waited_ns(words, 1)
     assert mid >= 50_000_000  # the wait counts while it goes on
     clock.end()
-    total = _stats.waited_ns(words, 1, time.perf_counter_ns())
+    total = _stats.waited_ns(words, 1)
     assert total == clock.total >= mid
     time.sleep(0.01)  # busy time does not count
-    assert _stats.waited_ns(words, 1, time.perf_counter_ns()) == total
+    assert _stats.waited_ns(words, 1) == total
     again = _stats.WaitClock(words, 1)  # a worker forked again for the same id
     assert again.total == total
-    assert _stats.waited_ns(words, 0, time.perf_counter_ns()) == 0  # its neighbour untouched
+    assert _stats.waited_ns(words, 0) == 0  # its neighbour untouched
 
 
 @pytest.mark.parametrize("num_workers, use_steps", [(0, False), (2, True)])
@@ -182,3 +186,16 @@ def test_stall_warning_points_at_the_training_loop(monkeypatch, num_workers, use
     assert len(caught) == 1 and caught[0].filename == __file__
     if num_workers == 0:
         assert "num_workers=0 loads in the training process" in str(caught[0].message)
+
+
+def test_a_clock_not_started_yet_counts_as_waiting():
+    """num_workers="auto": a worker forked late was idle, not busy, before."""
+    words = shmq.shared_array(3, np.int64)
+    _stats.start_idle(words)
+    time.sleep(0.02)
+    assert _stats.waited_ns(words, 2) >= 20_000_000
+    clock = _stats.WaitClock(words, 2)  # the worker starts: busy from now
+    before = _stats.waited_ns(words, 2)
+    assert before == clock.total >= 20_000_000
+    time.sleep(0.01)
+    assert _stats.waited_ns(words, 2) == before
