@@ -316,8 +316,8 @@ class ShmLoader:
         if self._stats is None:
             return None
         out = dict(self._stats)
+        out["workers"] = self._workers_loading()
         scaler = getattr(self, "_autoscaler", None)
-        out["workers"] = scaler.active if scaler is not None else self.num_workers
         if scaler is not None:
             out["worker_counts"] = list(scaler.history)
         return out
@@ -815,22 +815,25 @@ class ShmLoader:
                                  "or drop_last with fewer samples than a batch); there is nothing "
                                  "to step through")
 
+    def _workers_loading(self) -> int:
+        scaler = getattr(self, "_autoscaler", None)
+        return scaler.active if scaler is not None else self.num_workers
+
     def _record_stats(self, epoch: int, msg: P.RunEnded | None, clock: EpochClock,
                       batches: int = 0, samples: int = 0) -> None:
         """An epoch ran to its end: keep its figures for stats() (msg: the
         collator's account; None when the epoch was loaded in this process,
         which counted `batches` and `samples` itself)."""
+        by_collator = relayouts = peak = cap = 0
         if msg is not None:
-            batches, samples = msg.batches, msg.samples
-        scaler = getattr(self, "_autoscaler", None)
-        workers = scaler.active if scaler is not None else self.num_workers
+            batches, samples, by_collator, relayouts = (msg.batches, msg.samples,
+                                                        msg.rows_by_collator, msg.relayouts)
+            peak, cap = msg.peak_slab_bytes, self.memory_cap_bytes
+        workers = self._workers_loading()
         s = {"epoch": epoch, "batches": batches, "samples": samples,
-             "samples_written_by_workers": samples - (msg.rows_by_collator if msg else 0),
-             "samples_written_by_collator": msg.rows_by_collator if msg else 0,
-             "relayouts": msg.relayouts if msg else 0,
-             "workers": workers,
-             **clock.figures(workers, msg.peak_slab_bytes if msg else 0,
-                             self.memory_cap_bytes if msg else 0)}
+             "samples_written_by_workers": samples - by_collator,
+             "samples_written_by_collator": by_collator, "relayouts": relayouts,
+             "workers": workers, **clock.figures(workers, peak, cap)}
         s["summary"] = summary_line(s)
         self._stats = s
         # once per loader; loader.DataLoader keeps torch's behaviour (no warning)
