@@ -31,16 +31,24 @@ def torch_feeder_threads_may_lose_their_pipes():
     """Torch's own DataLoader, its iterator abandoned by an exception, can
     leave multiprocessing.Queue feeder threads that write to, or close, a
     pipe end that the queue's garbage collection closed already: OSError
-    EBADF in a thread named QueueFeederThread.  It happens with torch's
+    EBADF in a thread named QueueFeederThread (or, from its error path, a
+    ValueError raised while handling that EBADF).  It happens with torch's
     DataLoader alone (no ShmLoader in the process), on Python 3.10 and
     3.11 alike.  Exactly that is let through; any other exception in a
     thread still fails the test.  The feeder threads are joined before the
     filter goes, so none fails after it."""
     previous = threading.excepthook
 
+    def lost_pipe(exc):  # EBADF, or what the feeder's error path raised while handling it
+        while exc is not None:
+            if isinstance(exc, OSError) and exc.errno == errno.EBADF:
+                return True
+            exc = exc.__context__
+        return False
+
     def hook(args):
         if not (args.thread is not None and args.thread.name == "QueueFeederThread"
-                and isinstance(args.exc_value, OSError) and args.exc_value.errno == errno.EBADF):
+                and lost_pipe(args.exc_value)):
             previous(args)
 
     threading.excepthook = hook
