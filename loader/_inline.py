@@ -73,7 +73,7 @@ class InlineEpoch:
     def __next__(self):
         t0 = time.perf_counter_ns()  # all of next() is the training loop waiting
         if self.plan is None:
-            self.clock = EpochClock(t0=t0)
+            self.clock = EpochClock(None, t0)
         try:
             if self.plan is None:
                 self._begin()

@@ -15,8 +15,10 @@ of words could be read torn):
 
 so that at time `now` the total waited is `now - (since - total)`.  The
 clock is CLOCK_MONOTONIC (time.perf_counter_ns on Linux), the same in
-every process.  A worker forked again for the same id (persistent_workers
-=False) goes on from the word's total, so totals never go back.
+every process.  Every word starts as waiting when the shared state is
+made (start_idle), and a process's clock starts from its word's total: a
+worker forked late (num_workers="auto" growing the pool) was idle, not
+busy, before it existed, and no total ever goes back.
 
 The training loop's waits (main blocked in next()) are timed by the epoch
 iterator itself; the slab pool's peak use per run comes with RunEnded.
@@ -66,7 +68,7 @@ class WaitClock:
 
     def __init__(self, words, index: int):
         self.words, self.index = words, index
-        self.total = waited_ns(words, index)  # a worker forked again for its id goes on
+        self.total = waited_ns(words, index)  # the time before it started counts as waited
         self.since = 0
         shmq.atomic_store(words, index, self.total)  # busy from now until its first wait
 
@@ -86,9 +88,9 @@ class EpochClock:
     and the wait clocks of the workers and the collator (None: the epoch
     is loaded in the training process, num_workers=0)."""
 
-    def __init__(self, words=None, t0: int | None = None):
+    def __init__(self, words, t0: int):
         self.words = words
-        self.t0 = time.perf_counter_ns() if t0 is None else t0  # the first next()'s start
+        self.t0 = t0  # when the epoch's first next() began
         self.waits0 = self._waits()
         self.loop_wait_ns = 0
         self.bytes = 0

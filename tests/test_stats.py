@@ -171,7 +171,7 @@ def test_wait_clock_is_readable_mid_wait_and_never_goes_back():
     assert total == clock.total >= mid
     time.sleep(0.01)  # busy time does not count
     assert _stats.waited_ns(words, 1) == total
-    again = _stats.WaitClock(words, 1)  # a worker forked again for the same id
+    again = _stats.WaitClock(words, 1)  # a clock starts from its word's total
     assert again.total == total
     assert _stats.waited_ns(words, 0) == 0  # its neighbour untouched
 
