@@ -145,7 +145,8 @@ class Collator:
         self.guess = None              # signature of the latest batch's layout
         self.waiting: list[tuple[int, int]] = []      # (run, batch) waiting for memory or an entry
         self.told_memory_wait = False
-        self.outbox: collections.deque = collections.deque()
+        self.outbox: collections.deque = collections.deque()  # encoded (put_encoded)
+        self.spill = shared.spill_writer(shared.collator_region)  # NOTE [ Spilled messages ]
         self.early = None              # a message taken while checking whether to sleep
         self.freed = False             # memory was reclaimed while checking whether to sleep
         self.pid = os.getpid()
@@ -190,7 +191,7 @@ class Collator:
             # get (a copy), never get_view: a message may hold arrays (a
             # SampleRow, objects among a row's values) that the collator keeps
             # after the ring reuses their memory.
-            return self.inbox.get(timeout=0)
+            return self.shared.receive(self.inbox.get(timeout=0))
         except shmq.Empty:
             return None
         except shmq.PeerLost:
@@ -224,13 +225,17 @@ class Collator:
     def _send(self, msg) -> None:
         """To main, never blocking: what its ring cannot take waits in the
         outbox, and main rings our bell when it has made room."""
+        if self.spill is None:  # threads: the ring takes anything at once
+            self.to_main.put(msg, timeout=0)
+            return
+        encoded = self.spill.encoded(msg)
         if not self.outbox:
             try:
-                self.to_main.put(msg, timeout=0)
+                self.to_main.put_encoded(*encoded, timeout=0)
                 return
             except shmq.Full:
                 pass
-        self.outbox.append(msg)
+        self.outbox.append(encoded)
         shmq.atomic_store(self.control.ctl, C.OUTBOX, 1)
 
     def _flush_outbox(self) -> bool:
@@ -238,7 +243,7 @@ class Collator:
         moved = False
         while self.outbox:
             try:
-                self.to_main.put(self.outbox[0], timeout=0)
+                self.to_main.put_encoded(*self.outbox[0], timeout=0)
             except shmq.Full:
                 return moved
             self.outbox.popleft()

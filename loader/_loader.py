@@ -466,7 +466,7 @@ class ShmLoader:
         control = self._shared.control
         while True:
             try:
-                msg = self._shared.to_main.get(timeout=P.WAIT_SLICE_S)
+                msg = self._shared.receive(self._shared.to_main.get(timeout=P.WAIT_SLICE_S))
             except shmq.Empty:
                 self._check_children()
                 if deadline is not None and time.monotonic() > deadline:

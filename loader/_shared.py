@@ -14,13 +14,14 @@ import numpy as np
 import shmq
 from loader._control import Control
 from loader._slabs import MAX_LEASES
+from loader._spill import SpillHeap, SpillWriter
 from loader._stats import start_idle
 from loader._table import BatchTable
 from loader._threads import ThreadRing
 
 # Ring capacities.  Samples never travel through a ring (NOTE [ Direct row
-# writes ]): only layouts, non-numeric leaves, and samples of a batch whose
-# dtypes differ.
+# writes ]), and a large message travels in the spill heap (NOTE [ Spilled
+# messages ]): the rings carry small records only.
 TO_COLLATOR_BYTES = 8 << 20
 TO_MAIN_BYTES = 4 << 20
 
@@ -116,6 +117,9 @@ class SharedState:
         # in _stats.py): for stats() and num_workers="auto"
         self.waited = shmq.shared_array(workers + 1, np.int64)
         start_idle(self.waited)
+        # Process mode: a spill region per worker id, and the collator's last.
+        self.spill = None if cfg.threads else SpillHeap(workers + 1)
+        self.collator_region = workers
         self.order_fds: list[int] = []
         self.snapshot_fds: list[int] = []
         self.rings: list[shmq.Queue] = []
@@ -135,6 +139,14 @@ class SharedState:
             self.close()
             raise
         self.to_collator, self.to_main = self.rings
+
+    def spill_writer(self, region: int) -> SpillWriter | None:
+        """The sending side of a process's spill region (None for threads)."""
+        return None if self.spill is None else SpillWriter(self.spill, region)
+
+    def receive(self, msg):
+        """A message taken from a ring, with a Spilled record resolved."""
+        return msg if self.spill is None else self.spill.receive(msg)
 
     def write_order(self, run: int, order: np.ndarray, offsets: np.ndarray | None) -> None:
         """The run's order (and a batch sampler's offsets), for the workers

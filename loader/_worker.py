@@ -164,9 +164,13 @@ class Channel:
     def __init__(self, shared: SharedState, worker_id: int, sleeper: Sleeper):
         self.ring, self.control, self.table = shared.to_collator, shared.control, shared.table
         self.me, self.pid, self.sleeper = worker_id, os.getpid(), sleeper
+        self.spill = shared.spill_writer(worker_id)  # NOTE [ Spilled messages ]
 
     def send(self, msg) -> None:
-        self.ring.put(msg)
+        if self.spill is None:
+            self.ring.put(msg)
+        else:
+            self.spill.put(self.ring, msg)
         self.control.collator_bell.ring()
 
     def request_layout(self, run, batch, row, sig, version, rows, batched):

@@ -155,6 +155,13 @@ class Queue:
         """``put(obj, timeout=0)``: raises ``Full`` at once if there is no room."""
         self._ring.put(obj, 0)
 
+    def put_encoded(self, pickled: bytes, buffers: list, timeout: float | None = None) -> None:
+        """``put`` of a message already encoded by ``shmq.codec.encode(obj)``
+        (the pickle stream and its out-of-band buffers): for a caller that
+        looks at a message's size before choosing how to send it.  The
+        consumer gets ``obj`` as from ``put(obj)``."""
+        self._ring.put_tree(pickled, buffers, _check_timeout(timeout))
+
     def get(self, timeout: float | None = None):
         """Remove and return the next message, copied out of the ring (safe
         to keep).  Raises ``Empty`` on timeout, ``Closed`` when every producer
