@@ -24,7 +24,7 @@ from loader._layout import (
     signature_and_leaves,
 )
 from loader._shared import LoaderConfig, SharedState
-from loader._slabs import Slab, SlabAllocator
+from loader._slabs import Slab, SlabAllocator, slab_bytes
 from loader._stats import WaitClock
 from loader._progress import stream_skips
 from loader._table import CONFIRMED, REFUSED, count_of
@@ -380,6 +380,7 @@ class Collator:
     def _allocate(self, p: _Pass, b: _Batch, nbytes: int) -> Slab | None:
         """A slab, or None: then (run, batch) waits in self.waiting.  A
         batch larger than the whole arena is refused at once."""
+        nbytes = slab_bytes(nbytes)
         if nbytes > self.slabs.capacity:
             self._refuse(p, b, -1, MemoryError(
                 f"batch {b.index} needs {nbytes} bytes of slab memory but memory_cap_bytes is "

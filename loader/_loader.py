@@ -364,9 +364,16 @@ class ShmLoader:
         if self.auto:
             shared.control.set_active(self.num_workers)
             self._autoscaler = Autoscaler(self, self.num_workers, self.max_workers)
-        self._leases = LeaseBook(shared.arena, shared.released, shared.control.collator_bell)
-        self._pinned = PinnedChunks(shared.arena) if self.pin_memory and cuda_available() else None
+        self._leases = LeaseBook(shared.arena_fd, shared.arena.nbytes, shared.released,
+                                 shared.control.collator_bell)
+        self._pinned = self._pin_chunks()
         self._next_child_check = 0.0
+
+    def _pin_chunks(self) -> PinnedChunks | None:
+        """pin_memory: the chunks of the mapping new batches are viewed in."""
+        if not (self.pin_memory and cuda_available()):
+            return None
+        return PinnedChunks(self._leases.address, self._shared.arena.nbytes)
 
     def _set_active_workers(self, active: int) -> None:
         """num_workers="auto": let `active` workers claim units, starting
@@ -515,12 +522,12 @@ class ShmLoader:
         a batch of a run main abandoned is released at once."""
         kind = type(msg)
         if kind is P.MemoryWait:
-            warnings.warn(
-                f"ShmLoader: all {msg.cap_bytes} bytes of batch memory are held ({msg.held_bytes} "
-                f"bytes in {msg.held_batches} batches in flight or still referenced by your "
-                f"code), and the next batch needs {msg.need_bytes}; waiting for some to be "
-                f"dropped. Keep fewer batches (copy what you keep) or pass a larger "
-                f"memory_cap_bytes", RuntimeWarning, stacklevel=4)
+            # The pool is full.  What the training loop holds moves out of
+            # it; if it holds nothing, the pool is full of batches loading
+            # ahead (a cap under prefetch's needs: stats() says so) or the
+            # message is older than a release the collator has yet to see.
+            # Either way the collator goes on as memory comes back.
+            self._move_kept_out(partial_only=False)
             return
         if kind is P.RunEnded:
             self._unended.discard(msg.run)
@@ -948,7 +955,23 @@ class ShmLoader:
         if self._pinned is not None:
             self._pinned.pin(s.offset, s.nbytes)
         slab = self._leases.view(s.lease, s.generation, s.offset, s.nbytes)
-        return materialize(msg.spec, slab, self.output, self._torch_rules)
+        batch = materialize(msg.spec, slab, self.output, self._torch_rules)
+        if self._leases.dropped_bytes * 4 >= self._shared.arena.nbytes:
+            # Slabs mostly dropped (targets.append(y)) hold a quarter of the
+            # pool: give them back before the pool runs short.
+            self._move_kept_out(partial_only=True)
+        return batch
+
+    def _move_kept_out(self, partial_only: bool) -> int:
+        """Move the parts of batches the training loop still holds out of
+        the pool, at the same addresses, and let the collator reuse their
+        slabs: see NOTE [ Kept batch memory ] in _leases.pxi.  Returns the
+        slabs given back."""
+        slabs, _ = self._leases.evict(partial_only)
+        if slabs and self._pinned is not None:  # new batches are viewed in a new mapping
+            self._pinned.close()
+            self._pinned = self._pin_chunks()
+        return slabs
 
 
 def _close_all():

@@ -26,11 +26,11 @@ def cuda_available() -> bool:
 class PinnedChunks:
     """The chunks of an arena registered with CUDA (main process only)."""
 
-    def __init__(self, arena: np.ndarray):
+    def __init__(self, address: int, nbytes: int):
         import torch
 
         self.cudart = torch.cuda.cudart()
-        self.base, self.nbytes = arena.ctypes.data, arena.nbytes
+        self.base, self.nbytes = address, nbytes
         self.registered: list[int] = []
         self.done = np.zeros(-(-self.nbytes // CHUNK_BYTES), bool)
 

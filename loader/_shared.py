@@ -4,6 +4,7 @@ memory main creates before it forks."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
 from dataclasses import dataclass
@@ -109,7 +110,11 @@ class SharedState:
     def __init__(self, cfg: LoaderConfig):
         self.control = Control(cfg.num_workers)
         self.table = BatchTable(cfg.table_per_run)
-        self.arena = shmq.shared_array(cfg.memory_cap_bytes, np.uint8)
+        # The batch memory, in a memfd: main maps it again to view slabs, and
+        # again after moving kept batches out of it (NOTE [ Kept batch memory ]).
+        self.arena_fd = os.memfd_create("shmloader-arena", os.MFD_CLOEXEC)
+        os.ftruncate(self.arena_fd, cfg.memory_cap_bytes)
+        self.arena = np.frombuffer(mmap.mmap(self.arena_fd, cfg.memory_cap_bytes), np.uint8)
         self.released = shmq.shared_array(MAX_LEASES, np.int64)
         workers = max(cfg.num_workers, cfg.max_workers, 1)  # ids of workers added later too
         self.hazards = shmq.shared_array(workers, np.int64)
@@ -177,6 +182,9 @@ class SharedState:
         return _read_pickle(self.order_fds[run % 2], "order")
 
     def close(self) -> None:
+        if self.arena_fd >= 0:
+            os.close(self.arena_fd)  # the mappings keep the memory while they are used
+            self.arena_fd = -1
         for q in self.rings:
             q.close()
         for fd in self.order_fds + self.snapshot_fds:

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import os
+
 import numpy as np
 
 import shmq
-from loader._layout import align
-
 MAX_LEASES = 1 << 16
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def slab_bytes(nbytes: int) -> int:
+    """What a batch of nbytes takes from the pool: whole pages, since main
+    may move pages of a slab the user keeps out of the pool (NOTE [ Kept
+    batch memory ] in _leases.pxi), and they must hold no other slab."""
+    return -(-max(nbytes, 1) // PAGE_BYTES) * PAGE_BYTES
 
 
 class Slab(NamedTuple):
@@ -62,7 +70,7 @@ class SlabAllocator:
     def allocate(self, nbytes: int) -> Slab | None:
         """A slab of at least nbytes, or None while the arena is full even
         after reclaiming what main released and what no worker still uses."""
-        nbytes = align(max(nbytes, 1))
+        nbytes = slab_bytes(nbytes)
         # Reclaim first, always: reusing the lowest released slab keeps the
         # batch memory on pages already faulted in.  (Reclaiming only when
         # the arena is full walks through fresh pages for epochs.)

@@ -32,7 +32,8 @@ the heap is mapped with no reservation, and only pages written are memory.
 A region keeps RETAIN_BYTES of pages faulted in across laps; pages a rare
 huge message touched beyond that are given back when the log is empty.
 
-HEAD lives in shared memory so that a worker started again under the same
+HEAD and LAP (where the log last started afresh: everything before it is
+free) live in shared memory so that a worker started again under the same
 id (persistent_workers=False) continues the log after its predecessor's
 blocks, which the reader may not have taken yet.
 
@@ -54,7 +55,7 @@ from shmq.codec import encode
 SPILL_BYTES = 64 << 10     # larger encodings go through the heap, not the ring
 RETAIN_BYTES = 64 << 20    # pages a region keeps faulted in between laps
 _ALIGN = 64
-HEAD, TAIL = 0, 8          # words of a region's header (own cache lines)
+HEAD, LAP, TAIL = 0, 1, 8  # words of a region's header (the reader's on its own cache line)
 _HEADER_WORDS = 16
 
 
@@ -115,8 +116,9 @@ class SpillWriter:
         self.heap, self.region_id = heap, region
         self.region = heap.region(region)
         self.r = heap.region_bytes
-        self.head = heap.head(region)   # after a predecessor's blocks, if any
-        self.lap = 0                    # where the log last started afresh: free before it
+        # after a predecessor's blocks, if any
+        self.head = heap.head(region)
+        self.lap = shmq.atomic_load(heap.words, region * _HEADER_WORDS + LAP)
         self.touched = 0                # the highest offset this process wrote
 
     def put(self, ring, msg, timeout=None) -> None:
@@ -164,6 +166,7 @@ class SpillWriter:
                               f"than this machine's memory ({r} bytes)")
         if tail >= head:  # empty: start a lap, on the pages used before
             pos = self.lap = -(-head // r) * r
+            shmq.atomic_store(self.heap.words, self.region_id * _HEADER_WORDS + LAP, pos)
             self._give_back_extra()
         else:
             pos = head if head % r + n <= r else -(-head // r) * r

@@ -16,6 +16,7 @@ import pytest
 from conftest import descendants, wait_until
 from loader import ShmLoader, WorkerError
 from loader._layout import Layout, signature
+from loader._slabs import slab_bytes as pool_bytes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -115,8 +116,9 @@ class Big:
 
 
 def slab_bytes(sample, rows: int) -> int:
-    """The slab a batch of `rows` such samples takes (rows and tags)."""
-    return Layout(signature(sample), rows).nbytes
+    """The slab a batch of `rows` such samples takes (rows and tags, in
+    whole pages)."""
+    return pool_bytes(Layout(signature(sample), rows).nbytes)
 
 
 def test_a_batch_larger_than_the_memory_cap_is_an_error_naming_both_sizes():
@@ -126,36 +128,30 @@ def test_a_batch_larger_than_the_memory_cap_is_an_error_naming_both_sizes():
             list(loader)
         assert time.monotonic() - t0 < 5
         text = str(info.value)
-        need = 16 * 256 * 256 * 4 + 16 * 8  # the rows, and a tag per row (see Layout)
+        need = pool_bytes(16 * 256 * 256 * 4 + 16 * 8)  # the rows and a tag per row, in pages
         assert f"needs {need} bytes" in text
         assert "memory_cap_bytes is 1048576" in text and f"memory_cap_bytes >= {need}" in text
         with pytest.raises(MemoryError, match=f"needs {need} bytes"):
             list(loader)  # the same answer again: the loader is still usable
 
 
-def test_batches_kept_past_the_cap_wait_with_a_warning_then_resume():
-    """The user holds every batch: the collator waits for memory (and keeps
-    reading its inbox), main warns once with the numbers, and dropping the
-    batches lets the epoch finish."""
+def test_batches_kept_past_the_cap_move_out_of_the_pool_without_a_wait():
+    """The user holds every batch of an epoch five times the cap: main
+    moves them out of the pool (NOTE [ Kept batch memory ]), with no wait
+    and no warning, and every kept batch keeps its values."""
     B = 4
     cap = 3 * slab_bytes(Big()[0], B)  # three batches of Big
     with ShmLoader(Big(), batch_size=B, num_workers=2, memory_cap_bytes=cap, prefetch=1,
                    timeout=20) as loader:
-        held = []
-        with pytest.warns(RuntimeWarning, match=r"all \d+ bytes of batch memory are held") as w:
-            it = iter(loader)
-            for _ in range(3):
-                held.append(next(it))
-            release = threading.Timer(0.5, held.clear)
-            release.start()
-            firsts = [b[:, 0, 0].copy() for b in it]  # each batch dropped after its step
-            release.join()
-        text = str(w[0].message)
-        assert f"all {cap} bytes" in text and "memory_cap_bytes" in text
-        assert f"next batch needs {slab_bytes(Big()[0], B)}" in text
-        assert len(firsts) == 64 // B - 3
-        for k, first in enumerate(firsts):
-            np.testing.assert_array_equal(first, np.arange(4 * (k + 3), 4 * (k + 4)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            held = list(loader)
+        assert loader._leases.evicted_slabs >= len(held) - 3
+        assert len(held) == 64 // B
+        for k, b in enumerate(held):
+            np.testing.assert_array_equal(b[:, 0, 0], np.arange(4 * k, 4 * k + 4))
+            np.testing.assert_array_equal(b[:, -1, -1], np.arange(4 * k, 4 * k + 4))
+        del held
         gc.collect()
         for k, b in enumerate(loader):  # and the next epoch runs normally
             np.testing.assert_array_equal(b[:, 0, 0], np.arange(4 * k, 4 * k + 4))
@@ -169,7 +165,7 @@ def test_close_is_prompt_while_the_collator_waits_for_memory():
             warnings.simplefilter("ignore", RuntimeWarning)
             it = iter(loader)
             held = [next(it), next(it)]
-            time.sleep(0.3)  # the collator now waits for memory held here
+            time.sleep(0.3)  # the collator waits for memory, or moves on once main moved them out
             t0 = time.monotonic()
             loader.close()
         assert time.monotonic() - t0 < 3
