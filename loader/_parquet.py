@@ -18,13 +18,13 @@ groups.
 
 from __future__ import annotations
 
-import glob
 import os
 from typing import NamedTuple
 
 import numpy as np
 
 from loader._epochs import EpochInfo
+from loader._files import match_files
 
 
 def _pyarrow():
@@ -74,8 +74,8 @@ class ParquetDataset:
     def _files(self) -> list[str]:
         found = []
         for pattern in self.patterns:
-            matched = glob.glob(pattern, recursive=True) if glob.has_magic(pattern) else [pattern]
-            found += [p for p in matched if os.path.isfile(p)]
+            # a bounded walk, not glob: directory symlinks that loop made glob hang
+            found += [p for p in match_files(pattern).paths if os.path.isfile(p)]
         if not found:
             raise FileNotFoundError(f"ParquetDataset: no file matches {self.patterns}")
         return sorted(set(found))
