@@ -40,7 +40,9 @@ def test_worker_sigkilled_during_the_between_epoch_match(tmp_path):
     ds = KillAtSecondMatch(str(tmp_path / "**" / "*.npy"))
 
     def init(worker_id):
-        (tmp_path / f"pid{worker_id}").write_text(str(os.getpid()))
+        # renamed into place: the test never reads a file half-written
+        (tmp_path / f"tmp{worker_id}").write_text(str(os.getpid()))
+        os.replace(tmp_path / f"tmp{worker_id}", tmp_path / f"pid{worker_id}")
     got = []
     with ShmLoader(ds, batch_size=4, num_workers=2, worker_init_fn=init, timeout=30) as loader:
         it = iter(loader)
