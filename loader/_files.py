@@ -17,12 +17,53 @@ _epochs.py).
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 import stat
 import warnings
+from typing import NamedTuple
 
 import numpy as np
+
+
+class NotARegularFile(OSError):
+    """A dataset path is a FIFO, a device, a socket or a directory where a
+    regular file was listed (replaced after the epoch's list was made)."""
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISDIR, "directory")):
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def open_regular(path: str) -> int:
+    """An fd of the regular file at path, opened without ever blocking.
+
+    A plain open() of a FIFO waits for a writer forever, and a device may
+    block or have side effects on open or read; the path was a regular
+    file when the epoch's list was made, but anything can have replaced it
+    since.  O_NONBLOCK makes the open return at once whatever the path now
+    is (it changes nothing for reads of a regular file), and the fstat of
+    the opened fd, not a stat of the path, decides: no window between the
+    check and the read."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotARegularFile(f"{path} is a {_kind(mode)}, not a regular file: FileDataset reads "
+                              f"regular files only (it was replaced after this epoch's file list "
+                              f"was made?); the sample is skipped with this error, remove the "
+                              f"entry or narrow the pattern")
+    return fd
 
 
 class FileArray:
@@ -46,7 +87,7 @@ class FileArray:
         target = out if direct else np.empty(self.shape[::-1] if self.fortran else self.shape,
                                              self.dtype)
         buf = memoryview(target.reshape(-1).view(np.uint8))
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(self.path)
         try:
             done = 0
             while done < len(buf):
@@ -73,7 +114,7 @@ class FileArray:
 
 def npy_array(path: str) -> FileArray:
     """A .npy file's array, from its header."""
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
             read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
@@ -89,7 +130,128 @@ def npy_array(path: str) -> FileArray:
 
 def raw_array(path: str) -> FileArray:
     """A file's bytes, as a uint8 array."""
-    return FileArray(path, 0, np.dtype(np.uint8), (os.stat(path).st_size,))
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    return FileArray(path, 0, np.dtype(np.uint8), (size,))
+
+
+# --- matching a pattern: a bounded walk ------------------------------------------------
+
+# A tree deeper than this is not data but a loop the (device, inode) check
+# cannot see (a filesystem that reports no stable inodes); it is cut with a
+# warning.  PATH_MAX (4096) leaves room for about 2000 levels of 1-char names.
+MAX_DEPTH = 512
+
+
+class Matched(NamedTuple):
+    paths: list            # matched paths, sorted, each real file once
+    unreadable: list       # directories the walk could not list (sorted)
+    too_deep: list         # directories cut at MAX_DEPTH (sorted)
+
+
+def _split_pattern(pattern: str) -> tuple[str, list]:
+    """(the leading directory without wildcards, the components after it)."""
+    parts = pattern.split(os.sep)
+    fixed = 0
+    while fixed < len(parts) - 1 and not glob.has_magic(parts[fixed]):
+        fixed += 1
+    root = os.sep.join(parts[:fixed])
+    if pattern.startswith(os.sep) and not root:
+        root = os.sep
+    return root, [p for p in parts[fixed:] if p]
+
+
+def _step(parts: list, states: frozenset, name: str) -> frozenset:
+    """The pattern positions after one more path component `name` (an NFA
+    over the components; `**` matches zero or more whole components).  As
+    glob does, a name starting with '.' matches only a component that
+    starts with '.' too, and never `**`."""
+    hidden = name.startswith(".")
+    out = set()
+    for i in states:
+        if i == len(parts):
+            continue  # matched already: nothing more may follow
+        comp = parts[i]
+        if comp == "**":
+            if not hidden:
+                out.add(i)
+        elif (not hidden or comp.startswith(".")) and fnmatch.fnmatchcase(name, comp):
+            out.add(i + 1)
+    return _closure(parts, out)
+
+
+def _closure(parts: list, states) -> frozenset:
+    out, todo = set(states), list(states)
+    while todo:
+        i = todo.pop()
+        if i < len(parts) and parts[i] == "**" and i + 1 not in out:
+            out.add(i + 1)
+            todo.append(i + 1)
+    return frozenset(out)
+
+
+def match_files(pattern: str) -> Matched:
+    """What glob.glob(pattern, recursive=True) would match, without its
+    hang: each real directory (device, inode) is entered once.
+
+    glob follows directory symlinks, so two links to `.` made it walk
+    2**40 paths.  Here the tree of real directories is walked first, and
+    the directory symlinks met on the way are followed afterwards, each
+    only if the directory it leads to was not entered yet (so a path
+    without symlinks is preferred, and a loop ends at once).  Every
+    directory is listed once and the depth is capped (MAX_DEPTH), so the
+    walk is bounded by the number of directories; directories that cannot
+    be listed are returned, not skipped silently."""
+    root, parts = _split_pattern(pattern)
+    if not parts:  # no wildcard: the path itself
+        return Matched([pattern] if os.path.lexists(pattern) else [], [], [])
+    n, dirs_only = len(parts), pattern.endswith(os.sep)  # as glob: "a/*/" is directories
+    found, unreadable, too_deep, seen = set(), [], [], set()
+    start = _closure(parts, {0})
+    pending = [(root, start, 0)]     # directories to enter: (path, pattern states, depth)
+    links = []                       # directory symlinks met: entered once the real tree is done
+    while pending or links:
+        if not pending:
+            pending.append(links.pop(0))
+        path, states, depth = pending.pop()
+        try:
+            st = os.stat(path or os.curdir)
+        except OSError:
+            continue  # removed meanwhile, or a dangling link
+        if (st.st_dev, st.st_ino) in seen:
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        if depth >= MAX_DEPTH:
+            too_deep.append(path)
+            continue
+        try:
+            with os.scandir(path or os.curdir) as entries:
+                entries = list(entries)
+        except PermissionError:
+            unreadable.append(path)
+            continue
+        except OSError:
+            continue  # removed meanwhile, or not a directory any more
+        for entry in entries:
+            after = _step(parts, states, entry.name)
+            if not after:
+                continue
+            child = os.path.join(path, entry.name)
+            if n in after and (not dirs_only or _is_dir(entry)):
+                found.add(child)
+            if any(i < n for i in after) and _is_dir(entry):
+                (links if entry.is_symlink() else pending).append((child, after, depth + 1))
+    return Matched(sorted(found), sorted(unreadable), sorted(too_deep))
+
+
+def _is_dir(entry) -> bool:
+    try:
+        return entry.is_dir()  # follows a symlink: a link to a directory is one
+    except OSError:
+        return False
 
 
 class FileDataset:
@@ -111,14 +273,30 @@ class FileDataset:
         self.files = self._match()
 
     def _match(self) -> list[str]:
+        matched = match_files(self.pattern)
+        self._warn_unwalked(matched)
         found = []
-        for path in glob.glob(self.pattern, recursive=True):
+        for path in matched.paths:
             try:
                 if stat.S_ISREG(os.stat(path).st_mode):
                     found.append(path)
-            except FileNotFoundError:
-                pass  # removed while we looked
-        return sorted(found)
+            except OSError:
+                pass  # removed while we looked (or a dangling symlink)
+        return found
+
+    def _warn_unwalked(self, matched: Matched) -> None:
+        """One warning naming the directories the walk could not list (told
+        again only if the list changes, not at every epoch)."""
+        problem = (tuple(matched.unreadable), tuple(matched.too_deep))
+        if problem == getattr(self, "_told", ((), ())):
+            return
+        self._told = problem
+        for dirs, why in ((matched.unreadable, "cannot be listed (permission denied)"),
+                          (matched.too_deep, f"are more than {MAX_DEPTH} levels deep")):
+            if dirs:
+                shown = ", ".join(dirs[:5]) + (f" and {len(dirs) - 5} more" if len(dirs) > 5 else "")
+                warnings.warn(f"FileDataset({self.pattern!r}): {len(dirs)} director(ies) {why}; "
+                              f"their files are not loaded: {shown}", RuntimeWarning, stacklevel=4)
 
     def __len__(self) -> int:
         return len(self.files)

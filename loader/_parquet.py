@@ -18,13 +18,14 @@ groups.
 
 from __future__ import annotations
 
-import glob
+import contextlib
 import os
 from typing import NamedTuple
 
 import numpy as np
 
 from loader._epochs import EpochInfo
+from loader._files import match_files, open_regular
 
 
 def _pyarrow():
@@ -37,10 +38,30 @@ def _pyarrow():
     return pyarrow
 
 
+class ParquetFileError(ValueError):
+    """A file cannot be read as Parquet (corrupt, truncated, empty); the
+    message names it."""
+
+
+class ParquetFileChanged(RuntimeError):
+    """A file was rewritten after the epoch's snapshot of its row groups
+    (other size or mtime, other schema, fewer row groups or rows): its rows
+    cannot be delivered as planned.  The message names the file, the row
+    group and both counts."""
+
+
+class FileIdentity(NamedTuple):
+    """What the snapshot saw of a file: a rewrite changes at least one."""
+    size: int
+    mtime_ns: int
+    schema: str            # the Arrow schema, without metadata
+
+
 class RowGroup(NamedTuple):
     path: str
     index: int
     rows: int
+    file: FileIdentity | None = None   # None: not checked (a snapshot made by hand)
 
 
 class EpochRows(NamedTuple):
@@ -74,8 +95,8 @@ class ParquetDataset:
     def _files(self) -> list[str]:
         found = []
         for pattern in self.patterns:
-            matched = glob.glob(pattern, recursive=True) if glob.has_magic(pattern) else [pattern]
-            found += [p for p in matched if os.path.isfile(p)]
+            # a bounded walk, not glob: directory symlinks that loop made glob hang
+            found += [p for p in match_files(pattern).paths if os.path.isfile(p)]
         if not found:
             raise FileNotFoundError(f"ParquetDataset: no file matches {self.patterns}")
         return sorted(set(found))
@@ -84,9 +105,10 @@ class ParquetDataset:
         st = os.stat(path)
         key = (path, st.st_mtime_ns, st.st_size)
         if key not in self._groups_cache:
-            meta = _pyarrow().parquet.ParquetFile(path).metadata
-            self._groups_cache[key] = [RowGroup(path, i, meta.row_group(i).num_rows)
-                                       for i in range(meta.num_row_groups)]
+            with _open_parquet(path) as (pf, ident):
+                meta = pf.metadata
+                self._groups_cache[key] = [RowGroup(path, i, meta.row_group(i).num_rows, ident)
+                                           for i in range(meta.num_row_groups)]
         return self._groups_cache[key]
 
     def epoch_snapshot(self, info: EpochInfo | None = None) -> EpochRows:
@@ -135,14 +157,90 @@ class ParquetDataset:
             k, pos = (k + 1) % len(groups), int(starts[(k + 1) % len(groups)])
 
     def _read(self, g: RowGroup, lo: int, hi: int):
-        pq = _pyarrow().parquet
-        table = pq.ParquetFile(g.path).read_row_group(g.index, columns=self.columns)
+        table = _read_group(g, self.columns)
         if lo or hi < table.num_rows:
             table = table.slice(lo, hi - lo)
         names = table.column_names
         columns = [_column_values(table.column(i)) for i in range(len(names))]
         for r in range(table.num_rows):
             yield {name: col[r] for name, col in zip(names, columns)}
+
+
+@contextlib.contextmanager
+def _open_parquet(path: str):
+    """(pyarrow ParquetFile, FileIdentity) of path, opened without blocking
+    (open_regular: a FIFO in its place is an error, not a hang).  Any
+    failure to read it as Parquet is a ParquetFileError naming the file."""
+    pa = _pyarrow()
+    with os.fdopen(open_regular(path), "rb") as f:
+        st = os.fstat(f.fileno())
+        try:
+            pf = pa.parquet.ParquetFile(f)
+            schema = str(pf.schema_arrow.remove_metadata())
+        except (pa.ArrowException, OSError) as e:
+            raise ParquetFileError(
+                f"{path} cannot be read as Parquet ({type(e).__name__}: {e}); it is corrupt, "
+                f"truncated or not a Parquet file: rewrite it, or remove it from "
+                f"ParquetDataset's paths") from e
+        yield pf, FileIdentity(st.st_size, st.st_mtime_ns, schema)
+
+
+def _read_group(g: RowGroup, columns):
+    """Row group g of its file, checked against the epoch's snapshot of it:
+    a file rewritten since then (the snapshot's rows are planned into this
+    epoch's shares) is an error naming what changed, never fewer rows."""
+    pa = _pyarrow()
+    try:
+        with _open_parquet(g.path) as (pf, ident):
+            if g.file is not None and ident != g.file:
+                _raise_changed(g, ident, pf)
+            try:
+                table = pf.read_row_group(g.index, columns=columns)
+            except (pa.ArrowException, OSError) as e:
+                raise ParquetFileError(f"{g.path}: row group {g.index} cannot be read "
+                                       f"({type(e).__name__}: {e}); the file is corrupt or was "
+                                       f"truncated: rewrite it, or remove it from "
+                                       f"ParquetDataset's paths") from e
+    except ParquetFileError as e:
+        _raise_if_rewritten_meanwhile(g, e)
+        raise
+    if table.num_rows != g.rows:
+        raise ParquetFileChanged(f"{g.path}: row group {g.index} has {table.num_rows} rows but "
+                                 f"this epoch planned {g.rows} (the file was rewritten during the "
+                                 f"epoch?); write new files under new names, or rewrite them "
+                                 f"between epochs")
+    return table
+
+
+def _raise_if_rewritten_meanwhile(g: RowGroup, error: ParquetFileError) -> None:
+    """A file rewritten in place WHILE it is read (after the identity check
+    on the open fd) reads as torn: if it is no longer the snapshot's file,
+    say that, not "corrupt"."""
+    try:
+        st = os.stat(g.path)
+    except OSError:
+        return
+    if g.file is None or (st.st_size, st.st_mtime_ns) == (g.file.size, g.file.mtime_ns):
+        return
+    raise ParquetFileChanged(
+        f"{g.path} was rewritten during the epoch: it is now {st.st_size} bytes, mtime "
+        f"{st.st_mtime_ns} ns (the epoch's snapshot: {g.file.size} bytes, mtime "
+        f"{g.file.mtime_ns} ns); row group {g.index} could not be read while it changed "
+        f"({error.__cause__}) and this epoch planned {g.rows} rows from it; write new files "
+        f"under new names, or rewrite them between epochs") from error
+
+
+def _raise_changed(g: RowGroup, now: FileIdentity, pf) -> None:
+    groups = pf.metadata.num_row_groups
+    rows = pf.metadata.row_group(g.index).num_rows if g.index < groups else 0
+    what = (f"its schema changed from {g.file.schema!r} to {now.schema!r}"
+            if now.schema != g.file.schema else
+            f"it is now {now.size} bytes, mtime {now.mtime_ns} ns (the epoch's snapshot: "
+            f"{g.file.size} bytes, mtime {g.file.mtime_ns} ns)")
+    raise ParquetFileChanged(
+        f"{g.path} was rewritten during the epoch: {what}; row group {g.index} now has {rows} "
+        f"rows ({groups} row group(s)) but this epoch planned {g.rows}; write new files under "
+        f"new names, or rewrite them between epochs")
 
 
 def _column_values(column) -> list:

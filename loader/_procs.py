@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import faulthandler
 import os
+import resource
 import select
 import signal
 import tempfile
@@ -124,13 +125,50 @@ def start_error(exc: BaseException, doing: str) -> BaseException:
     naming the limits for what a limit causes, else exc itself."""
     if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.EAGAIN,
                                                   errno.ENOMEM):
+        limits = f" (here: {process_limits()})" if exc.errno == errno.EAGAIN else ""
         err = LoaderStartError(
             f"ShmLoader could not {doing}: {exc}. It needs a few file descriptors for its "
             f"shared memory, and 2 and a process slot per worker. Raise the limits "
-            f"(`ulimit -n`, `ulimit -u`) or use fewer workers")
+            f"(`ulimit -n`, `ulimit -u`, the pids.max of a container's cgroup){limits} or use "
+            f"fewer workers")
         err.__cause__ = exc
         return err
     return exc
+
+
+def process_limits() -> str:
+    """The limits on the number of processes that apply to this one, in
+    words: fork's EAGAIN does not say which one was hit."""
+    soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    said = [f"`ulimit -u` is {'unlimited' if soft == resource.RLIM_INFINITY else soft}"
+            + (" (not enforced for root)" if os.geteuid() == 0 else "")]
+    cgroup = _pids_cgroup()
+    if cgroup is not None:
+        try:
+            with open(os.path.join(cgroup, "pids.max")) as f:
+                most = f.read().strip()
+            with open(os.path.join(cgroup, "pids.current")) as f:
+                now = f.read().strip()
+            said.append(f"the pids cgroup {cgroup} allows {most} (pids.max), {now} in use")
+        except OSError:
+            pass
+    return "; ".join(said)
+
+
+def _pids_cgroup() -> str | None:
+    """The directory of this process's pids cgroup (v1 or v2), if any."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "pids" in controllers.split(","):
+            return "/sys/fs/cgroup/pids" + path.rstrip("/")
+        if controllers == "" and os.path.exists(f"/sys/fs/cgroup{path.rstrip('/')}/pids.max"):
+            return "/sys/fs/cgroup" + path.rstrip("/")
+    return None
 
 
 def _fork(role, target, args, children: list[Child]) -> None:

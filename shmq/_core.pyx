@@ -114,6 +114,7 @@ def layout_offsets():
         "data_offset": <size_t>&h.data_offset - hb,
         "creator_pid": <size_t>&h.creator_pid - hb,
         "creator_starttime": <size_t>&h.creator_starttime - hb,
+        "creator_pidns": <size_t>&h.creator_pidns - hb,
         "tail_pos": <size_t>&h.tail_pos - hb,
         "head_pos": <size_t>&h.head_pos - hb,
         "data_seq": <size_t>&h.data_seq - hb,
@@ -167,16 +168,23 @@ def proc_starttime(uint32_t pid):
     return shmq_proc_starttime(pid)
 
 
+def self_pidns():
+    """This process's pid namespace (NOTE [pid namespaces]), 0 if unknown."""
+    return shmq_self_pidns()
+
+
 def read_creator(bytes header):
-    """(creator_pid, creator_starttime) from the first bytes of a segment,
-    or None when they are not a shmq header."""
+    """(creator_pid, creator_starttime, creator_pidns) from the first bytes
+    of a segment, or None when they are not a shmq header.  creator_pidns
+    is 0 (unknown) in a segment of an earlier layout version, which had no
+    such field."""
     cdef const shmq_header *h
     if len(header) < sizeof(shmq_header):
         return None
     h = <const shmq_header *><const char *>header
     if h.magic != SHMQ_MAGIC:
         return None
-    return h.creator_pid, h.creator_starttime
+    return h.creator_pid, h.creator_starttime, (h.creator_pidns if h.version >= 2 else 0)
 
 
 # --- test-only kill points (see RELIABILITY.md: "kill points compiled into
@@ -537,7 +545,7 @@ cdef class Ring:
         cdef uint64_t so, ao, dof
         shmq_layout(capacity, mpsc, SHMQ_MAX_ATTACH, &so, &ao, &dof)
         cdef Mapping m = Mapping.map_ring(fd, dof, capacity)
-        shmq_init(m.base, capacity, mpsc, getpid(), _own_starttime())
+        shmq_init(m.base, capacity, mpsc, getpid(), _own_starttime(), shmq_self_pidns())
         cdef Ring ring = Ring._bind(m, name, capacity, mpsc)
         ring.anonymous = anonymous
         return ring

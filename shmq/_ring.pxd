@@ -90,6 +90,7 @@ cdef extern from "shmq_ring.h" nogil:
         uint32_t closed_writers
         uint32_t gone_writers
         uint32_t skipped_records
+        uint64_t creator_pidns
 
     ctypedef struct shmq_record:
         uint64_t record_bytes
@@ -138,7 +139,8 @@ cdef extern from "shmq_ring.h" nogil:
     uint64_t shmq_proc_starttime(uint32_t pid)
     int shmq_owner_alive(const shmq_slot *s, uint64_t owner)
     void shmq_init(void *base, uint64_t capacity, int mpsc, uint32_t creator_pid,
-                   uint64_t creator_starttime)
+                   uint64_t creator_starttime, uint64_t creator_pidns)
+    uint64_t shmq_self_pidns()
     int shmq_validate(const void *base, uint64_t file_bytes, int live, int *bad_field)
     void shmq_bind(shmq_ring *r, void *base, uint64_t capacity, int mpsc)
     int shmq_positions_ok(uint64_t capacity, uint64_t head, uint64_t tail)

@@ -116,8 +116,7 @@ class Queue:
 
     @classmethod
     def _attach(cls, name, adopt_slot=-1, adopt_from_pid=0):
-        if not isinstance(name, str):
-            raise TypeError(f"name must be a str, not {type(name).__name__}")
+        segment.check_name(name)  # before any system call sees it
         fd, size, head = segment.open_existing(name)
         try:
             ring = _core.Ring.attach(fd, size, head, name, adopt_slot, adopt_from_pid)

@@ -5,7 +5,8 @@ to attribute, the random part makes collisions impossible in practice.  Only
 the creating process unlinks a name (see Queue.close); a segment whose
 creator died is *stale* and ``python -m shmq clean`` removes it.  A segment
 whose creator is alive (same pid and same start time, so a reused pid does
-not count) is never touched.
+not count) is never touched, nor is one whose creator ran in another pid
+namespace (NOTE [pid namespaces] in shmq_ring.h) unless --force says so.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import re
 import secrets
 import stat
 
@@ -24,9 +26,28 @@ from shmq.errors import IncompatibleRing, ShmFull
 PREFIX = "shmq-"
 SHM_DIR = "/dev/shm"
 
-__all__ = ["PREFIX", "SHM_DIR", "new_name", "free_bytes", "shm_size_option", "create",
+__all__ = ["PREFIX", "SHM_DIR", "NAME_RULE", "check_name", "new_name", "free_bytes", "shm_size_option", "create",
            "create_anonymous", "open_existing", "unlink",
-           "SegmentInfo", "list_segments", "remove_stale"]
+           "LIVE", "STALE", "OTHER_PIDNS", "UNRECORDED", "SegmentInfo", "list_segments",
+           "own_pidns", "remove_stale"]
+
+
+# The naming rule of shmq_ring.h ("Segment names"): checked before any
+# system call sees a name, because posix_ipc hands it to shm_open as a C
+# string (a NUL byte crashed it) and a name from outside (a config file,
+# another program, an entry of /dev/shm) can carry any byte.
+NAME_RULE = ("a shmq name is '/' followed by 1 to 255 characters from A-Z a-z 0-9 . _ - "
+             "(no NUL byte, no other '/', not '.' or '..')")
+_NAME = re.compile(r"/[A-Za-z0-9._-]{1,255}")
+
+
+def check_name(name) -> str:
+    """name, if it follows NAME_RULE; TypeError or ValueError otherwise."""
+    if not isinstance(name, str):
+        raise TypeError(f"a shmq name must be a str, not {type(name).__name__}")
+    if not _NAME.fullmatch(name) or name in ("/.", "/.."):
+        raise ValueError(f"invalid shmq name {name!r}: {NAME_RULE}")
+    return name
 
 
 def new_name(kind: str = "") -> str:
@@ -105,6 +126,7 @@ def create_anonymous(nbytes: int) -> int:
 
 def open_existing(name: str) -> tuple[int, int, bytes]:
     """(fd, size in bytes, first bytes of the header) of an existing segment."""
+    check_name(name)
     try:
         shm = posix_ipc.SharedMemory(name)
     except posix_ipc.ExistentialError:
@@ -160,6 +182,7 @@ def _read_head(path: str) -> tuple[int, bytes] | None:
 
 def unlink(name: str) -> bool:
     """Remove the name; True if it existed."""
+    check_name(name)
     try:
         posix_ipc.unlink_shared_memory(name)
         return True
@@ -167,12 +190,23 @@ def unlink(name: str) -> bool:
         return False
 
 
+# SegmentInfo.state: what is known of the creator, in the terms `clean` uses.
+LIVE, STALE, OTHER_PIDNS, UNRECORDED = ("live", "stale", "unknown: other pid namespace",
+                                        "unknown: pid namespace not recorded")
+
+
 @dataclasses.dataclass(frozen=True)
 class SegmentInfo:
     name: str
     size_bytes: int
     creator_pid: int | None
-    alive: bool
+    state: str                 # LIVE, STALE, OTHER_PIDNS or UNRECORDED
+    pidns: int | None = None   # the creator's pid namespace (inode), None if not recorded
+
+    @property
+    def alive(self) -> bool:
+        """False only when the creator is provably gone (state STALE)."""
+        return self.state != STALE
 
 
 def _pid_from_name(entry: str) -> int | None:
@@ -182,36 +216,55 @@ def _pid_from_name(entry: str) -> int | None:
     return None
 
 
+def _creator_state(head: bytes, entry: str, own_pidns: int) -> tuple[int | None, int | None, str]:
+    """(creator pid, its pid namespace, state) of a segment's header.  A
+    pid means something only in its own namespace (NOTE [pid namespaces]
+    in shmq_ring.h): a creator in another one, or in one not recorded
+    (an earlier layout, a header never finished), is never judged dead."""
+    creator = _core.read_creator(head)
+    if creator is None:  # no header: its creator died, or is still creating it
+        return _pid_from_name(entry), None, UNRECORDED
+    pid, starttime, pidns = creator
+    if not pidns or not own_pidns:
+        return pid, pidns or None, UNRECORDED
+    if pidns != own_pidns:
+        return pid, pidns, OTHER_PIDNS
+    now = _core.proc_starttime(pid)
+    alive = now != 0 and (starttime == 0 or now == starttime
+                          or now == _core.STARTTIME_UNKNOWN)  # never remove if unsure
+    return pid, pidns, LIVE if alive else STALE
+
+
+def own_pidns() -> int:
+    """This process's pid namespace (inode of /proc/self/ns/pid), 0 if unknown."""
+    return _core.self_pidns()
+
+
 def list_segments() -> list[SegmentInfo]:
-    """Every shmq segment in /dev/shm with whether its creator still runs.
+    """Every shmq segment in /dev/shm and what is known of its creator.
     Entries named like one that are not regular files (FIFOs, symlinks...)
-    are not segments: they are neither listed nor opened."""
+    or whose names break NAME_RULE are not segments: they are neither
+    listed nor opened."""
+    own = own_pidns()
     found = []
     for entry in sorted(os.listdir(SHM_DIR)):
-        if not entry.startswith(PREFIX):
-            continue
+        if not entry.startswith(PREFIX) or not _NAME.fullmatch("/" + entry):
+            continue  # not a name shmq makes or accepts: not ours to open or remove
         got = _read_head(os.path.join(SHM_DIR, entry))
         if got is None:
             continue
         size, head = got
-        creator = _core.read_creator(head)
-        if creator is not None:
-            pid, starttime = creator
-            now = _core.proc_starttime(pid)
-            alive = now != 0 and (starttime == 0 or now == starttime
-                                  or now == _core.STARTTIME_UNKNOWN)  # never remove if unsure
-        else:
-            pid = _pid_from_name(entry)
-            alive = pid is not None and _core.proc_starttime(pid) != 0
-        found.append(SegmentInfo("/" + entry, size, pid, alive))
+        pid, pidns, state = _creator_state(head, entry, own)
+        found.append(SegmentInfo("/" + entry, size, pid, state, pidns))
     return found
 
 
-def remove_stale(dry_run: bool = False) -> list[SegmentInfo]:
-    """Unlink segments whose creator is dead; return what was (or would be)
-    removed."""
-    stale = [s for s in list_segments() if not s.alive]
+def remove_stale(dry_run: bool = False, force: bool = False) -> list[SegmentInfo]:
+    """Unlink segments whose creator is provably gone; with force, also
+    those whose creator cannot be checked from here (another pid
+    namespace, or none recorded).  Return what was (or would be) removed."""
+    doomed = [s for s in list_segments() if s.state == STALE or (force and s.state != LIVE)]
     if not dry_run:
-        for s in stale:
+        for s in doomed:
             unlink(s.name)
-    return stale
+    return doomed

@@ -16,6 +16,14 @@
  *   avail_offset                 uint32_t[capacity/64]  (MPSC only, else empty)
  *   data_offset (page aligned)   data[capacity_bytes]   (capacity = 2^k >= page)
  *
+ * Segment names.  shmq creates "/shmq-[<kind>-]<pid>-<12 hex digits>".  Any
+ * name handed to attach, list or clean must be "/" followed by 1 to 255
+ * characters of the POSIX portable filename set [A-Za-z0-9._-], and not
+ * "/." or "/..": no NUL byte (shm_open takes a C string), no other "/", no
+ * byte a terminal or a shell would interpret.  shmq checks this before any
+ * system call sees the name (segment.check_name) and raises ValueError
+ * naming the rule; an entry of /dev/shm that breaks it is not a segment.
+ *
  * Every process maps the data region TWICE, back to back, right after the
  * header pages:  [header|slots|avail][data][data again].  A record that runs
  * past the end of the ring therefore stays contiguous in virtual memory, so a
@@ -86,7 +94,8 @@
  *                (SHMQ_FIELD_CLAIM).
  *   avail[]      lap tags are only compared, never used as a size or
  *                index; the index into avail[] comes from our own head.
- *   owner, starttime, futex words, counters, space_wanted
+ *   owner, starttime, creator_pid/_starttime/_pidns, futex words, counters,
+ *   space_wanted
  *                only compared, waited on or reported: a bad value costs a
  *                spurious wake-up, a bounded wait or a wrong liveness answer
  *                (which the caller's timeout bounds), never memory safety.
@@ -205,6 +214,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -212,7 +222,9 @@
 #include "shmq_sync.h"
 
 #define SHMQ_MAGIC 0x474e4952514d4853ULL /* "SHMQRING" read as little-endian */
-#define SHMQ_VERSION 1u
+/* 2: header line 4 gained creator_pidns (a cleaner in another pid namespace
+ *    could not tell a live creator from a dead one). */
+#define SHMQ_VERSION 2u
 #define SHMQ_CACHELINE 64u
 #define SHMQ_RECORD_ALIGN 64u
 #define SHMQ_PAGE 4096u
@@ -356,7 +368,14 @@ typedef struct shmq_header {
     uint32_t closed_writers;    /* potential producers that closed               */
     uint32_t gone_writers;      /* potential producers that died unclosed        */
     uint32_t skipped_records;   /* abandoned records the consumer dropped        */
-    uint8_t _pad4[SHMQ_CACHELINE - 20];
+    uint32_t _reserved4;
+    /* A constant like line 0 (written once by the creator before the magic's
+     * release store, read only after an acquire load of the magic), kept
+     * here because line 0 is full.  Inode of the creator's /proc/self/ns/pid,
+     * 0 if unknown: creator_pid and creator_starttime mean something only
+     * in that pid namespace (NOTE [pid namespaces]). */
+    uint64_t creator_pidns;
+    uint8_t _pad4[SHMQ_CACHELINE - 32];
 } shmq_header;
 
 typedef struct shmq_record {
@@ -393,6 +412,7 @@ _Static_assert(offsetof(shmq_header, tail_pos) == 1 * SHMQ_CACHELINE, "tail line
 _Static_assert(offsetof(shmq_header, head_pos) == 2 * SHMQ_CACHELINE, "head line");
 _Static_assert(offsetof(shmq_header, data_seq) == 3 * SHMQ_CACHELINE, "wake line");
 _Static_assert(offsetof(shmq_header, consumer_slot) == 4 * SHMQ_CACHELINE, "control line");
+_Static_assert(offsetof(shmq_header, creator_pidns) == 4 * SHMQ_CACHELINE + 24, "creator_pidns");
 _Static_assert(sizeof(shmq_header) == 5 * SHMQ_CACHELINE, "header size");
 _Static_assert(sizeof(shmq_record) == 32, "record header");
 _Static_assert(sizeof(shmq_array_meta) == 24, "array meta");
@@ -538,6 +558,25 @@ static inline uint64_t shmq_proc_starttime(uint32_t pid) {
     return st ? st : 1; /* a live process never reports 0 */
 }
 
+/* NOTE [pid namespaces]
+ *   Containers of one Kubernetes pod, or `docker run --ipc=host`, share
+ *   /dev/shm but not pids: pid 7 in the creator's namespace is another
+ *   process, or none, in the reader's.  Liveness by pid (slots, the
+ *   creator) is only meaningful inside one namespace, so the creator
+ *   records its namespace (the inode of /proc/self/ns/pid, unique while the
+ *   namespace exists) and `python -m shmq clean` removes a segment only if
+ *   its namespace is the cleaner's and its creator is gone there; any other
+ *   segment is "unknown: other pid namespace" and needs --force.  Processes
+ *   that share a queue are assumed to share a pid namespace (forked
+ *   children, or attach() within one container).
+ *
+ * The caller's pid namespace, or 0 if /proc does not say (not mounted). */
+static inline uint64_t shmq_self_pidns(void) {
+    struct stat st;
+    if (stat("/proc/self/ns/pid", &st) != 0) return 0;
+    return (uint64_t)st.st_ino;
+}
+
 static inline int shmq_owner_alive(const shmq_slot *s, uint64_t owner) {
     uint32_t pid = (uint32_t)(owner >> 32);
     if (owner & SHMQ_SLOT_PENDING) {
@@ -559,7 +598,7 @@ static inline int shmq_owner_alive(const shmq_slot *s, uint64_t owner) {
 /* Initialise a zero-filled segment.  Magic is stored last with release
  * order, so an attacher that sees the magic sees every other constant. */
 static inline void shmq_init(void *base, uint64_t capacity, int mpsc, uint32_t creator_pid,
-                             uint64_t creator_starttime) {
+                             uint64_t creator_starttime, uint64_t creator_pidns) {
     shmq_header *h = (shmq_header *)base;
     uint64_t so, ao, dof;
     shmq_layout(capacity, mpsc, SHMQ_MAX_ATTACH, &so, &ao, &dof);
@@ -572,6 +611,7 @@ static inline void shmq_init(void *base, uint64_t capacity, int mpsc, uint32_t c
     h->max_attach = SHMQ_MAX_ATTACH;
     h->creator_pid = creator_pid;
     h->creator_starttime = creator_starttime;
+    h->creator_pidns = creator_pidns;
     h->consumer_slot = -1;
     h->producer_slot = -1;
     __atomic_store_n(&h->magic, SHMQ_MAGIC, __ATOMIC_RELEASE);

@@ -114,3 +114,141 @@ def test_not_npy_and_pickled_npy_are_refused(tmp_path):
         FileDataset(str(tmp_path / "*.npy"))[0]
     with pytest.raises(TypeError, match="glob"):
         FileDataset(3)
+
+
+# --- files from outside (issue 15, items 4 and 5) ----------------------------------------
+
+def test_directory_symlinks_that_loop_are_walked_once(tmp_path):
+    """repro_files_symlink_loop.py: glob(recursive=True) followed two links
+    to `.` for 2**40 paths.  Each real directory is entered once: the
+    files come back once each, under their path without symlinks."""
+    for i in range(4):
+        write(tmp_path, i, (4,))
+    (tmp_path / "sub").mkdir()
+    write(tmp_path / "sub", 4, (4,))
+    os.symlink(".", tmp_path / "a")
+    os.symlink(".", tmp_path / "b")
+    os.symlink("..", tmp_path / "sub" / "up")
+    os.symlink(tmp_path / "sub", tmp_path / "alias")
+    ds = FileDataset(str(tmp_path / "**" / "*.npy"))
+    assert ds.files == [str(tmp_path / f"s{i:04d}.npy") for i in range(4)] + \
+        [str(tmp_path / "sub" / "s0004.npy")]
+    with ShmLoader(ds, batch_size=5, num_workers=2, timeout=30) as loader:
+        for _ in range(2):  # the walk again at the second epoch's start
+            (b,) = epoch(loader)
+            assert b[:, 0].tolist() == [0, 1000, 2000, 3000, 4000]
+
+
+def test_a_symlink_to_a_directory_outside_the_tree_is_followed(tmp_path):
+    """Following links once per real directory still follows them: a link
+    to data elsewhere (data/current -> /elsewhere/v3) is read through."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "root").mkdir()
+    for i in range(3):
+        write(tmp_path / "elsewhere", i, (2,))
+    os.symlink(tmp_path / "elsewhere", tmp_path / "root" / "current")
+    ds = FileDataset(str(tmp_path / "root" / "**" / "*.npy"))
+    assert ds.files == [str(tmp_path / "root" / "current" / f"s{i:04d}.npy") for i in range(3)]
+
+
+def test_the_walk_matches_what_glob_matches_without_symlinks(tmp_path):
+    import glob
+    from loader._files import match_files
+    for d in ("a/b/c", ".h/x", "d"):
+        (tmp_path / d).mkdir(parents=True)
+    for f in ("x.npy", "a/y.npy", "a/b/z.npy", "a/b/c/w.npy", ".h/x/q.npy", ".h/r.npy",
+              "d/.hid.npy", "a/b/c/t.txt", ".top.npy"):
+        (tmp_path / f).write_bytes(b"")
+    pats = ["*.npy", "**/*.npy", "a/**/*.npy", "**", "*/b/*.npy", ".h/**/*.npy", "**/.*.npy",
+            "[ad]/*.npy", "a/b/c/w.npy", "a/b/**/*", "nope/*.npy", "**/c/*", "a/?/*.npy"]
+    files = lambda paths: [p for p in paths if os.path.isfile(p)]  # "root/**" also gives "root/"
+    for p in pats:
+        p = str(tmp_path / p)
+        assert files(match_files(p).paths) == files(sorted(glob.glob(p, recursive=True))), p
+    assert len(match_files(str(tmp_path / "**" / "*.npy")).paths) == 4
+
+
+def test_an_unreadable_directory_gives_one_warning_naming_it(tmp_path, monkeypatch):
+    """We run as root, whom chmod 000 does not stop: os.scandir is made to
+    refuse one directory as it would for another user."""
+    for d in ("ok", "locked"):
+        (tmp_path / d).mkdir()
+        write(tmp_path / d, 0 if d == "ok" else 1, (2,))
+    real_scandir = os.scandir
+    locked = str(tmp_path / "locked")
+
+    def scandir(path="."):
+        if os.fspath(path) == locked:
+            raise PermissionError(13, "Permission denied", locked)
+        return real_scandir(path)
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.warns(RuntimeWarning) as told:
+        ds = FileDataset(str(tmp_path / "**" / "*.npy"))
+    assert [str(w.message) for w in told] == [
+        f"FileDataset({str(tmp_path / '**' / '*.npy')!r}): 1 director(ies) cannot be listed "
+        f"(permission denied); their files are not loaded: {locked}"]
+    assert ds.files == [str(tmp_path / "ok" / "s0000.npy")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # told once, not at every epoch
+        assert ds.epoch_snapshot() == [str(tmp_path / "ok" / "s0000.npy")]
+
+
+def test_the_walk_is_cut_at_max_depth_with_a_warning(tmp_path, monkeypatch):
+    from loader import _files
+    monkeypatch.setattr(_files, "MAX_DEPTH", 3)
+    deep = tmp_path / "1" / "2" / "3" / "4"
+    deep.mkdir(parents=True)
+    write(tmp_path / "1" / "2", 0, (2,))
+    write(deep, 1, (2,))
+    with pytest.warns(RuntimeWarning, match=r"1 director\(ies\) are more than 3 levels deep; "
+                                            r"their files are not loaded: .*/1/2/3$"):
+        ds = FileDataset(str(tmp_path / "**" / "*.npy"))
+    assert ds.files == [str(tmp_path / "1" / "2" / "s0000.npy")]
+
+
+@pytest.mark.parametrize("replace", ["fifo", "device"])
+def test_a_path_replaced_by_a_fifo_or_device_mid_epoch_is_an_error_and_the_epoch_goes_on(
+        tmp_path, replace):
+    """repro_files_fifo_midepoch.py: the worker blocked in open() forever.
+    The open never blocks; the fd's fstat refuses what is not a regular
+    file; the error names the path and the sample, and the rest of the
+    epoch arrives."""
+    from loader._files import NotARegularFile
+    for i in range(64):
+        write(tmp_path, i, (8,))
+    with ShmLoader(FileDataset(str(tmp_path / "*.npy")), batch_size=4, num_workers=2,
+                   prefetch=1, timeout=30) as loader, warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        it = iter(loader)
+        got, errors = [next(it)], []
+        p = str(tmp_path / "s0060.npy")
+        os.unlink(p)
+        os.mkfifo(p) if replace == "fifo" else os.symlink("/dev/zero", p)
+        while True:
+            try:
+                got.append(next(it))
+            except StopIteration:
+                break
+            except NotARegularFile as e:
+                errors.append(str(e))
+    # the next epoch's list, if made before this one ended, leaves the FIFO out and says so
+    assert {str(w.message).rsplit(": ", 1)[-1] for w in told} <= {p}
+    kind = "FIFO" if replace == "fifo" else "character device"
+    assert len(errors) == 1 and f"{p} is a {kind}, not a regular file" in errors[0]
+    assert "sample index 60" in errors[0]
+    assert len(got) == 15  # every batch but the one of sample 60
+    assert np.concatenate(got)[:, 0].tolist() == [1000 * i for i in range(60)]
+
+
+def test_dataset_getitem_refuses_a_fifo_without_blocking(tmp_path):
+    from loader._files import NotARegularFile
+    write(tmp_path, 0, (2,))
+    (tmp_path / "r.bin").write_bytes(b"abc")
+    ds, raw = FileDataset(str(tmp_path / "*.npy")), FileDataset(str(tmp_path / "*.bin"))
+    os.unlink(ds.files[0])
+    os.mkfifo(ds.files[0])
+    os.unlink(raw.files[0])
+    os.mkfifo(raw.files[0])
+    for d in (ds, raw):
+        with pytest.raises(NotARegularFile, match=f"^{d.files[0]} is a FIFO, not a regular file"):
+            d[0]

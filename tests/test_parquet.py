@@ -2,6 +2,8 @@
 their order shuffled per epoch with the seed, rows as dicts of numpy
 values; every row exactly once per epoch."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -124,3 +126,109 @@ def test_a_shuffle_buffer_mixes_rows_across_row_groups(tmp_path):
     assert sorted(ids) == list(range(total))
     groups = [i // 10 for i in ids[:8]]  # the first batch draws on several row groups
     assert len(set(groups)) > 1 and ids != sorted(ids)
+
+
+# --- files that change or break (issue 15, item 3) ---------------------------------------
+
+def labels(path, n, start=0, per_group=1000, dtype=np.int64):
+    pq.write_table(pa.table({"label": np.arange(start, start + n).astype(dtype)}), str(path),
+                   row_group_size=per_group)
+
+
+def test_a_file_rewritten_mid_epoch_with_fewer_rows_is_an_error_naming_both_counts(tmp_path):
+    """repro_parquet_rewritten.py: the epoch delivered 5,030 of 8,000
+    planned rows without a word."""
+    from loader._parquet import ParquetFileChanged
+    labels(tmp_path / "a.parquet", 4000)
+    labels(tmp_path / "b.parquet", 4000, 4000)
+    b = str(tmp_path / "b.parquet")
+    rows = 0
+    with ShmLoader(ParquetDataset(str(tmp_path / "*.parquet"), shuffle=False), batch_size=100,
+                   num_workers=2, prefetch=1, timeout=30) as loader:
+        it = iter(loader)
+        rows += len(next(it)["label"])
+        labels(b, 40, 4000, per_group=10)
+        with pytest.raises(ParquetFileChanged) as e:
+            rows += sum(len(x["label"]) for x in it)
+    msg = str(e.value)  # (rewritten in place: the worker may read it torn, or whole)
+    assert f"{b} was rewritten during the epoch: it is now " in msg, msg
+    assert "row group " in msg and "this epoch planned 1000" in msg, msg
+    assert rows < 8000  # what came before the error: never a short epoch that looks complete
+
+
+def test_a_file_replaced_mid_epoch_names_the_row_group_and_both_counts(tmp_path):
+    """Replaced atomically (written aside, then renamed over it, as tools
+    that write safely do): every later read of a row group sees the new
+    file whole, so the counts are exact."""
+    from loader._parquet import ParquetFileChanged
+    labels(tmp_path / "a.parquet", 4000)
+    labels(tmp_path / "b.parquet", 4000, 4000)
+    b = str(tmp_path / "b.parquet")
+    with ShmLoader(ParquetDataset(str(tmp_path / "*.parquet"), shuffle=False), batch_size=100,
+                   num_workers=2, prefetch=1, timeout=30) as loader:
+        it = iter(loader)
+        next(it)
+        labels(tmp_path / "new.tmp", 40, 4000, per_group=10)
+        os.replace(tmp_path / "new.tmp", b)
+        with pytest.raises(ParquetFileChanged) as e:
+            list(it)
+    msg = str(e.value)
+    assert f"{b} was rewritten during the epoch: it is now " in msg, msg
+    assert "now has 10 rows (4 row group(s)) but this epoch planned 1000" in msg, msg
+    assert "row group 1 " in msg or "row group 2 " in msg or "row group 3 " in msg, msg
+
+
+@pytest.mark.parametrize("change", ["schema", "identity", "rows"])
+def test_each_kind_of_rewrite_is_named(tmp_path, change):
+    from loader._parquet import ParquetFileChanged, RowGroup
+    path = tmp_path / "a.parquet"
+    labels(path, 30, per_group=10)
+    ds = ParquetDataset(str(path), shuffle=False)
+    snap = ds.epoch_snapshot()
+    assert [(g.index, g.rows) for g in snap.groups] == [(0, 10), (1, 10), (2, 10)]
+    if change == "schema":
+        labels(path, 30, per_group=10, dtype=np.int32)
+        expect = (f"{path} was rewritten during the epoch: its schema changed from 'label: int64' "
+                  f"to 'label: int32'; row group 0 now has 10 rows (3 row group(s)) but this "
+                  f"epoch planned 10")
+    elif change == "identity":
+        os.utime(path, ns=(1, 1))  # same rows and schema, touched: still not the snapshot's file
+        st = os.stat(path)
+        expect = (f"{path} was rewritten during the epoch: it is now {st.st_size} bytes, mtime "
+                  f"1 ns (the epoch's snapshot: {st.st_size} bytes, "
+                  f"mtime {snap.groups[0].file.mtime_ns} ns); row group 0 now has 10 rows")
+    else:  # a snapshot without identity (made by hand): the row count is checked all the same
+        g = snap.groups[1]
+        ds.restore_snapshot(snap._replace(groups=(RowGroup(g.path, 1, 25),)))
+        expect = (f"{path}: row group 1 has 10 rows but this epoch planned 25 (the file was "
+                  f"rewritten during the epoch?)")
+    with pytest.raises(ParquetFileChanged) as e:
+        list(ds)
+    assert str(e.value).startswith(expect), str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "magic only"])
+def test_corrupt_truncated_or_empty_files_are_errors_naming_the_file(tmp_path, damage):
+    from loader._parquet import ParquetFileError
+    labels(tmp_path / "a.parquet", 50, per_group=10)
+    bad = tmp_path / "c.parquet"
+    labels(bad, 50, per_group=10)
+    data = bad.read_bytes()
+    bad.write_bytes({"garbage": b"garbage" * 100, "truncated": data[:len(data) // 2],
+                     "empty": b"", "magic only": b"PAR1"}[damage])
+    with pytest.raises(ParquetFileError) as e:
+        list(ShmLoader(ParquetDataset(str(tmp_path / "*.parquet")), batch_size=10,
+                       num_workers=1, timeout=30))
+    assert f"{bad} cannot be read as Parquet (ArrowInvalid: " in str(e.value)
+    assert "it is corrupt, truncated or not a Parquet file" in str(e.value)
+
+
+def test_a_fifo_among_the_parquet_files_is_an_error_not_a_hang(tmp_path):
+    from loader._files import NotARegularFile
+    labels(tmp_path / "a.parquet", 20, per_group=10)
+    ds = ParquetDataset(str(tmp_path / "a.parquet"), shuffle=False)
+    ds.epoch_snapshot()
+    os.unlink(tmp_path / "a.parquet")
+    os.mkfifo(tmp_path / "a.parquet")
+    with pytest.raises(NotARegularFile, match=f"^{tmp_path / 'a.parquet'} is a FIFO"):
+        list(ds)

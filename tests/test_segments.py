@@ -3,6 +3,7 @@ names after a crash (R15), and the `python -m shmq` cleaner."""
 
 import os
 import pickle
+import shutil
 import struct
 import subprocess
 import sys
@@ -567,3 +568,144 @@ def test_list_and_clean_never_open_a_fifo_or_follow_a_symlink():
         for path in (fifo, link):
             os.unlink(path)
         segment.unlink(stale)
+
+
+# --- names from outside (issue 15, item 1) -----------------------------------------------
+
+BAD_NAMES = ["/shmq-\x00x", "shmq-no-slash", "/shmq-a/b", "/", "/.", "/..", "/" + "a" * 256,
+             "/shmq-\u00e9", "/shmq-x\n", "/shmq x", "", "/shmq-\udcff"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_invalid_names_are_refused_before_any_system_call(name, monkeypatch):
+    """repro_shmq_attach_nul.py: a NUL byte reached posix_ipc, which
+    crashed with SIGSEGV.  Every name is checked against the naming rule
+    of shmq_ring.h first: no shm_open, no unlink is even tried."""
+    def no_syscall(*a, **k):
+        raise AssertionError(f"a system call saw the invalid name {name!r}")
+    monkeypatch.setattr(posix_ipc, "SharedMemory", no_syscall)
+    monkeypatch.setattr(posix_ipc, "unlink_shared_memory", no_syscall)
+    rule = "a shmq name is '/' followed by 1 to 255 characters from A-Z a-z 0-9 . _ - "
+    for call in (shmq.Queue.attach, segment.unlink, segment.open_existing):
+        with pytest.raises(ValueError) as e:
+            call(name)
+        assert str(e.value) == f"invalid shmq name {name!r}: {segment.NAME_RULE}"
+        assert rule in str(e.value)
+
+
+def test_attach_of_a_nul_name_raises_in_a_fresh_process():
+    """The repro's own form: a new interpreter, nothing imported but shmq."""
+    code = ("import shmq\n"
+            "try:\n    shmq.Queue.attach('/shmq-\\x00x')\n"
+            "except ValueError as e:\n    print('ValueError', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out
+    assert out.stdout.startswith("ValueError invalid shmq name '/shmq-\\x00x': a shmq name is")
+
+
+def test_names_that_follow_the_rule_are_accepted():
+    assert segment.check_name("/shmq-1-ab.c_D") == "/shmq-1-ab.c_D"
+    assert segment.check_name("/" + "a" * 255) == "/" + "a" * 255
+    with pytest.raises(TypeError, match="a shmq name must be a str, not bytes"):
+        shmq.Queue.attach(b"/shmq-1-x")
+    with shmq.Queue(1 << 16) as q:  # every name shmq makes follows it
+        assert segment.check_name(q.name) == q.name
+
+
+def test_list_and_clean_skip_dev_shm_entries_whose_names_break_the_rule():
+    """Anyone can create files in /dev/shm: an entry named shmq-... with a
+    newline, a space or a non-UTF-8 byte holding a stale segment's header
+    is not listed, opened or removed, and `list`/`clean` still work."""
+    stale = make_stale_segment()
+    with open(segment.SHM_DIR + stale, "rb") as f:
+        head = f.read()
+    tag = f"{os.getpid()}-{os.urandom(4).hex()}"
+    odd = [os.fsencode(segment.SHM_DIR) + b"/" + n for n in
+           (f"shmq-nl\n{tag}".encode(), f"shmq-sp {tag}".encode(), f"shmq-{tag}-\xff".encode("latin-1"))]
+    for path in odd:
+        with open(path, "wb") as f:
+            f.write(head)
+    try:
+        listed = {s.name for s in segment.list_segments()}
+        assert stale in listed and not any(tag in n for n in listed)
+        out = subprocess.run([sys.executable, "-m", "shmq", "clean"], capture_output=True,
+                             text=True, timeout=30)
+        assert out.returncode == 0 and tag not in out.stdout, out
+        assert all(os.path.lexists(p) for p in odd)  # not ours to remove
+    finally:
+        for path in odd:
+            os.unlink(path)
+        segment.unlink(stale)
+
+
+# --- pid namespaces (issue 15, item 2) -----------------------------------------------------
+
+def test_header_records_the_creators_pid_namespace():
+    own = os.stat("/proc/self/ns/pid").st_ino
+    assert segment.own_pidns() == own
+    with shmq.Queue(1 << 16) as q:
+        head = header_of(q)
+        assert struct.unpack_from("<Q", head, LAYOUT["creator_pidns"])[0] == own
+        assert _core.read_creator(bytes(head)) == (os.getpid(), _core.proc_starttime(os.getpid()),
+                                                   own)
+        info = {s.name: s for s in segment.list_segments()}[q.name]
+        assert (info.state, info.pidns, info.alive) == (segment.LIVE, own, True)
+        listed = subprocess.run([sys.executable, "-m", "shmq", "list"], capture_output=True,
+                                text=True, timeout=30).stdout
+        assert f"{q.name}\t{info.size_bytes}\tcreator pid {os.getpid()}\tpidns {own}\tlive\n" in listed
+
+
+@pytest.mark.parametrize("pidns,state", [(1, segment.OTHER_PIDNS), (0, segment.UNRECORDED)])
+def test_clean_keeps_a_dead_creator_of_another_or_unrecorded_namespace(pidns, state):
+    """A header whose creator pid is dead HERE but was made in another pid
+    namespace (or recorded none: an earlier layout) is not provably stale:
+    listed as unknown, kept by clean, removed only with --force."""
+    stale = make_stale_segment()
+    with open(segment.SHM_DIR + stale, "rb") as f:
+        head = bytearray(f.read())
+    segment.unlink(stale)
+    struct.pack_into("<Q", head, LAYOUT["creator_pidns"], pidns)
+    name = fake_segment(bytes(head))
+    try:
+        info = {s.name: s for s in segment.list_segments()}[name]
+        assert (info.state, info.pidns, info.alive) == (state, pidns or None, True)
+        assert name not in {s.name for s in segment.remove_stale()}
+        assert os.path.exists(segment.SHM_DIR + name)
+        assert name in {s.name for s in segment.remove_stale(dry_run=True, force=True)}
+        cli = lambda *a: subprocess.run([sys.executable, "-m", "shmq", *a], capture_output=True,
+                                        text=True, timeout=30).stdout
+        assert f"\tpidns {pidns}\t{state}\n" in cli("list") if pidns else \
+            f"\tpidns unrecorded\t{state}\n" in cli("list")
+        kept = cli("clean", "--dry-run")
+        assert f"would remove {name}" not in kept and f"kept {name} (" in kept
+        assert f"): {state}\n" in kept and "pass --force if you know they are dead" in kept
+        forced = cli("clean", "--dry-run", "--force")
+        assert f"would remove {name} (" in forced and f"is {state}, --force)" in forced
+        assert os.path.exists(segment.SHM_DIR + name)
+    finally:
+        segment.unlink(name)
+
+
+@pytest.mark.timeout(60)
+def test_clean_from_another_pid_namespace_keeps_a_live_queue():
+    """repro_shmq_clean_other_pidns.py: `clean` run in a new pid namespace
+    sharing /dev/shm (a pod's other container) looked our pid up in its own
+    /proc, found nothing and took our live queue for stale."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare(1) to make a pid namespace")
+    with shmq.Queue(1 << 16) as q:
+        q.put(np.arange(3))
+        run = lambda *a: subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable,
+                                         "-m", "shmq", *a], capture_output=True, text=True,
+                                        timeout=30)
+        listed = run("list")
+        assert listed.returncode == 0, listed.stderr
+        assert f"\tcreator pid {os.getpid()}\tpidns {segment.own_pidns()}\t" \
+               f"unknown: other pid namespace\n" in listed.stdout
+        dry = run("clean", "--dry-run")
+        assert f"would remove {q.name}" not in dry.stdout
+        assert f"kept {q.name} (" in dry.stdout and "unknown: other pid namespace" in dry.stdout
+        cleaned = run("clean")
+        assert f"removed {q.name}" not in cleaned.stdout
+        assert os.path.exists(segment.SHM_DIR + q.name)
+        assert q.get(timeout=1).tolist() == [0, 1, 2]

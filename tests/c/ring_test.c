@@ -92,7 +92,8 @@ static uint8_t *map_ring(uint64_t capacity, int mpsc) {
         perror("mmap"); exit(2);
     }
     close(fd);
-    shmq_init(base, capacity, mpsc, (uint32_t)getpid(), shmq_proc_starttime((uint32_t)getpid()));
+    shmq_init(base, capacity, mpsc, (uint32_t)getpid(), shmq_proc_starttime((uint32_t)getpid()),
+              shmq_self_pidns());
     return base;
 }
 
@@ -481,14 +482,15 @@ int main(int argc, char **argv) {
         printf("{\"header_bytes\": %zu, \"slot_bytes\": %zu, \"record_header_bytes\": %zu, "
                "\"array_meta_bytes\": %zu, \"tail_pos\": %zu, \"head_pos\": %zu, \"data_seq\": %zu, "
                "\"consumer_slot\": %zu, \"producer_slot\": %zu, \"creator_pid\": %zu, "
-               "\"creator_starttime\": %zu, \"data_offset\": %zu, \"slot.claim_pos\": %zu, "
+               "\"creator_starttime\": %zu, \"creator_pidns\": %zu, \"data_offset\": %zu, \"slot.claim_pos\": %zu, "
                "\"slot.claim_bytes\": %zu, \"record.kind\": %zu, \"array.data_offset\": %zu, "
                "\"claim_owned_bit\": %llu, \"magic_value\": %llu, \"version_value\": %u}\n",
                sizeof(shmq_header), sizeof(shmq_slot), sizeof(shmq_record), sizeof(shmq_array_meta),
                offsetof(shmq_header, tail_pos), offsetof(shmq_header, head_pos),
                offsetof(shmq_header, data_seq), offsetof(shmq_header, consumer_slot),
                offsetof(shmq_header, producer_slot), offsetof(shmq_header, creator_pid),
-               offsetof(shmq_header, creator_starttime), offsetof(shmq_header, data_offset),
+               offsetof(shmq_header, creator_starttime), offsetof(shmq_header, creator_pidns),
+               offsetof(shmq_header, data_offset),
                offsetof(shmq_slot, claim_pos), offsetof(shmq_slot, claim_bytes),
                offsetof(shmq_record, kind), offsetof(shmq_array_meta, data_offset),
                (unsigned long long)SHMQ_CLAIM_OWNED, (unsigned long long)SHMQ_MAGIC, SHMQ_VERSION);
