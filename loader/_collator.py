@@ -615,7 +615,7 @@ class Collator:
         if not castable(sig, b.layout):
             wider = promoted(b.layout.signature, sig)
             if wider is None:
-                self._refuse(p, b, m.pos, misfit(b.index, m.row, b.layout.signature, sig))
+                self._refuse(p, b, m.pos, misfit(b.index, m.row, b.layout.signature, sig, leaves))
                 return
             if not self._promote(p, b, wider):
                 b.held_rows.append(m)

@@ -105,7 +105,7 @@ class InlineEpoch:
         finally:
             if saved is not None:
                 saved.restore()
-        batch = self._collate(k, samples)
+        batch = self._collate(k, samples, lambda row: self.index_of(start + row))
         self.progress.mark_batch(k)
         return batch, len(samples)
 
@@ -142,7 +142,7 @@ class InlineEpoch:
         self.progress.mark_batch(0)
         return batch, len(pending)
 
-    def _collate(self, k: int, samples: list):
+    def _collate(self, k: int, samples: list, index_of=None):
         ld = self.loader
         if ld.collate_fn is not None:
             out = ld.collate_fn(samples)
@@ -151,7 +151,7 @@ class InlineEpoch:
             return self._convert(out)
         if ld.batch_size is None:
             return self._convert(samples[0])
-        spec, buf = stack(samples, self.cache, batch=k)
+        spec, buf = stack(samples, self.cache, batch=k, index_of=index_of)
         if self.clock is not None:
             self.clock.bytes += buf.nbytes
         return materialize(spec, buf, ld.output, ld._torch_rules)

@@ -21,6 +21,7 @@ every other leaf by a Value.  Main turns it into views (materialize).
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import io
 import math
@@ -47,9 +48,69 @@ _NUMBER_DTYPES = {bool: "|b1", int: "<i8", float: "<f8", complex: "<c16"}
 BFLOAT16 = "bf16"
 
 
+# NOTE [ Dtype codes ]
+# A signature names each array leaf's dtype by a string code, and the code
+# alone must give the dtype back exactly in every process (signatures
+# travel to the collator, specs to main).  dtype.str does for a plain
+# dtype, but says only "|V12" for a structured one, losing its fields:
+# those are named by str(dtype) instead, which numpy writes as the literal
+# np.dtype() takes back (names, formats, offsets, itemsize, titles,
+# "aligned", nested and sub-array fields).  Equal codes are equal dtypes,
+# so a batch of two structured dtypes of one itemsize has two signatures
+# (BatchMismatch), and only numeric codes are ever promoted or cast.
+
+_CODES: dict = {}    # (structured dtype, aligned) -> its code
+_DTYPES: dict = {}   # code -> dtype: main calls storage_dtype for every leaf of every batch
+
+
+def dtype_code(dt: np.dtype) -> str:
+    """The exact code of an array's dtype (NOTE [ Dtype codes ])."""
+    if dt.names is None:
+        return dt.str
+    # Keyed with the aligned flag: dtypes that differ only in it compare equal.
+    key = (dt, dt.isalignedstruct)
+    code = _CODES.get(key)
+    if code is None:
+        code = str(dt)
+        try:
+            back = _parse_code(code)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            back = None
+        if back != dt or back.isalignedstruct != dt.isalignedstruct:
+            raise UnsupportedLeaf(f"cannot describe the structured dtype {dt} exactly to other "
+                                  f"processes (numpy does not read its description back); use "
+                                  f"fields of plain numpy dtypes, or pass collate_fn")
+        if len(_CODES) >= 256:
+            _CODES.clear()  # a dataset making ever new dtypes must not grow it without bound
+        _CODES[key] = code
+    return code
+
+
+def _parse_code(code: str) -> np.dtype:
+    if code == BFLOAT16:
+        return np.dtype(np.uint16)
+    if code[:1] in ("[", "{"):  # a structured dtype's str(): a literal, never code to run
+        return np.dtype(ast.literal_eval(code))
+    return np.dtype(code)
+
+
 def storage_dtype(code: str) -> np.dtype:
     """The numpy dtype a leaf's bytes are stored as."""
-    return np.dtype(np.uint16) if code == BFLOAT16 else np.dtype(code)
+    dt = _DTYPES.get(code)
+    if dt is None:
+        dt = _parse_code(code)
+        if len(_DTYPES) >= 256:
+            _DTYPES.clear()
+        _DTYPES[code] = dt
+    return dt
+
+
+def _numeric(code: str) -> bool:
+    """May a leaf of this dtype code be promoted or cast to another?
+    Numbers only: bfloat16 mixes with nothing (numpy cannot promote it),
+    and structured, void, string and date dtypes are kept exactly as they
+    are (np.result_type would pad voids or match fields by position)."""
+    return code != BFLOAT16 and storage_dtype(code).kind in "biufc"
 
 
 def align(n: int) -> int:
@@ -58,7 +119,7 @@ def align(n: int) -> int:
 
 class ArrayLeaf(NamedTuple):
     offset: int
-    dtype: str       # numpy dtype string, or BFLOAT16
+    dtype: str       # dtype code (NOTE [ Dtype codes ]), or BFLOAT16
     shape: tuple
     tensor: bool     # it was a torch tensor in the sample (output="keep" gives one back)
 
@@ -204,7 +265,11 @@ def leaf_meta(leaf):
         if type(arr) is not np.ndarray and not is_deferred(arr):
             raise UnsupportedLeaf(f"cannot stack {type(arr).__name__} arrays (an ndarray subclass "
                                f"would lose its type); return np.asarray(x), or pass collate_fn")
-        return (kind, arr.dtype.str, tuple(arr.shape))
+        if arr.dtype.itemsize == 0:
+            # No bytes to lay out, and numpy makes no view of dtype V0 over a slab.
+            raise UnsupportedLeaf(f"cannot stack arrays of dtype {arr.dtype} (its items have no "
+                                  f"bytes); return a dtype with data, or leave the leaf out")
+        return (kind, dtype_code(arr.dtype), tuple(arr.shape))
     code = _NUMBER_DTYPES.get(type(leaf))
     if code is not None:
         return (NUMBER, code, ())
@@ -216,7 +281,49 @@ def leaf_meta(leaf):
 def signature_and_leaves(sample):
     leaves: list = []
     structure = flatten(sample, leaves)
-    return (structure, tuple(leaf_meta(leaf) for leaf in leaves)), leaves
+    meta = []
+    for leaf in leaves:
+        try:
+            meta.append(leaf_meta(leaf))
+        except UnsupportedLeaf as e:  # the leaf's own words, and where it is in the sample
+            raise UnsupportedLeaf(f"leaf {len(meta)}{leaf_name(structure, len(meta), leaves)}: "
+                                  f"{e}") from None
+    return (structure, tuple(meta)), leaves
+
+
+def leaf_name(structure, i: int, leaves=None) -> str:
+    """Where leaf i is in a sample of this structure, as the user indexes
+    it, and the file it is read from (a FileDataset's), for messages:
+    " (sample['x'][0])"."""
+    path = _leaf_path(structure, [i])
+    where = "the sample itself" if not path else f"sample{path}"
+    leaf = leaves[i] if leaves is not None and i < len(leaves) else None
+    if is_deferred(leaf) and hasattr(leaf, "path"):
+        where += f", file {leaf.path!r}"
+    return f" ({where})"
+
+
+def _leaf_path(s, left: list):
+    """The index path of leaf left[0] under node s ("" for s itself), or
+    None when s holds fewer leaves (left[0] then counts down past them)."""
+    if s is None:
+        left[0] -= 1
+        return "" if left[0] < 0 else None
+    kind = s[0]
+    if kind == DICT:
+        keys, children = s[1], s[2]
+    elif kind == MAPPING:
+        keys, children = s[2], s[3]
+    elif kind == NAMEDTUPLE:
+        keys, children = s[1]._fields, s[2]
+    else:
+        children = s[2] if kind == SEQUENCE else s[1]
+        keys = range(len(children))
+    for key, child in zip(keys, children):
+        rest = _leaf_path(child, left)
+        if rest is not None:
+            return (f".{key}" if kind == NAMEDTUPLE else f"[{key!r}]") + rest
+    return None
 
 
 def signature(sample):
@@ -237,52 +344,60 @@ def promoted(sig_a, sig_b):
         if ka == OTHER or da == db:
             meta.append((ka, da, sa))
             continue
-        if BFLOAT16 in (da, db):
-            return None  # bfloat16 mixes with nothing (numpy cannot promote it)
-        common = np.result_type(np.dtype(da), np.dtype(db))
-        if common.kind not in "biufc":
-            return None  # strings, dates... are not promoted
-        meta.append((ka, common.str, sa))
+        if not (_numeric(da) and _numeric(db)):
+            return None  # strings, dates, structs... are not promoted
+        meta.append((ka, np.result_type(storage_dtype(da), storage_dtype(db)).str, sa))
     return (struct_a, tuple(meta))
 
 
-def describe_difference(sig_a, sig_b) -> str:
-    """Why two samples cannot share a layout, for error messages."""
+def describe_difference(sig_a, sig_b, leaves=None) -> str:
+    """Why two samples cannot share a layout, for error messages (leaves:
+    the second sample's, to name the file a leaf is read from)."""
     (struct_a, meta_a), (struct_b, meta_b) = sig_a, sig_b
     if struct_a != struct_b:
         return "a different structure (keys, nesting, lengths or container types)"
     names = ("an array", "a number", "a non-numeric value", "a tensor")
     for i, ((ka, da, sa), (kb, db, sb)) in enumerate(zip(meta_a, meta_b)):
+        where = leaf_name(struct_b, i, leaves)
         if ka != kb:
-            return f"leaf {i} is {names[kb]} where the batch has {names[ka]}"
+            return f"leaf {i} is {names[kb]} where the batch has {names[ka]}{where}"
         if sa != sb:
-            return f"leaf {i} has shape {sb} where the batch has shape {sa}"
+            return f"leaf {i} has shape {sb} where the batch has shape {sa}{where}"
         if da != db:
-            return f"leaf {i} has dtype {_dtype_name(db)} where the batch has {_dtype_name(da)}"
+            return (f"leaf {i} has dtype {_dtype_name(db)} where the batch has "
+                    f"{_dtype_name(da)}{where}")
     return "the same signature"
 
 
-def misfit(batch: int, row: int, batch_sig, sig) -> "CollateError":
-    """The error for a sample that cannot join its batch."""
+def misfit(batch: int, row: int, batch_sig, sig, leaves=None) -> "CollateError":
+    """The error for a sample (its leaves, if known) that cannot join its batch."""
     return BatchMismatch(
         f"a sample of batch {batch} (row {row}) does not fit the batch: "
-        f"{describe_difference(batch_sig, sig)}. Default collate stacks samples of equal "
-        f"structure and shapes only: pad them, or pass collate_fn")
+        f"{describe_difference(batch_sig, sig, leaves)}. Default collate stacks samples of "
+        f"equal structure and shapes, and of equal dtypes unless both are numeric: pad or "
+        f"convert them, or pass collate_fn")
 
 
-def stack(samples: list, cache: "LayoutCache", buffer=np.empty, batch: int = 0):
+def stack(samples: list, cache: "LayoutCache", buffer=np.empty, batch: int = 0,
+          index_of=None):
     """Default collate in one process (num_workers=0): the samples stacked
     by the rules the workers and the collator follow (promotion, refusal),
-    as (spec, buffer)."""
-    sig, first = signature_and_leaves(samples[0])
-    rows = [first]
-    for r, sample in enumerate(samples[1:], 1):
-        s, leaves = signature_and_leaves(sample)
-        if s != sig:
-            wider = promoted(sig, s)
-            if wider is None:
-                raise misfit(batch, r, sig, s)
-            sig = wider
+    as (spec, buffer).  index_of: row -> the sample's dataset index, for errors."""
+    sig, rows = None, []
+    for r, sample in enumerate(samples):
+        try:
+            s, leaves = signature_and_leaves(sample)
+            if sig is not None and s != sig:
+                wider = promoted(sig, s)
+                if wider is None:
+                    raise misfit(batch, r, sig, s, leaves)
+                s = wider
+        except CollateError as e:
+            if index_of is None:
+                raise
+            # what the workers' errors say (ShmLoader._raise_failed): which sample
+            raise type(e)(f"on sample index {index_of(r)}: {e}") from None
+        sig = s
         rows.append(leaves)
     layout = cache.get(sig, len(samples))
     buf = buffer(layout.nbytes, np.uint8)
@@ -295,7 +410,7 @@ def stack(samples: list, cache: "LayoutCache", buffer=np.empty, batch: int = 0):
 
 
 def _dtype_name(code: str) -> str:
-    return "bfloat16" if code == BFLOAT16 else str(np.dtype(code))
+    return "bfloat16" if code == BFLOAT16 else str(storage_dtype(code))
 
 
 class _DigestPickler(pickle.Pickler):
@@ -420,8 +535,9 @@ def castable(sig, layout: Layout) -> bool:
             return False
         if kind == OTHER or code == lcode:
             continue
-        if BFLOAT16 in (code, lcode) or not np.can_cast(np.dtype(code), np.dtype(lcode), "safe"):
-            return False
+        if not (_numeric(code) and _numeric(lcode)) or \
+                not np.can_cast(storage_dtype(code), storage_dtype(lcode), "safe"):
+            return False  # (numpy casts one struct to another by position: never here)
     return True
 
 

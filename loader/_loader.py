@@ -865,8 +865,11 @@ class ShmLoader:
         own type when main can build one with a message, as PyTorch does,
         with the worker's traceback in the message; else WorkerError."""
         err = msg.error
-        if msg.index >= 0:
-            at = f" on sample index {msg.index} (position {msg.pos})"
+        index = msg.index if msg.index >= 0 else None
+        if index is None and msg.pos >= 0:
+            index = self._index_at(msg.run, msg.pos)  # the collator knows positions only
+        if index is not None:
+            at = f" on sample index {index} (position {msg.pos})"
         elif msg.batch >= 0:
             at = f" on batch {msg.batch}"
         else:
@@ -882,6 +885,18 @@ class ShmLoader:
         if not isinstance(exc, BaseException):
             raise WorkerError(text)
         raise exc
+
+    def _index_at(self, run_id: int, pos: int):
+        """The dataset index at position pos of a map-style run main still
+        has (the current one, or the one started ahead), else None."""
+        run = next((r for r in (self._current, self._ahead) if r is not None and r.id == run_id),
+                   None)
+        if run is None or run.batches is None or not 0 <= pos < run.plan.kept:
+            return None
+        plan = run.plan
+        order = plan.shipped if plan.shipped is not None else O.rank_order(
+            plan.order_kind, plan.size, plan.order_seed, plan.epoch, self._rank, self._world)
+        return O.index_getter(order)(pos)
 
     def _tags(self, msg: P.BatchReady) -> np.ndarray:
         """The tags the writers gave the batch's rows (see _layout.Layout)."""

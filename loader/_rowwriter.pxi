@@ -85,6 +85,7 @@ cdef struct LeafSpec:
     int ndim
     cnp.npy_intp dims[32]
     PyObject *descr       # kept alive by Plan.keep
+    PyObject *code        # structured dtypes: the dtype code (kept alive by Plan.keep), else NULL
     PyObject *pytype      # numbers: the Python type with this dtype (bool, int...), or NULL
     PyObject *scalar      # numbers: the numpy scalar type of this dtype
     Py_ssize_t offset
@@ -130,7 +131,7 @@ cdef class Plan:
             s.kind = layout.kinds[i]
             s.offset = layout.offsets[i]
             s.row_nbytes = layout.row_nbytes[i]
-            s.descr = s.pytype = s.scalar = NULL
+            s.descr = s.pytype = s.scalar = s.code = NULL
             s.ndim = 0
             s.number = N_OTHER
             s.python_only = kind == K_TENSOR
@@ -141,6 +142,9 @@ cdef class Plan:
             dt = _layout.storage_dtype(dtype_str)
             self.keep.append(dt)
             s.descr = <PyObject *>dt
+            if dt.names is not None:
+                self.keep.append(dtype_str)
+                s.code = <PyObject *>dtype_str
             if kind == K_ARRAY:
                 s.ndim = len(shape)
                 for d in range(s.ndim):
@@ -300,7 +304,15 @@ cdef bint _leaf_matches(LeafSpec *s, object leaf) except -1:
         for d in range(s.ndim):
             if cnp.PyArray_DIMS(arr)[d] != s.dims[d]:
                 return False
-        return PyArray_EquivTypes(cnp.PyArray_DESCR(arr), <cnp.PyArray_Descr *>s.descr) != 0
+        if <PyObject *>cnp.PyArray_DESCR(arr) == s.descr:
+            return True
+        if not PyArray_EquivTypes(cnp.PyArray_DESCR(arr), <cnp.PyArray_Descr *>s.descr):
+            return False
+        # Structured dtypes that are equivalent in numpy's sense may still
+        # differ in field titles or the aligned flag: the batch keeps one
+        # exact dtype (NOTE [ Dtype codes ] in _layout.py).
+        return s.code == NULL or _layout.dtype_code(
+            <object><PyObject *>cnp.PyArray_DESCR(arr)) == <object>s.code
     cdef PyObject *t = <PyObject *>Py_TYPE(leaf)
     if s.kind == K_NUMBER:
         return t == s.pytype or t == s.scalar
