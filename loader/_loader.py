@@ -538,11 +538,16 @@ class ShmLoader:
 
     # --- planning a pass ------------------------------------------------------------
 
-    def _base_seed(self, epoch: int) -> int:
+    def _base_seed(self, epoch: int, resumed: int | None = None) -> int:
         """The seed workers take for an epoch (see seed_worker): drawn from
         the generator as torch's DataLoader draws it (once per iterator it
         makes: each epoch, or once with persistent workers), else from the
-        seed."""
+        seed.  A resumed epoch takes the one its state recorded (`resumed`),
+        drawing nothing: the recorded generator states are those after it
+        was drawn (NOTE [ Resuming an epoch ])."""
+        if resumed is not None:
+            self._drawn_base_seed = resumed
+            return resumed
         if self._torch_rules or self.generator is not None:
             if self._drawn_base_seed is not None and self.persistent_workers and self.num_workers:
                 return self._drawn_base_seed
@@ -611,10 +616,10 @@ class ShmLoader:
                                  f"this loader is rank {self._rank} of {self._world}: each rank "
                                  f"resumes from its own state")
             self._set_rng_states(resume["rng"])
-            if resume.get("base_seed") is not None:
-                self._drawn_base_seed = resume["base_seed"]
+        base_seed = self._base_seed(epoch, None if resume is None else resume.get("base_seed"))
+        # after the base seed, as torch draws it before the order: these are
+        # the states the order is drawn from (NOTE [ Resuming an epoch ])
         rng = self._rng_states()
-        base_seed = self._base_seed(epoch)
         if self.iterable:
             progress = StreamProgress(max(self.num_workers, 1), self._rows,
                                       None if resume is None else resume["stream"])
@@ -905,8 +910,7 @@ class ShmLoader:
             return state
         plan = self._progress_plan
         state["rng"] = dict(plan.rng)
-        if self._torch_rules and self.persistent_workers and self.num_workers:
-            state["base_seed"] = self._drawn_base_seed
+        state["base_seed"] = plan.base_seed
         if isinstance(progress, MapProgress):
             state["map"] = progress.state()
             state["complete"] = progress.complete()

@@ -116,6 +116,43 @@ def test_dataloader_resume_continues_torchs_shuffle(num_workers):
     assert before == full[:1] and head + rest[0] == full[1] and rest[1] == full[2]
 
 
+@pytest.mark.parametrize("at_epoch", [1, 2])
+@pytest.mark.parametrize("persistent", [True, False])
+def test_dataloader_resume_in_any_epoch_continues_torchs_shuffle(persistent, at_epoch):
+    """Issue 14 item 1 (repro_dl_state_first_epoch.py): a state taken in the
+    first epoch with persistent workers resumed another permutation (the
+    base seed, drawn in that epoch only, was recorded but the generator
+    state was from before its draw).  Every epoch, persistent or not,
+    resumes torch's order: each sample exactly once."""
+    def make(cls=DataLoader):
+        return cls(torch.arange(200), batch_size=10, shuffle=True, num_workers=2,
+                   persistent_workers=persistent, generator=torch.Generator().manual_seed(0))
+
+    import torch.utils.data as tud
+    theirs = make(tud.DataLoader)
+    full = [[b.tolist() for b in theirs] for _ in range(3)]
+    del theirs
+    before, head, rest = interrupted(make, at_epoch=at_epoch, k=3, then=1)
+    assert before == full[:at_epoch - 1]
+    assert head + rest[0] == full[at_epoch - 1] and rest[1] == full[at_epoch]
+    assert sorted(x for b in head + rest[0] for x in b) == list(range(200))
+
+
+@pytest.mark.parametrize("at_epoch", [1, 2])
+def test_shmloader_resume_with_a_generator_and_persistent_workers(at_epoch):
+    """ShmLoader(generator=...) draws its workers' base seed from the
+    generator once (persistent workers): a state of any epoch resumes the
+    uninterrupted run's order and seeds."""
+    def make():
+        return ShmLoader(Augmented(60), batch_size=7, shuffle=True, num_workers=2,
+                         generator=torch.Generator().manual_seed(4), seed=3)
+
+    full = epochs(make(), 3)
+    before, head, rest = interrupted(make, at_epoch=at_epoch, k=2, then=1)
+    assert before == full[:at_epoch - 1]
+    assert head + rest[0] == full[at_epoch - 1] and rest[1] == full[at_epoch]
+
+
 def test_dataloader_resume_with_torchs_global_generator_leaves_it_alone():
     def make():
         return DataLoader(torch.arange(40), batch_size=4, shuffle=True, num_workers=2)
