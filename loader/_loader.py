@@ -253,6 +253,7 @@ class ShmLoader:
         self._shared = None
         self._pinned = None
         self._drawn_base_seed = None  # torch's rules: drawn once with persistent workers
+        self._early_base_seed = None  # torch's rules: drawn by iter(), taken by the epoch's plan
         self._resume = None           # a state to resume at the next iter()
         self._steps_epoch = None      # (epoch, its iterator) that steps() goes on with
         self._progress = self._progress_plan = None  # of the epoch state_dict() describes
@@ -356,7 +357,8 @@ class ShmLoader:
         try:
             specs = [(f"worker {i}", worker_main, (cfg, shared, i)) for i in range(self.num_workers)]
             specs.append(("the collator", collator_main, (cfg, shared)))
-            self._procs = start_threads(specs) if self._threads else fork_children(specs)
+            self._procs = (start_threads(specs) if self._threads
+                           else fork_children(specs, advise=not self._torch_rules))
         except BaseException:
             shared.close()
             raise
@@ -368,10 +370,15 @@ class ShmLoader:
         self._pinned = PinnedChunks(shared.arena) if self.pin_memory and cuda_available() else None
         self._next_child_check = 0.0
 
+    def _worker_children(self) -> list:
+        """The worker processes (or threads) of the pool, without the
+        collator (loader.DataLoader's iterator shows them as `_workers`)."""
+        return [c for c in self._procs if c.role != "the collator"]
+
     def _set_active_workers(self, active: int) -> None:
         """num_workers="auto": let `active` workers claim units, starting
         workers the pool never had (they join the run in progress)."""
-        workers = [c for c in self._procs if c.role != "the collator"]
+        workers = self._worker_children()
         if active > len(workers):
             first_run = self._current.id if self._current is not None else max(self._runs, 1)
             specs = [(f"worker {i}", worker_main, (self._cfg, self._shared, i, first_run))
@@ -496,7 +503,7 @@ class ShmLoader:
     def _worker_stacks(self) -> str:
         """Each worker's Python stacks, written by faulthandler on SIGUSR1
         (it works even while the worker is stuck inside a C call)."""
-        workers = [c for c in self._procs if c.role != "the collator"]
+        workers = self._worker_children()
         if self._threads:
             return "\n".join(f"--- {c.role} (thread {c.pid}) ---\n{c.stacks()}" for c in workers)
         for c in workers:
@@ -545,6 +552,9 @@ class ShmLoader:
         seed.  A resumed epoch takes the one its state recorded (`resumed`),
         drawing nothing: the recorded generator states are those after it
         was drawn (NOTE [ Resuming an epoch ])."""
+        early, self._early_base_seed = self._early_base_seed, None
+        if resumed is None:
+            resumed = early
         if resumed is not None:
             self._drawn_base_seed = resumed
             return resumed
@@ -782,6 +792,9 @@ class ShmLoader:
         if resume is not None:
             self._epoch = resume["epoch"] - 1  # the epoch the state is in
         self._epoch += 1
+        if self._torch_rules and resume is None:  # torch draws it as the iterator is made
+            self._early_base_seed = None
+            self._early_base_seed = self._base_seed(self._epoch)
         if self.pin_memory and not self._torch_rules and not cuda_available():
             warnings.warn("ShmLoader: pin_memory=True, but CUDA is not available: batches are not "
                           "pinned (pin_memory=False says the same without this warning)",
