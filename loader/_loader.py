@@ -33,6 +33,7 @@ from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import LoaderStartError, fork_children, start_error, wait_all
 from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
 from loader._shared import LoaderConfig, SharedState
+from loader._state import Expected, check_state
 from loader._stats import EpochClock, stall_advice, summary_line, warn_stalled
 from loader._threads import start_threads
 from loader._worker import worker_main
@@ -238,6 +239,7 @@ class ShmLoader:
         self.generator = generator
         self.shuffle_buffer = shuffle_buffer or 0
         self.worker_mode = worker_mode
+        self._seed_given = seed is not None  # else a resumed state brings its own
         self.seed = seed if seed is not None else secrets.randbits(63)
         self.reproducible = (seed is not None) if reproducible is None else bool(reproducible)
         self.memory_cap_bytes = memory_cap_bytes or _default_memory_cap()
@@ -917,7 +919,8 @@ class ShmLoader:
         state = {"format": STATE_FORMAT, "epoch": self._epoch, "seed": self.seed,
                  "rank": self._rank, "world": self._world, "workers": self.num_workers,
                  "iterable": self.iterable, "rng": {}, "base_seed": None, "map": None,
-                 "stream": None}
+                 "stream": None, "batch_size": self.batch_size, "dataset_len": self._map_len(),
+                 "sampler": self._sampler_name()}
         if progress is None:  # no epoch started: the next is the first
             state["complete"] = True
             return state
@@ -935,17 +938,8 @@ class ShmLoader:
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(): the next iter() yields the rest of the
         epoch the state was taken in (or the next epoch, if it was over)."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a ShmLoader state (expected a dict from state_dict(), "
-                             f"format {STATE_FORMAT!r})")
-        if state["iterable"] != self.iterable:
-            raise ValueError("this state is of a loader of an "
-                             f"{'iterable' if state['iterable'] else 'map-style'} dataset")
-        if self.iterable and not state["complete"] and state["workers"] != self.num_workers:
-            raise ValueError(f"this state is of a loader of {state['workers']} workers reading "
-                             f"their own streams; an iterable dataset resumes only with the same "
-                             f"number of workers (this loader has {self.num_workers})")
         self._check_owner()
+        check_state(state, self._expected_state())  # before anything changes (_state.py)
         if self._shared is not None:
             self._end(self._current)
             self._end(self._ahead)
@@ -959,6 +953,40 @@ class ShmLoader:
         else:
             self._resume = state
         self._progress = None
+
+    def _sampler_name(self) -> str | None:
+        s = self.batch_sampler if self.batch_sampler is not None else self.sampler
+        return None if s is None else getattr(s, "sampler_name", type(s).__name__)
+
+    def _map_len(self) -> int | None:
+        """The dataset's length (None: iterable, or none)."""
+        if self.iterable:
+            return None
+        try:
+            return len(self.dataset)
+        except TypeError:
+            return None
+
+    def _epoch_positions(self, world: int) -> int | None:
+        """The positions of a map-style epoch of this rank, as _plan counts
+        them (None: a batch sampler's, known only by iterating it)."""
+        if self.iterable or self.batch_sampler is not None:
+            return None
+        n = len(self.sampler) if self.sampler is not None else self._map_len()
+        if n is None:
+            return None
+        share = n if self.sampler is not None else O.shard_size(n, world)
+        return share if self.batch_size is None else O.kept_of(share, self.batch_size,
+                                                                  self.drop_last)
+
+    def _expected_state(self) -> Expected:
+        rank, world = self._ranks()
+        return Expected(
+            iterable=self.iterable, num_workers=self.num_workers, rank=rank, world=world,
+            seed=self.seed if self._seed_given else None, batch_size=self.batch_size,
+            positions=self._epoch_positions(world), dataset_len=self._map_len(),
+            sampler=self._sampler_name(),
+            rng_bytes={k: len(v) for k, v in self._rng_states().items()})
 
     def _batch(self, msg: P.BatchReady):
         s = msg.slab

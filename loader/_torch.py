@@ -230,6 +230,11 @@ class _TorchOrder:
     def __len__(self) -> int:
         return len(self.source)
 
+    @property
+    def sampler_name(self) -> str:
+        """What a state records of the sampler (ShmLoader.state_dict)."""
+        return type(self.source).__name__
+
     def __iter__(self):
         before = [g.get_state() for g in self.generators]
         items = list(self.source)
