@@ -67,6 +67,17 @@ class DataLoader(_TorchDataLoader[_T_co]):
                          persistent_workers=persistent_workers,
                          pin_memory_device=pin_memory_device, in_order=in_order)
 
+    def __getstate__(self):
+        # A copy (pickle, deepcopy: Lightning, spawn) gets the arguments, not
+        # this process's workers or iterators: it starts its own when iterated.
+        state = self.__dict__.copy()
+        state.update(_pool=None, _pool_user=None, _extra_pools=None, _iterator=None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._extra_pools = weakref.WeakSet()
+
     @property
     def _shm(self) -> ShmLoader | None:
         return None if self._pool is None else self._pool.shm

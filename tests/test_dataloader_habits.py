@@ -348,3 +348,19 @@ def test_persistent_iterator_workers_stay_across_epochs_until_close():
     for w in workers:
         w.join(30)
         assert not w.is_alive()
+
+
+def test_a_loader_pickles_and_copies_without_its_workers():
+    """Frameworks pickle or deep-copy loaders (spawned processes, Lightning):
+    the copy has the arguments and starts workers of its own."""
+    import copy
+    import pickle
+
+    loader = DataLoader(TensorDataset(torch.arange(12)), batch_size=4, num_workers=2,
+                        persistent_workers=True)
+    assert [b[0].tolist() for b in loader][0] == [0, 1, 2, 3]  # the original runs its workers
+    for other in (pickle.loads(pickle.dumps(loader)), copy.deepcopy(loader)):
+        assert torch.cat([b[0] for b in other]).tolist() == list(range(12))
+        other.close()
+    assert torch.cat([b[0] for b in loader]).tolist() == list(range(12))
+    loader.close()
