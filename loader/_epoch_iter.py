@@ -44,6 +44,14 @@ class _Epoch:
             if self.clock is not None:
                 self.clock.loop_wait_ns += time.perf_counter_ns() - t0
 
+    def start(self) -> None:
+        """Start the run now, not at the first next(): loader.DataLoader
+        with workers, as torch's iterator starts loading when it is made
+        (and so draws the order then: NOTE [ Drawing the order as torch
+        does ] in _torch.py)."""
+        self.called = time.perf_counter_ns()
+        self._resumed()
+
     def _begin(self) -> None:
         """The first next(): the epoch's run (NOTE [ Runs ])."""
         ld = self.loader

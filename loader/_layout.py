@@ -413,14 +413,25 @@ def _dtype_name(code: str) -> str:
     return "bfloat16" if code == BFLOAT16 else str(storage_dtype(code))
 
 
+def _found_by_name(cls: type) -> bool:
+    """Can pickle find cls by its module and qualified name?  Not a class
+    defined in a function, nor one whose __qualname__ does not say where
+    it lives (a namedtuple made in a class body: qualname 'Batch', stored
+    as Dataset.Batch)."""
+    obj = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    return obj is cls
+
+
 class _DigestPickler(pickle.Pickler):
-    """Pickles a signature for its digest.  A container type defined inside
-    a function cannot be pickled by name; it is named by its qualified
-    name and identity instead (it can only be met in one process, or in
-    processes forked after it was made)."""
+    """Pickles a signature for its digest.  A container type pickle cannot
+    find by name is named by its qualified name and identity instead (it
+    can only be met in one process, or in processes forked after it was
+    made, where it has the same identity)."""
 
     def reducer_override(self, obj):
-        if isinstance(obj, type) and "<locals>" in obj.__qualname__:
+        if isinstance(obj, type) and not _found_by_name(obj):
             return str, (f"{obj.__module__}.{obj.__qualname__}#{id(obj)}",)
         return NotImplemented
 

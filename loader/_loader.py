@@ -33,6 +33,7 @@ from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import LoaderStartError, fork_children, start_error, wait_all
 from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
 from loader._shared import LoaderConfig, SharedState
+from loader._state import Expected, check_state
 from loader._stats import EpochClock, stall_advice, summary_line, warn_stalled
 from loader._threads import start_threads
 from loader._worker import worker_main
@@ -238,6 +239,7 @@ class ShmLoader:
         self.generator = generator
         self.shuffle_buffer = shuffle_buffer or 0
         self.worker_mode = worker_mode
+        self._seed_given = seed is not None  # else a resumed state brings its own
         self.seed = seed if seed is not None else secrets.randbits(63)
         self.reproducible = (seed is not None) if reproducible is None else bool(reproducible)
         self.memory_cap_bytes = memory_cap_bytes or _default_memory_cap()
@@ -253,6 +255,7 @@ class ShmLoader:
         self._shared = None
         self._pinned = None
         self._drawn_base_seed = None  # torch's rules: drawn once with persistent workers
+        self._early_base_seed = None  # torch's rules: drawn by iter(), taken by the epoch's plan
         self._resume = None           # a state to resume at the next iter()
         self._steps_epoch = None      # (epoch, its iterator) that steps() goes on with
         self._progress = self._progress_plan = None  # of the epoch state_dict() describes
@@ -356,7 +359,8 @@ class ShmLoader:
         try:
             specs = [(f"worker {i}", worker_main, (cfg, shared, i)) for i in range(self.num_workers)]
             specs.append(("the collator", collator_main, (cfg, shared)))
-            self._procs = start_threads(specs) if self._threads else fork_children(specs)
+            self._procs = (start_threads(specs) if self._threads
+                           else fork_children(specs, advise=not self._torch_rules))
         except BaseException:
             shared.close()
             raise
@@ -375,10 +379,15 @@ class ShmLoader:
             return None
         return PinnedChunks(self._leases.address, self._shared.arena.nbytes)
 
+    def _worker_children(self) -> list:
+        """The worker processes (or threads) of the pool, without the
+        collator (loader.DataLoader's iterator shows them as `_workers`)."""
+        return [c for c in self._procs if c.role != "the collator"]
+
     def _set_active_workers(self, active: int) -> None:
         """num_workers="auto": let `active` workers claim units, starting
         workers the pool never had (they join the run in progress)."""
-        workers = [c for c in self._procs if c.role != "the collator"]
+        workers = self._worker_children()
         if active > len(workers):
             first_run = self._current.id if self._current is not None else max(self._runs, 1)
             specs = [(f"worker {i}", worker_main, (self._cfg, self._shared, i, first_run))
@@ -503,7 +512,7 @@ class ShmLoader:
     def _worker_stacks(self) -> str:
         """Each worker's Python stacks, written by faulthandler on SIGUSR1
         (it works even while the worker is stuck inside a C call)."""
-        workers = [c for c in self._procs if c.role != "the collator"]
+        workers = self._worker_children()
         if self._threads:
             return "\n".join(f"--- {c.role} (thread {c.pid}) ---\n{c.stacks()}" for c in workers)
         for c in workers:
@@ -545,11 +554,19 @@ class ShmLoader:
 
     # --- planning a pass ------------------------------------------------------------
 
-    def _base_seed(self, epoch: int) -> int:
+    def _base_seed(self, epoch: int, resumed: int | None = None) -> int:
         """The seed workers take for an epoch (see seed_worker): drawn from
         the generator as torch's DataLoader draws it (once per iterator it
         makes: each epoch, or once with persistent workers), else from the
-        seed."""
+        seed.  A resumed epoch takes the one its state recorded (`resumed`),
+        drawing nothing: the recorded generator states are those after it
+        was drawn (NOTE [ Resuming an epoch ])."""
+        early, self._early_base_seed = self._early_base_seed, None
+        if resumed is None:
+            resumed = early
+        if resumed is not None:
+            self._drawn_base_seed = resumed
+            return resumed
         if self._torch_rules or self.generator is not None:
             if self._drawn_base_seed is not None and self.persistent_workers and self.num_workers:
                 return self._drawn_base_seed
@@ -618,10 +635,10 @@ class ShmLoader:
                                  f"this loader is rank {self._rank} of {self._world}: each rank "
                                  f"resumes from its own state")
             self._set_rng_states(resume["rng"])
-            if resume.get("base_seed") is not None:
-                self._drawn_base_seed = resume["base_seed"]
+        base_seed = self._base_seed(epoch, None if resume is None else resume.get("base_seed"))
+        # after the base seed, as torch draws it before the order: these are
+        # the states the order is drawn from (NOTE [ Resuming an epoch ])
         rng = self._rng_states()
-        base_seed = self._base_seed(epoch)
         if self.iterable:
             progress = StreamProgress(max(self.num_workers, 1), self._rows,
                                       None if resume is None else resume["stream"])
@@ -784,6 +801,9 @@ class ShmLoader:
         if resume is not None:
             self._epoch = resume["epoch"] - 1  # the epoch the state is in
         self._epoch += 1
+        if self._torch_rules and resume is None:  # torch draws it as the iterator is made
+            self._early_base_seed = None
+            self._early_base_seed = self._base_seed(self._epoch)
         if self.pin_memory and not self._torch_rules and not cuda_available():
             warnings.warn("ShmLoader: pin_memory=True, but CUDA is not available: batches are not "
                           "pinned (pin_memory=False says the same without this warning)",
@@ -921,14 +941,14 @@ class ShmLoader:
         state = {"format": STATE_FORMAT, "epoch": self._epoch, "seed": self.seed,
                  "rank": self._rank, "world": self._world, "workers": self.num_workers,
                  "iterable": self.iterable, "rng": {}, "base_seed": None, "map": None,
-                 "stream": None}
+                 "stream": None, "batch_size": self.batch_size, "dataset_len": self._map_len(),
+                 "sampler": self._sampler_name()}
         if progress is None:  # no epoch started: the next is the first
             state["complete"] = True
             return state
         plan = self._progress_plan
         state["rng"] = dict(plan.rng)
-        if self._torch_rules and self.persistent_workers and self.num_workers:
-            state["base_seed"] = self._drawn_base_seed
+        state["base_seed"] = plan.base_seed
         if isinstance(progress, MapProgress):
             state["map"] = progress.state()
             state["complete"] = progress.complete()
@@ -940,17 +960,8 @@ class ShmLoader:
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(): the next iter() yields the rest of the
         epoch the state was taken in (or the next epoch, if it was over)."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a ShmLoader state (expected a dict from state_dict(), "
-                             f"format {STATE_FORMAT!r})")
-        if state["iterable"] != self.iterable:
-            raise ValueError("this state is of a loader of an "
-                             f"{'iterable' if state['iterable'] else 'map-style'} dataset")
-        if self.iterable and not state["complete"] and state["workers"] != self.num_workers:
-            raise ValueError(f"this state is of a loader of {state['workers']} workers reading "
-                             f"their own streams; an iterable dataset resumes only with the same "
-                             f"number of workers (this loader has {self.num_workers})")
         self._check_owner()
+        check_state(state, self._expected_state())  # before anything changes (_state.py)
         if self._shared is not None:
             self._end(self._current)
             self._end(self._ahead)
@@ -964,6 +975,40 @@ class ShmLoader:
         else:
             self._resume = state
         self._progress = None
+
+    def _sampler_name(self) -> str | None:
+        s = self.batch_sampler if self.batch_sampler is not None else self.sampler
+        return None if s is None else getattr(s, "sampler_name", type(s).__name__)
+
+    def _map_len(self) -> int | None:
+        """The dataset's length (None: iterable, or none)."""
+        if self.iterable:
+            return None
+        try:
+            return len(self.dataset)
+        except TypeError:
+            return None
+
+    def _epoch_positions(self, world: int) -> int | None:
+        """The positions of a map-style epoch of this rank, as _plan counts
+        them (None: a batch sampler's, known only by iterating it)."""
+        if self.iterable or self.batch_sampler is not None:
+            return None
+        n = len(self.sampler) if self.sampler is not None else self._map_len()
+        if n is None:
+            return None
+        share = n if self.sampler is not None else O.shard_size(n, world)
+        return share if self.batch_size is None else O.kept_of(share, self.batch_size,
+                                                                  self.drop_last)
+
+    def _expected_state(self) -> Expected:
+        rank, world = self._ranks()
+        return Expected(
+            iterable=self.iterable, num_workers=self.num_workers, rank=rank, world=world,
+            seed=self.seed if self._seed_given else None, batch_size=self.batch_size,
+            positions=self._epoch_positions(world), dataset_len=self._map_len(),
+            sampler=self._sampler_name(),
+            rng_bytes={k: len(v) for k, v in self._rng_states().items()})
 
     def _batch(self, msg: P.BatchReady):
         s = msg.slab

@@ -8,8 +8,10 @@ import errno
 import faulthandler
 import os
 import resource
+import re
 import select
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -91,11 +93,26 @@ class Child:
         self.report.close()
 
 
-def fork_children(specs) -> list[Child]:
+# The thread advice is given once per process (a flag, not the warnings
+# registry, which is the user's: see _fork_quietly).
+_advised_threads = False
+
+# Python 3.12+ warns (DeprecationWarning) about forking a multi-threaded
+# process; native thread pools (torch's) are safe to fork around, and the
+# loader advises about Python threads itself (fork_children).
+_FORK_WARNING = ("ignore", re.compile(r".*multi-threaded.*fork", re.I), DeprecationWarning,
+                 None, 0)
+
+
+def fork_children(specs, advise: bool = True) -> list[Child]:
     """Fork one child per (role, target, args); each runs target(*args) and
     exits.  If any fork fails, the children already started are killed and
-    reaped and every file closed, then LoaderStartError is raised."""
-    if threading.active_count() > 1:
+    reaped and every file closed, then LoaderStartError is raised.
+    advise=False: no warning about other threads (loader.DataLoader gives
+    none that torch's does not give)."""
+    global _advised_threads
+    if advise and not _advised_threads and threading.active_count() > 1:
+        _advised_threads = True  # (before: with -W error the warning raises)
         warnings.warn(
             f"ShmLoader forks {len(specs)} processes from a process running "
             f"{threading.active_count()} threads; a lock another thread holds at the fork stays "
@@ -183,13 +200,7 @@ def _fork(role, target, args, children: list[Child]) -> None:
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED_AROUND_FORK)
     pid = -1
     try:
-        with warnings.catch_warnings():
-            # Python 3.12+ warns about forking a multi-threaded process; the
-            # loader warns about Python threads itself (fork_children), and
-            # native thread pools (torch's) are safe to fork around.
-            warnings.filterwarnings("ignore", category=DeprecationWarning,
-                                    message=r".*multi-threaded.*fork")
-            pid = os.fork()
+        pid = _fork_quietly()
         if pid == 0:
             _child_main(role, parent, target, args, report, old_mask)  # never returns
         child = Child(role, pid, None, report)
@@ -208,6 +219,23 @@ def _fork(role, target, args, children: list[Child]) -> None:
     finally:
         if pid != 0:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _fork_quietly() -> int:
+    """os.fork() without Python 3.12's multi-threaded fork warning (see
+    _FORK_WARNING).  The filter goes into warnings.filters in place and out
+    again: warnings.catch_warnings() or filterwarnings() would mark the
+    filters changed, which empties every module's show-once registry, so
+    warnings the program had already shown would be shown again."""
+    if sys.version_info < (3, 12):
+        return os.fork()
+    filters = warnings.filters
+    filters.insert(0, _FORK_WARNING)
+    try:
+        return os.fork()
+    finally:
+        if _FORK_WARNING in filters:
+            filters.remove(_FORK_WARNING)
 
 
 def _child_main(role, parent, target, args, report, mask):

@@ -23,8 +23,12 @@ uninterrupted run would:
   streams are the workers').
 - the order: a seed and an epoch number give it again; a torch.Generator
   (or torch's global generator, which DataLoader's default shuffle draws
-  from) has its state at the start of the epoch recorded, and the
-  resumed loader draws the epoch's order from that state.
+  from) has its state recorded as the epoch drew its order, and the
+  resumed loader draws the epoch's order from that state.  The workers'
+  base seed, which torch draws from the same generator just before the
+  order (at each iterator, or once with persistent workers: then in the
+  first epoch only), is recorded with it and not drawn again: a state
+  taken in the first epoch and one taken later resume alike.
 - the state is worker-count independent for map-style datasets: a run
   resumed with more or fewer workers yields the same remaining batches.
 

@@ -17,12 +17,19 @@ What has no meaning here is accepted and documented:
   see NOTE [ ShmLoader processes and shutdown ]); "spawn" and
   "forkserver" are accepted and fork is used.
 - pin_memory without an accelerator: a warning, as torch gives.
+
+Iterators are torch's: without persistent workers each iter() is its own
+pass with its own workers, so several may be live at once (a peek with
+next(iter(loader)) inside the loop, zip(loader, loader)); with persistent
+workers iter() resets the one iterator, as torch's does.  See NOTE
+[ Drawing the order as torch does ] for the sampler's generator.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TypeVar
+import weakref
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch.utils.data import BatchSampler, SequentialSampler
@@ -30,7 +37,9 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _DatasetKind
 
+from loader._errors import LoaderTimeout, WorkerError
 from loader._loader import ShmLoader
+from loader._procs import wait_all
 
 __all__ = ["DataLoader"]
 
@@ -49,19 +58,40 @@ class DataLoader(_TorchDataLoader[_T_co]):
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True):
         self._user_collate_fn = collate_fn
-        self._shm = None
+        self._pool = None          # the loader's own ShmLoader: state_dict() is its
+        self._pool_user = None     # (weakref) the iterator using it, without persistent workers
+        self._extra_pools = weakref.WeakSet()  # ShmLoaders of further live iterators
         super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
                          collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
                          multiprocessing_context, generator, prefetch_factor=prefetch_factor,
                          persistent_workers=persistent_workers,
                          pin_memory_device=pin_memory_device, in_order=in_order)
 
+    def __getstate__(self):
+        # A copy (pickle, deepcopy: Lightning, spawn) gets the arguments, not
+        # this process's workers or iterators: it starts its own when iterated.
+        state = self.__dict__.copy()
+        state.update(_pool=None, _pool_user=None, _extra_pools=None, _iterator=None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._extra_pools = weakref.WeakSet()
+
+    @property
+    def _shm(self) -> ShmLoader | None:
+        return None if self._pool is None else self._pool.shm
+
     def _shm_loader(self) -> ShmLoader:
         """The ShmLoader that loads for this DataLoader, made at the first
         iteration (torch's attributes may be read until then)."""
-        if self._shm is not None:
-            return self._shm
+        if self._pool is None:
+            self._pool = self._new_pool()
+        return self._pool.shm
+
+    def _new_pool(self) -> _Pool:
         kwargs = {}
+        order = None
         custom = self._user_collate_fn not in (None, default_collate, default_convert)
         if self._dataset_kind == _DatasetKind.Iterable:
             kwargs["batch_size"] = self.batch_size
@@ -70,13 +100,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
             bs = self.batch_sampler
             if bs is None:  # batch_size=None: one sample at a time, not collated
                 kwargs["batch_size"] = None
-                kwargs["sampler"] = self._order_source(self.sampler)
+                kwargs["sampler"] = order = self._order_source(self.sampler)
             elif type(bs) is BatchSampler:  # torch's own: batches are cut from the order
                 kwargs["batch_size"] = bs.batch_size
                 kwargs["drop_last"] = bs.drop_last
-                kwargs["sampler"] = self._order_source(bs.sampler)
+                kwargs["sampler"] = order = self._order_source(bs.sampler)
             else:  # a user's batch sampler: its batches as they come
-                kwargs["batch_sampler"] = bs
+                kwargs["batch_sampler"] = order = self._order_source(bs)
         workers = self.num_workers
         shm = ShmLoader(
             self.dataset, num_workers=workers,
@@ -88,16 +118,27 @@ class DataLoader(_TorchDataLoader[_T_co]):
             timeout=self.timeout if self.timeout > 0 else None,
             output="keep" if custom else "torch", pin_memory=self.pin_memory, **kwargs)
         shm._torch_rules = True
-        self._shm = shm
-        return shm
+        return _Pool(shm, order)
 
-    def _order_source(self, sampler):
-        """What ShmLoader takes as its sampler: None for torch's default
-        sequential order over this dataset (workers compute it), else the
-        sampler, iterated in main at each epoch as torch iterates it."""
-        if type(sampler) is SequentialSampler and sampler.data_source is self.dataset:
+    def _order_source(self, source):
+        """What ShmLoader takes as its sampler (or batch sampler): None for
+        torch's default sequential order over this dataset (workers compute
+        it), else the source, iterated in main at each epoch as torch
+        iterates it (NOTE [ Drawing the order as torch does ])."""
+        if type(source) is SequentialSampler and source.data_source is self.dataset:
             return None
-        return sampler
+        prefetched = (self.prefetch_factor or 2) * self.num_workers if self.num_workers else 1
+        return _TorchOrder(source, self._index_sampler, self._generators(), prefetched)
+
+    def _generators(self) -> list:
+        """The generators drawing an order can consume: torch's global one,
+        the loader's, and those of its samplers."""
+        found = [torch.default_generator]
+        for g in (self.generator, getattr(self.sampler, "generator", None),
+                  getattr(getattr(self.batch_sampler, "sampler", None), "generator", None)):
+            if isinstance(g, torch.Generator) and all(g is not h for h in found):
+                found.append(g)
+        return found
 
     def __iter__(self):
         if self.num_workers > 0:
@@ -105,63 +146,253 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if self.pin_memory and not torch.accelerator.is_available():
             warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
                           "then device pinned memory won't be used.", stacklevel=2)
-        return _Iterator(self, iter(self._shm_loader()))
+        if self.persistent_workers and self.num_workers > 0:
+            # torch keeps one iterator and resets it: an older reference to it
+            # goes on with the new epoch, on the same workers
+            if self._iterator is None:
+                self._iterator = _Iterator(self, self._own_pool())
+            else:
+                self._iterator._reset(self)
+            return self._iterator
+        user = None if self._pool_user is None else self._pool_user()
+        if user is None or user.finished:
+            it = _Iterator(self, self._own_pool())
+            self._pool_user = weakref.ref(it)
+            return it
+        # another iterator is live: this one has its own workers, as in torch
+        pool = self._new_pool()
+        self._extra_pools.add(pool.shm)
+        return _Iterator(self, pool, owned=True)
+
+    def _own_pool(self) -> _Pool:
+        self._shm_loader()
+        return self._pool
 
     def close(self) -> None:
         """Stop the workers now (they also stop when the DataLoader is
         garbage collected, and at interpreter exit)."""
-        if self._shm is not None:
-            self._shm.close()
+        for shm in list(self._extra_pools):
+            shm.close()
+        if self._pool is not None:
+            self._pool.shm.close()
 
     def state_dict(self) -> dict:
         """The position of the current epoch, to resume it exactly: see
-        ShmLoader.state_dict."""
+        ShmLoader.state_dict.  With several live iterators, the state is
+        of the one the loader's own workers serve (the first)."""
         return self._shm_loader().state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self._shm_loader().load_state_dict(state)
+        shm = self._shm_loader()
+        shm.load_state_dict(state)
+        if self._pool.order is not None and not state.get("complete", True):
+            self._pool.order.resuming = True
 
     def stats(self) -> dict | None:
         """Where the last complete epoch's time went: see ShmLoader.stats
         (None before one ended)."""
-        return None if self._shm is None else self._shm.stats()
+        return None if self._pool is None else self._pool.shm.stats()
+
+
+class _Pool(NamedTuple):
+    """A ShmLoader serving a DataLoader, and the order it ships (None: the
+    default sequential order, computed by its workers)."""
+    shm: ShmLoader
+    order: "_TorchOrder | None"
+
+
+# NOTE [ Drawing the order as torch does ]
+# ========================================
+#
+# torch's iterator pulls batches of indices from its sampler lazily: its
+# prefetch (prefetch_factor * num_workers batches) when it starts, then one
+# for each batch it returns or error it raises (num_workers=0: one at each
+# next()).  A sampler draws from its generator as it is pulled:
+# RandomSampler draws each permutation at its first index and a trailing
+# randperm(n)[:0] only once exhausted; with replacement, 32 indices at a
+# time.  So after a break, a next(iter(loader)) peek or an exception, the
+# shared generator is where those pulls left it, and every later epoch
+# (and base seed) depends on it.
+#
+# ShmLoader needs the whole order at the epoch's start (its workers claim
+# positions of it).  So _TorchOrder draws it in one go, then, if that drew
+# from any generator, puts the generators back as they were and starts a
+# second iterator over the same samplers (the "mirror") that the DataLoader
+# iterator pulls exactly as torch's would: the generators then go through
+# the states torch's go through, at the same moments, whatever the loop
+# does.  The mirror's indices are the order again and are dropped.  Cost:
+# the sampler is iterated twice (main only, where torch iterates it once);
+# nothing when no generator moved (a fixed sampler).  A resumed epoch has
+# no mirror: its order is drawn from the recorded states, and it leaves the
+# generators as the whole epoch would.
+
+class _TorchOrder:
+    """The sampler (or batch sampler) ShmLoader iterates at each epoch,
+    drawing from the generators as torch's iterator would: see NOTE
+    [ Drawing the order as torch does ]."""
+
+    def __init__(self, source, index_sampler, generators: list, prefetched: int):
+        self.source, self.index_sampler = source, index_sampler
+        self.generators, self.prefetched = generators, prefetched
+        self.generator = getattr(source, "generator", None)  # ShmLoader's resume records it
+        self.resuming = False  # the next epoch is a resumed one: no mirror
+        self._mirror = None
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    @property
+    def sampler_name(self) -> str:
+        """What a state records of the sampler (ShmLoader.state_dict)."""
+        return type(self.source).__name__
+
+    def __iter__(self):
+        before = [g.get_state() for g in self.generators]
+        items = list(self.source)
+        self._mirror = None
+        resuming, self.resuming = self.resuming, False
+        if resuming or all(torch.equal(s, g.get_state()) for s, g in zip(before, self.generators)):
+            return iter(items)
+        for g, s in zip(self.generators, before):
+            g.set_state(s)
+        self._mirror = iter(self.index_sampler)
+        self.pull(self.prefetched)  # what torch's iterator takes as it starts
+        return iter(items)
+
+    def pull(self, n: int = 1) -> None:
+        """Take n batches of indices from the mirror, as torch's iterator
+        takes them from its sampler (drawing what the sampler draws)."""
+        for _ in range(n):
+            if self._mirror is None:
+                return
+            try:
+                next(self._mirror)
+            except StopIteration:
+                self._mirror = None
+
+    def drain(self) -> None:
+        """The epoch ended: torch's sampler was exhausted by now."""
+        while self._mirror is not None:
+            self.pull()
 
 
 class _Iterator:
     """What iter(DataLoader) returns: torch's iterator protocol (len(),
-    the warning for an IterableDataset that yields more than its len)."""
+    the warning for an IterableDataset that yields more than its len, the
+    worker processes as `_workers`), pulling the order as torch's iterator
+    does (NOTE [ Drawing the order as torch does ]).  It holds no reference
+    to the DataLoader, as torch's does not: dropping both frees the
+    workers at once."""
 
-    def __init__(self, loader: DataLoader, batches):
-        self._loader, self._batches = loader, batches
-        self._num_yielded = 0
+    def __init__(self, loader: DataLoader, pool: _Pool, owned: bool = False):
+        self._pool, self._owned = pool, owned  # owned: a ShmLoader of this iterator alone
+        self._index_sampler = loader._index_sampler
+        self._dataset, self._iterable = loader.dataset, loader._dataset_kind == _DatasetKind.Iterable
+        self._num_workers = loader.num_workers
+        self._batches = None
+        self._reset(loader)
+
+    def _reset(self, loader: DataLoader) -> None:
+        """Start a new epoch (persistent workers: torch's _reset)."""
+        if self._batches is not None:
+            self._batches.close()
+        self._IterableDataset_len_called = loader._IterableDataset_len_called
+        self._batches = iter(self._pool.shm)
+        if self._num_workers:
+            self._batches.start()  # torch's iterator prefetches as it is made
+        self._num_yielded = self._calls = 0
+        self.finished = False
 
     def __iter__(self):
         return self
 
     def __len__(self) -> int:
-        return len(self._loader._index_sampler)
+        return len(self._index_sampler)
+
+    @property
+    def _workers(self) -> list:
+        """The worker processes, as torch's iterator lists them (pid,
+        is_alive(), join(), exitcode)."""
+        return [_WorkerProcess(c) for c in self._pool.shm._worker_children()]
 
     def __next__(self):
-        data = next(self._batches)
+        if self.finished:
+            raise StopIteration
+        order = self._pool.order
+        if order is not None and self._calls and not self._num_workers:
+            order.pull()  # torch takes the next index before loading it
+        self._calls += 1
+        try:
+            data = next(self._batches)
+        except StopIteration:
+            self._finish()
+            raise
+        except (WorkerError, LoaderTimeout):
+            raise  # no batch came: torch's iterator takes no index either
+        except Exception:
+            if order is not None and self._num_workers:
+                order.pull()  # a batch's error: torch takes an index before re-raising it
+            raise
+        if order is not None and self._num_workers:
+            order.pull()
         self._num_yielded += 1
-        ld = self._loader
-        if (ld._dataset_kind == _DatasetKind.Iterable and ld._IterableDataset_len_called is not None
-                and self._num_yielded > ld._IterableDataset_len_called):
-            msg = (f"Length of IterableDataset {ld.dataset} was reported to be "
-                   f"{ld._IterableDataset_len_called}(when accessing len(dataloader)), but "
+        self._check_length()
+        return data
+
+    def _check_length(self) -> None:
+        if not self._iterable or self._IterableDataset_len_called is None:
+            return
+        if self._num_yielded > self._IterableDataset_len_called:
+            msg = (f"Length of IterableDataset {self._dataset} was reported to be "
+                   f"{self._IterableDataset_len_called}(when accessing len(dataloader)), but "
                    f"{self._num_yielded} samples have been fetched. ")
-            if ld.num_workers > 0:
+            if self._num_workers > 0:
                 msg += ("For multiprocessing data-loading, this could be caused by not properly "
                         "configuring the IterableDataset replica at each worker. Please see "
                         "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
                         "for examples.")
-            warnings.warn(msg, stacklevel=2)
-        return data
+            warnings.warn(msg, stacklevel=3)
+
+    def _finish(self) -> None:
+        self.finished = True
+        if self._pool.order is not None:
+            self._pool.order.drain()
+        if self._owned:
+            self._pool.shm.close()
 
     def close(self) -> None:
-        self._batches.close()
+        if self._batches is not None:
+            self._batches.close()
+        if self._owned:
+            self._pool.shm.close()
 
     def __del__(self):
-        batches = getattr(self, "_batches", None)
-        if batches is not None:
-            batches.close()
+        if getattr(self, "_batches", None) is not None:
+            self.close()
+
+
+class _WorkerProcess:
+    """One worker as torch's iterator shows it in `_workers`: pid,
+    is_alive(), join(timeout), exitcode."""
+
+    def __init__(self, child):
+        self._child = child
+
+    @property
+    def pid(self) -> int:
+        return self._child.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._child.exitcode
+
+    def is_alive(self) -> bool:
+        return self._child.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._child.exitcode is None:
+            wait_all([self._child], float("inf") if timeout is None else timeout)
+
+    def __repr__(self) -> str:
+        state = "alive" if self.is_alive() else f"exitcode={self.exitcode}"
+        return f"<loader worker pid={self.pid} {state}>"

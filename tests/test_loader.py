@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -586,10 +587,15 @@ def test_sigterm_to_main_leaves_nothing():
     assert wait_until(_gone(pids), 2.0)
 
 
-def test_fork_after_threads_warns_with_the_remedy():
-    """R16: a process with threads gets a warning before the workers fork."""
+def test_fork_after_threads_warns_with_the_remedy_once_per_process(monkeypatch):
+    """R16: a process with threads gets a warning before the workers fork,
+    once per process (issue 14 item 4: tqdm's monitor thread is alive at
+    every epoch)."""
     import threading
 
+    from loader import _procs
+
+    monkeypatch.setattr(_procs, "_advised_threads", False)
     stop = threading.Event()
     t = threading.Thread(target=stop.wait)
     t.start()
@@ -599,9 +605,33 @@ def test_fork_after_threads_warns_with_the_remedy():
             it = iter(loader)
         assert [k for b in it for k in indices(b)] == list(range(8))
         loader.close()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = ShmLoader(Numbers(8), batch_size=4, num_workers=2)
+            assert [k for b in again for k in indices(b)] == list(range(8))
+            again.close()
     finally:
         stop.set()
         t.join()
+
+
+def _warn_here():
+    warnings.warn("the program's own warning, shown once", UserWarning)
+
+
+def test_forking_leaves_the_show_once_registry_alone():
+    """Issue 14 item 4: catch_warnings() around os.fork emptied every
+    module's show-once registry, so a warning the program had shown was
+    shown again after the loader started its workers."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        _warn_here()
+        loader = ShmLoader(Numbers(8), batch_size=4, num_workers=2, persistent_workers=False)
+        for _ in range(2):  # forks at each epoch
+            assert [k for b in loader for k in indices(b)] == list(range(8))
+        loader.close()
+        _warn_here()
+    assert [str(w.message) for w in caught] == ["the program's own warning, shown once"]
 
 
 def test_an_older_iterator_cannot_steal_a_newer_epochs_batches():

@@ -116,6 +116,43 @@ def test_dataloader_resume_continues_torchs_shuffle(num_workers):
     assert before == full[:1] and head + rest[0] == full[1] and rest[1] == full[2]
 
 
+@pytest.mark.parametrize("at_epoch", [1, 2])
+@pytest.mark.parametrize("persistent", [True, False])
+def test_dataloader_resume_in_any_epoch_continues_torchs_shuffle(persistent, at_epoch):
+    """Issue 14 item 1 (repro_dl_state_first_epoch.py): a state taken in the
+    first epoch with persistent workers resumed another permutation (the
+    base seed, drawn in that epoch only, was recorded but the generator
+    state was from before its draw).  Every epoch, persistent or not,
+    resumes torch's order: each sample exactly once."""
+    def make(cls=DataLoader):
+        return cls(torch.arange(200), batch_size=10, shuffle=True, num_workers=2,
+                   persistent_workers=persistent, generator=torch.Generator().manual_seed(0))
+
+    import torch.utils.data as tud
+    theirs = make(tud.DataLoader)
+    full = [[b.tolist() for b in theirs] for _ in range(3)]
+    del theirs
+    before, head, rest = interrupted(make, at_epoch=at_epoch, k=3, then=1)
+    assert before == full[:at_epoch - 1]
+    assert head + rest[0] == full[at_epoch - 1] and rest[1] == full[at_epoch]
+    assert sorted(x for b in head + rest[0] for x in b) == list(range(200))
+
+
+@pytest.mark.parametrize("at_epoch", [1, 2])
+def test_shmloader_resume_with_a_generator_and_persistent_workers(at_epoch):
+    """ShmLoader(generator=...) draws its workers' base seed from the
+    generator once (persistent workers): a state of any epoch resumes the
+    uninterrupted run's order and seeds."""
+    def make():
+        return ShmLoader(Augmented(60), batch_size=7, shuffle=True, num_workers=2,
+                         generator=torch.Generator().manual_seed(4), seed=3)
+
+    full = epochs(make(), 3)
+    before, head, rest = interrupted(make, at_epoch=at_epoch, k=2, then=1)
+    assert before == full[:at_epoch - 1]
+    assert head + rest[0] == full[at_epoch - 1] and rest[1] == full[at_epoch]
+
+
 def test_dataloader_resume_with_torchs_global_generator_leaves_it_alone():
     def make():
         return DataLoader(torch.arange(40), batch_size=4, shuffle=True, num_workers=2)
@@ -196,11 +233,132 @@ def test_bad_states_are_refused_with_the_reason():
     state = loader.state_dict()
     loader.close()
     smaller = ShmLoader(np.arange(20), batch_size=4, num_workers=2, seed=1)
-    smaller.load_state_dict(state)
-    with pytest.raises(ValueError, match="epoch of 30 samples, but the loader's epoch 1 has 20"):
-        list(smaller)
+    with pytest.raises(ValueError, match="field 'dataset_len' is 30, but this loader's is 20"):
+        smaller.load_state_dict(state)
     smaller.close()
     stream = ShmLoader(Stream(), batch_size=4, num_workers=2)
-    with pytest.raises(ValueError, match="map-style"):
+    with pytest.raises(ValueError, match="field 'iterable' is False, but this loader has an "
+                                         "iterable dataset"):
         stream.load_state_dict(state)
     stream.close()
+
+
+def _state_of(make, k=2):
+    loader = make()
+    it = iter(loader)
+    for _ in range(k):
+        next(it)
+    state = loader.state_dict()
+    del it
+    loader.close()
+    return state
+
+
+def _edit(state, path, value):
+    """A copy of state with the field at path (keys, then maybe an index)
+    set to value, or removed (value is _DROP)."""
+    out = pickle.loads(pickle.dumps(state))
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    if value is _DROP:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return out
+
+
+_DROP = object()
+
+# (what is wrong, the edit, the field the error names, words that show both values)
+BAD_MAP_STATES = [
+    ("truncated", ("epoch",), _DROP, "'epoch'", "no field"),
+    ("not a dict", ("map",), [3, 4], "'map'", "[3, 4]"),
+    ("negative extra", ("map", "done_extra"), [-1], "'map.done_extra'", "-1"),
+    ("extra past the epoch", ("map", "done_extra"), [10 ** 6], "'map.done_extra'", "1000000"),
+    ("extras out of order", ("map", "done_extra"), [29, 20], "'map.done_extra'", "20"),
+    ("prefix past the epoch", ("map", "done_prefix"), 31, "'map.done_prefix'", "31"),
+    ("prefix a float", ("map", "done_prefix"), 2.0, "'map.done_prefix'", "2.0"),
+    ("huge prefix", ("map", "done_prefix"), 1 << 70, "'map.done_prefix'", str(1 << 70)),
+    ("positions of another size", ("map", "positions"), 29, "'map.positions'", "has 30"),
+    ("another batch size", ("batch_size",), 5, "'batch_size'", "is 4"),
+    ("another dataset", ("dataset_len",), 31, "'dataset_len'", "is 30"),
+    ("another sampler", ("sampler",), "RandomSampler", "'sampler'", "None"),
+    ("another seed", ("seed",), 2, "'seed'", "seed is 1"),
+    ("a rank outside the world", ("rank",), 3, "'rank'", "<= 0"),
+    ("an epoch string", ("epoch",), "1", "'epoch'", "'1'"),
+    ("a generator this loader lacks", ("rng",), {"generator": b"x" * 5056}, "rng['generator']",
+     "no such generator"),
+    ("a base seed of 80 bits", ("base_seed",), 1 << 80, "'base_seed'", str(1 << 80)),
+    ("complete not a bool", ("complete",), "no", "'complete'", "'no'"),
+    ("another format", ("format",), "shmloader-state-0", "'format'", "shmloader-state-1"),
+]
+
+
+@pytest.mark.parametrize("what,path,value,field,words", BAD_MAP_STATES,
+                         ids=[c[0] for c in BAD_MAP_STATES])
+def test_every_field_of_a_state_is_checked_and_the_loader_stays_usable(what, path, value, field,
+                                                                        words):
+    """Issue 15 item 6: a state from elsewhere (garbage, truncated, another
+    dataset, batch size, seed or sampler) is one ValueError naming the
+    field and the values, before anything changes: the loader then yields
+    its own epochs exactly, or resumes a good state."""
+    def make():
+        return ShmLoader(np.arange(30), batch_size=4, num_workers=2, shuffle=True, seed=1)
+
+    good = _state_of(make)
+    full = [b.tolist() for b in make_and_close(make)]
+    loader = make()
+    with pytest.raises(ValueError) as raised:
+        loader.load_state_dict(_edit(good, path, value))
+    text = str(raised.value)
+    assert field in text and words in text, text
+    assert [b.tolist() for b in loader] == full  # untouched: its own first epoch
+    loader.load_state_dict(good)
+    rest = [x for b in loader for x in b.tolist()]
+    assert len(rest) == 30 - 8 and sorted(rest + [x for b in full[:2] for x in b]) == list(range(30))
+    loader.close()
+
+
+def make_and_close(make):
+    loader = make()
+    out = list(loader)
+    out = [b.copy() for b in out]
+    loader.close()
+    return out
+
+
+def test_a_stream_state_is_checked_field_by_field():
+    def make(workers=2):
+        return ShmLoader(Stream(), batch_size=4, num_workers=workers, seed=5)
+
+    good = _state_of(make)
+    loader = make()
+    for path, value, field in [(("stream",), good["stream"][:1], "'stream'"),
+                               (("stream", 0, "prefix"), -3, "'stream[0].prefix'"),
+                               (("stream", 1, "extra"), [0], "'stream[1].extra'"),
+                               (("workers",), 3, "'workers'")]:
+        with pytest.raises(ValueError, match=field.replace("[", r"\[")):
+            loader.load_state_dict(_edit(good, path, value))
+    loader.load_state_dict(good)
+    assert sum(len(b) for b in loader) == 13 + 14 - 8
+    loader.close()
+
+
+def test_dataloader_states_are_checked_against_its_sampler_and_generator():
+    def make(**kw):
+        kw = {"batch_size": 6, "shuffle": True, "num_workers": 2,
+              "generator": torch.Generator().manual_seed(3), **kw}
+        return DataLoader(torch.arange(60), **kw)
+
+    good = _state_of(make)
+    assert good["sampler"] == "RandomSampler" and good["batch_size"] == 6
+    for kw, field, words in [({"batch_size": 5}, "'batch_size'", "is 6"),
+                             ({"shuffle": False}, "'sampler'", "'RandomSampler'"),
+                             ({"generator": None}, "rng['generator']", "no such generator")]:
+        other = make(**kw)
+        with pytest.raises(ValueError) as raised:
+            other.load_state_dict(good)
+        assert field in str(raised.value) and words in str(raised.value), str(raised.value)
+        assert sum(len(b) for b in other) == 60  # still usable
+        other.close()

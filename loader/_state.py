@@ -1,0 +1,166 @@
+"""Checking a state before load_state_dict() takes it.
+
+A state comes from outside: a checkpoint of another run, of another
+version, truncated, edited, or of another loader.  Every field is checked
+against its type, its range and what this loader is (its dataset's length,
+batch size, seed, sampler, generators) before anything of the loader
+changes, so a bad state is one ValueError naming the field and both
+values, and the loader stays as it was.  See NOTE [ Resuming an epoch ] in
+_progress.py for what the fields mean."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from loader._progress import STATE_FORMAT
+
+_RNG_KEYS = ("generator", "global", "sampler")
+
+
+class Expected(NamedTuple):
+    """What this loader is, as a state must match it (None: not checked)."""
+    iterable: bool
+    num_workers: int
+    rank: int
+    world: int
+    seed: int | None              # None: the loader's seed was not given (it takes the state's)
+    batch_size: int | None
+    positions: int | None         # map-style: the positions of an epoch (None: unknown here)
+    dataset_len: int | None
+    sampler: str | None           # the type name of its sampler or batch sampler
+    rng_bytes: dict               # generator key -> the size of its state, in bytes
+
+
+def _fail(field: str, got, expected: str, remedy: str = "") -> ValueError:
+    text = f"load_state_dict: field {field!r} is {got!r}, but {expected}"
+    return ValueError(f"{text}; {remedy}" if remedy else text)
+
+
+_FOREIGN = ("load a state from state_dict() of a loader of the same dataset and arguments")
+
+
+def _int(state: dict, field: str, minimum: int | None = 0, maximum: int | None = None,
+         name: str | None = None):
+    v = state.get(field) if isinstance(state, dict) else state
+    name = name or field
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise _fail(name, v, "it must be an int", _FOREIGN)
+    if minimum is not None and v < minimum:
+        raise _fail(name, v, f"it must be >= {minimum}", _FOREIGN)
+    if maximum is not None and v > maximum:
+        raise _fail(name, v, f"it must be <= {maximum}", _FOREIGN)
+    return v
+
+
+def _positions(field: str, values, low: int, high: int | None) -> None:
+    """A sorted list of distinct ints in [low, high) (high None: unbounded)."""
+    if not isinstance(values, list):
+        raise _fail(field, values, "it must be a list of positions", _FOREIGN)
+    last = low - 1
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool) or v <= last or (
+                high is not None and v >= high):
+            bound = f"below {high}" if high is not None else "unbounded"
+            raise _fail(field, values, f"it must hold increasing ints from {low} ({bound}); "
+                        f"{v!r} is not one", _FOREIGN)
+        last = v
+
+
+def check_state(state, exp: Expected) -> None:
+    """Raise ValueError naming the first field of `state` that this loader
+    cannot resume from."""
+    if not isinstance(state, dict):
+        raise ValueError(f"load_state_dict: not a ShmLoader state: a {type(state).__name__}, "
+                         f"not the dict state_dict() returns ({_FOREIGN})")
+    if state.get("format") != STATE_FORMAT:
+        raise _fail("format", state.get("format"), f"this loader reads {STATE_FORMAT!r}: "
+                    f"not a ShmLoader state", _FOREIGN)
+    for field in ("epoch", "seed", "rank", "world", "workers", "iterable", "complete", "rng",
+                  "base_seed"):
+        if field not in state:
+            raise ValueError(f"load_state_dict: the state has no field {field!r}: truncated, "
+                             f"or not from state_dict() ({_FOREIGN})")
+    for field in ("iterable", "complete"):
+        if not isinstance(state[field], bool):
+            raise _fail(field, state[field], "it must be True or False", _FOREIGN)
+    if state["iterable"] != exp.iterable:
+        kind = "an iterable" if exp.iterable else "a map-style"
+        raise _fail("iterable", state["iterable"], f"this loader has {kind} dataset", _FOREIGN)
+    complete = state["complete"]
+    _int(state, "epoch", 0 if complete else 1)
+    _check_identity(state, exp)
+    if complete:
+        return  # the next epoch starts afresh: nothing of an epoch to check
+    _check_rng(state, exp)
+    if exp.iterable:
+        _check_stream(state, exp)
+    else:
+        _check_map(state, exp)
+
+
+def _check_identity(state: dict, exp: Expected) -> None:
+    seed = _int(state, "seed", None)
+    if exp.seed is not None and seed != exp.seed:
+        raise _fail("seed", seed, f"this loader's seed is {exp.seed}",
+                    "a state resumes the run of its own seed: pass seed=%d (or no seed)" % seed)
+    world = _int(state, "world", 1)
+    rank = _int(state, "rank", 0, world - 1)
+    if (rank, world) != (exp.rank, exp.world):
+        raise _fail("rank", rank, f"this loader is rank {exp.rank} of {exp.world} (the state: "
+                    f"rank {rank} of {world})", "each rank resumes from its own state")
+    workers = _int(state, "workers", 0)
+    if exp.iterable and not state["complete"] and workers != exp.num_workers:
+        raise _fail("workers", workers, f"this loader has {exp.num_workers}: an iterable dataset "
+                    f"resumes only with the same number of workers (the streams are theirs)",
+                    f"pass num_workers={workers}")
+    for field, mine in (("batch_size", exp.batch_size), ("dataset_len", exp.dataset_len),
+                        ("sampler", exp.sampler)):
+        if field in state and state[field] != mine:  # (states before these fields: not checked)
+            raise _fail(field, state[field], f"this loader's is {mine!r}", _FOREIGN)
+    base = state["base_seed"]
+    if base is not None:
+        _int(state, "base_seed", -(1 << 63), (1 << 64) - 1)
+
+
+def _check_rng(state: dict, exp: Expected) -> None:
+    rng = state["rng"]
+    if not isinstance(rng, dict):
+        raise _fail("rng", rng, "it must be a dict of generator states", _FOREIGN)
+    for key, value in rng.items():
+        if key not in _RNG_KEYS:
+            raise _fail("rng", key, f"its keys are {_RNG_KEYS}", _FOREIGN)
+        if key not in exp.rng_bytes:
+            raise _fail(f"rng[{key!r}]", f"{len(value) if isinstance(value, bytes) else value}",
+                        "this loader has no such generator (a generator= or a sampler's "
+                        "generator it was made without)", _FOREIGN)
+        if not isinstance(value, bytes) or len(value) != exp.rng_bytes[key]:
+            got = f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
+            raise _fail(f"rng[{key!r}]", got, f"this loader's generator state is "
+                        f"{exp.rng_bytes[key]} bytes", _FOREIGN)
+
+
+def _check_map(state: dict, exp: Expected) -> None:
+    progress = state.get("map")
+    if not isinstance(progress, dict):
+        raise _fail("map", progress, "a map-style epoch in progress has a dict of positions",
+                    _FOREIGN)
+    positions = _int(progress, "positions", name="map.positions")
+    if exp.positions is not None and positions != exp.positions:
+        raise _fail("map.positions", positions, f"an epoch of this loader has {exp.positions} "
+                    f"(its dataset length, sampler, batch size, drop_last and ranks)", _FOREIGN)
+    prefix = _int(progress, "done_prefix", 0, positions - 1, name="map.done_prefix")
+    _positions("map.done_extra", progress.get("done_extra"), prefix + 1, positions)
+
+
+def _check_stream(state: dict, exp: Expected) -> None:
+    streams = state.get("stream")
+    workers = max(exp.num_workers, 1)
+    if not isinstance(streams, list) or len(streams) != workers:
+        raise _fail("stream", streams, f"this loader reads {workers} streams: a list of one "
+                    f"dict per stream", _FOREIGN)
+    for w, s in enumerate(streams):
+        if not isinstance(s, dict):
+            raise _fail(f"stream[{w}]", s, "it must be a dict", _FOREIGN)
+        _int(s, "batches", name=f"stream[{w}].batches")
+        prefix = _int(s, "prefix", name=f"stream[{w}].prefix")
+        _positions(f"stream[{w}].extra", s.get("extra"), prefix + 1, None)

@@ -1,0 +1,366 @@
+"""The habits of real training code, with `from loader import DataLoader`
+judged against torch.utils.data.DataLoader run the same way (issue 14):
+epochs left early (break, a next(iter(loader)) peek, an exception), several
+live iterators.  Every scenario runs on both loaders from the same seeds;
+the batches, and the generators' states afterwards, must be equal.  The
+resume habit (a state taken in the first epoch) is in test_resume.py."""
+
+import collections
+import errno
+import gc
+import os
+import threading
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.utils.data as tud  # noqa: E402
+from torch.utils.data import TensorDataset  # noqa: E402
+
+from loader import DataLoader  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
+
+N = 100
+
+
+@pytest.fixture(autouse=True)
+def torch_feeder_threads_may_lose_their_pipes():
+    """As in test_dataloader_parity.py: torch's own DataLoader, abandoned by
+    an exception, can leave queue feeder threads failing with EBADF; only
+    that is let through, and they are joined before the filter goes."""
+    previous = threading.excepthook
+
+    def hook(args):
+        exc = args.exc_value
+        while exc is not None:
+            if isinstance(exc, OSError) and exc.errno == errno.EBADF:
+                if args.thread is not None and args.thread.name == "QueueFeederThread":
+                    return
+            exc = exc.__context__
+        previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+        gc.collect()
+        for t in threading.enumerate():
+            if t.name == "QueueFeederThread":
+                t.join(10)
+    finally:
+        threading.excepthook = previous
+
+
+class FailsAt(tud.Dataset):
+    """Sample i is i, except that the indices in `bad` raise ValueError."""
+
+    def __init__(self, n=N, bad=()):
+        self.n, self.bad = n, set(bad)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            raise ValueError(f"bad sample {i}")
+        return i
+
+
+def ids(batch) -> list:
+    x = batch[0] if isinstance(batch, (list, tuple)) else batch
+    return x.reshape(-1).tolist()
+
+
+def both(scenario, **kwargs):
+    """scenario(loader) run on torch's DataLoader and on ours, each from
+    the same global seed and a fresh generator: what it returned and the
+    generators' states after it must be equal."""
+    results = []
+    for cls in (tud.DataLoader, DataLoader):
+        torch.manual_seed(11)
+        gen = torch.Generator().manual_seed(5)
+        kw = {k: (v(gen) if callable(v) else v) for k, v in kwargs.items()}
+        loader = cls(kw.pop("dataset", TensorDataset(torch.arange(N))), generator=gen, **kw)
+        out = scenario(loader)
+        results.append((out, gen.get_state(), torch.get_rng_state()))
+        if cls is DataLoader:
+            loader.close()
+        del loader
+        gc.collect()
+    (theirs, their_gen, their_global), (ours, our_gen, our_global) = results
+    assert ours == theirs
+    assert torch.equal(our_gen, their_gen), "the loader's generator is not where torch left it"
+    assert torch.equal(our_global, their_global), "torch's global generator is not where torch left it"
+    return ours
+
+
+def full_epochs(loader, n=2):
+    return [[ids(b) for b in loader] for _ in range(n)]
+
+
+def left_by_break(loader):
+    for b in loader:
+        first = ids(b)
+        break
+    return [first] + full_epochs(loader)
+
+
+def left_by_peek(loader):
+    return [ids(next(iter(loader)))] + full_epochs(loader)
+
+
+def left_by_exception(loader):
+    seen = []
+    with pytest.raises(KeyError):
+        for i, b in enumerate(loader):
+            seen.append(ids(b))
+            if i == 1:
+                raise KeyError("the training step failed")
+    return seen + full_epochs(loader)
+
+
+SAMPLERS = {
+    "shuffle": dict(batch_size=10, shuffle=True),
+    "shuffle, odd sizes": dict(batch_size=7, shuffle=True, drop_last=True),
+    "unbatched": dict(batch_size=None, shuffle=True),
+    # draws 32 indices at a time as it is pulled
+    "replacement": dict(batch_size=6, sampler=lambda g: tud.RandomSampler(
+        range(N), replacement=True, num_samples=150, generator=g)),
+    "user batch sampler": dict(batch_sampler=lambda g: tud.BatchSampler(
+        tud.RandomSampler(range(N), generator=g), 9, False)),
+}
+
+
+@pytest.mark.parametrize("how", [left_by_break, left_by_peek, left_by_exception],
+                         ids=["break", "peek", "exception"])
+@pytest.mark.parametrize("case", list(SAMPLERS))
+@pytest.mark.parametrize("workers", [0, 2], ids=["nw0", "nw2"])
+def test_epochs_after_one_left_early_have_torchs_order(how, case, workers):
+    """Issue 14 item 2 (repro_dl_break_epoch_order.py): torch's samplers draw
+    from the generator as they are pulled (a trailing randperm only once
+    exhausted, 32 indices at a time with replacement); after an epoch left
+    early, every later epoch and the generator must be where torch's are."""
+    out = both(how, num_workers=workers, **SAMPLERS[case])
+    whole = {"shuffle, odd sizes": N // 7 * 7, "replacement": 150}.get(case, N)
+    for epoch in out[-2:]:
+        flat = [x for b in epoch for x in b]
+        assert len(flat) == whole
+        if whole == N:  # a permutation: every sample exactly once
+            assert sorted(flat) == list(range(N))
+
+
+@pytest.mark.parametrize("how", [left_by_break, left_by_peek], ids=["break", "peek"])
+def test_persistent_workers_after_an_epoch_left_early_have_torchs_order(how):
+    out = both(how, num_workers=2, persistent_workers=True, batch_size=10, shuffle=True)
+    assert [sorted(x for b in e for x in b) for e in out[1:]] == [list(range(N))] * 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_errors_in_dataset_take_their_indices_as_torch(workers):
+    """A batch whose sample raised counts as taken: the loop goes on past
+    it, leaves the epoch early, and the next epoch is torch's."""
+    def batches(loader, n):
+        it, seen = iter(loader), []
+        while len(seen) < n:
+            try:
+                seen.append(ids(next(it)))
+            except ValueError as e:  # (with workers: the worker's traceback, then this line)
+                seen.append(str(e).strip().splitlines()[-1].removeprefix("ValueError: "))
+            except StopIteration:
+                break
+        return seen
+
+    def scenario(loader):
+        return [batches(loader, 5), batches(loader, N), batches(loader, N)]
+
+    left, *whole = both(scenario, dataset=FailsAt(bad=[7, 61]), num_workers=workers,
+                        batch_size=10, shuffle=True)
+    assert len(left) == 5
+    for epoch in whole:  # two batches failed; every sample of the others once
+        assert sorted(b for b in epoch if isinstance(b, str)) == ["bad sample 61", "bad sample 7"]
+        delivered = [x for b in epoch if not isinstance(b, str) for x in b]
+        assert len(delivered) == len(set(delivered)) == N - 20
+        assert not {7, 61} & set(delivered)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_peek_inside_the_loop_leaves_the_epoch_whole(workers):
+    """Issue 14 item 3 (repro_dl_second_iterator.py): next(iter(loader)) in
+    the loop is a second live iterator: the first goes on."""
+    def scenario(loader):
+        seen, previews = [], []
+        for i, b in enumerate(loader):
+            seen.append(ids(b))
+            if i in (2, 5):
+                previews.append(ids(next(iter(loader))))
+        return [seen, previews]
+
+    seen, previews = both(scenario, num_workers=workers, batch_size=10)
+    assert [x for b in seen for x in b] == list(range(N)) and previews == [list(range(10))] * 2
+    seen, previews = both(scenario, num_workers=workers, batch_size=10, shuffle=True)
+    assert sorted(x for b in seen for x in b) == list(range(N)) and len(previews) == 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_zip_of_a_loader_with_itself_gives_two_whole_epochs(shuffle, workers):
+    """Both iterators are made before either yields: torch draws each one's
+    base seed as it is made (and with workers its order too)."""
+    def scenario(loader):
+        return [[ids(a), ids(b)] for a, b in zip(loader, loader)]
+
+    out = both(scenario, num_workers=workers, batch_size=10, shuffle=shuffle)
+    assert len(out) == N // 10
+    for side in (0, 1):
+        assert sorted(x for pair in out for x in pair[side]) == list(range(N))
+
+
+def test_two_iterators_each_run_their_own_workers_to_the_end():
+    """Interleaved by hand, one abandoned halfway, then a third: each live
+    iterator yields its whole epoch, and nothing is left running (the
+    autouse guards check the processes)."""
+    def scenario(loader):
+        a, b = iter(loader), iter(loader)
+        got_a = [ids(next(a)) for _ in range(4)]
+        got_b = [ids(x) for x in b]
+        got_a += [ids(x) for x in a]
+        c = iter(loader)
+        half = [ids(next(c)) for _ in range(5)]
+        del c
+        return [got_a, got_b, half, full_epochs(loader, 1)[0]]
+
+    got_a, got_b, half, last = both(scenario, num_workers=2, batch_size=10, shuffle=True)
+    for epoch in (got_a, got_b, last):
+        assert sorted(x for b in epoch for x in b) == list(range(N))
+    assert len(half) == 5
+
+
+def test_with_persistent_workers_iter_resets_the_one_iterator_as_torch():
+    """torch keeps one iterator with persistent workers: iter() resets it,
+    so a peek inside the loop starts a new epoch that the loop goes on
+    with, and zip(loader, loader) alternates over one epoch."""
+    def peek(loader):
+        seen = []
+        for i, b in enumerate(loader):
+            seen.append(ids(b))
+            if i == 2:
+                seen.append(ids(next(iter(loader))))
+        return seen
+
+    def zipped(loader):
+        return [[ids(a), ids(b)] for a, b in zip(loader, loader)]
+
+    def same_object(loader):
+        return [iter(loader) is iter(loader)]
+
+    for scenario in (peek, zipped, same_object):
+        out = both(scenario, num_workers=2, persistent_workers=True, batch_size=10)
+    assert out == [True]
+
+
+def test_no_warning_torch_does_not_give_when_another_thread_is_alive():
+    """Issue 14 item 4 (repro_dl_fork_thread_warning.py): tqdm's monitor
+    thread or Lightning's process observer is alive as workers start; torch
+    says nothing, so under -W error neither may loader.DataLoader, at any
+    epoch, persistent or not."""
+    stop = threading.Event()
+    monitor = threading.Thread(target=stop.wait, name="monitor")
+    monitor.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for persistent in (False, True):
+                loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=8, num_workers=2,
+                                    persistent_workers=persistent)
+                for _ in range(3):
+                    assert torch.cat([b[0] for b in loader]).tolist() == list(range(40))
+                loader.close()
+    finally:
+        stop.set()
+        monitor.join()
+
+
+class NamedTupleDataset(tud.Dataset):
+    """Upstream TestNamedTupleDataLoader's dataset: the namedtuple lives in
+    the class body, so pickle cannot find it by its name ('Batch')."""
+    Batch = collections.namedtuple("Batch", ["data", "label"])
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return self.Batch(data=torch.full((2,), i), label=i)
+
+
+@pytest.mark.parametrize("batch_size", [2, None])
+def test_a_namedtuple_pickle_cannot_find_loads_without_workers(batch_size):
+    """Issue 14 item 6 (repro_dl_namedtuple_nw0.py): nothing leaves the
+    process with num_workers=0, so nothing may need pickling."""
+    def scenario(loader):
+        out = []
+        for b in loader:
+            assert type(b) is NamedTupleDataset.Batch
+            out.append([b.data.tolist(), torch.as_tensor(b.label).tolist()])
+        return out
+
+    out = both(scenario, dataset=NamedTupleDataset(), batch_size=batch_size, num_workers=0)
+    assert len(out) == (3 if batch_size else 6)
+
+
+def test_iterator_workers_are_the_worker_processes():
+    """Issue 14 item 8: upstream tests and tools read iterator._workers
+    (pid, is_alive(), join(), exitcode)."""
+    loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, num_workers=3)
+    it = iter(loader)
+    workers = it._workers
+    assert len(workers) == 3 and len({w.pid for w in workers}) == 3
+    assert all(w.is_alive() and w.exitcode is None for w in workers)
+    assert all(os.path.exists(f"/proc/{w.pid}") for w in workers)
+    assert torch.cat([b[0] for b in it]).tolist() == list(range(40))
+    for w in workers:  # without persistent workers they leave at the epoch's end
+        w.join(30)
+        assert not w.is_alive() and w.exitcode == 0
+    partial = iter(loader)
+    workers = partial._workers
+    assert next(partial)[0].tolist() == [0, 1, 2, 3]
+    del partial  # an abandoned iterator's workers leave too
+    for w in workers:
+        w.join(30)
+        assert not w.is_alive()
+    loader.close()
+    assert iter(DataLoader(TensorDataset(torch.arange(4)), num_workers=0))._workers == []
+
+
+def test_persistent_iterator_workers_stay_across_epochs_until_close():
+    loader = DataLoader(TensorDataset(torch.arange(20)), batch_size=5, num_workers=2,
+                        persistent_workers=True)
+    pids = []
+    for _ in range(2):
+        it = iter(loader)
+        pids.append([w.pid for w in it._workers])
+        assert len(list(it)) == 4
+        assert all(w.is_alive() for w in it._workers)
+    assert pids[0] == pids[1] and len(pids[0]) == 2
+    workers = it._workers
+    loader.close()
+    for w in workers:
+        w.join(30)
+        assert not w.is_alive()
+
+
+def test_a_loader_pickles_and_copies_without_its_workers():
+    """Frameworks pickle or deep-copy loaders (spawned processes, Lightning):
+    the copy has the arguments and starts workers of its own."""
+    import copy
+    import pickle
+
+    loader = DataLoader(TensorDataset(torch.arange(12)), batch_size=4, num_workers=2,
+                        persistent_workers=True)
+    assert [b[0].tolist() for b in loader][0] == [0, 1, 2, 3]  # the original runs its workers
+    for other in (pickle.loads(pickle.dumps(loader)), copy.deepcopy(loader)):
+        assert torch.cat([b[0] for b in other]).tolist() == list(range(12))
+        other.close()
+    assert torch.cat([b[0] for b in loader]).tolist() == list(range(12))
+    loader.close()
