@@ -15,17 +15,21 @@ NOTE [ ShmLoader processes and shutdown ]
 
 Main never sends anything: it starts runs, raises limits and stops the
 others by storing ctl words and ringing bells, so no state of the children
-can block it.  All shared memory is anonymous (shmq.shared_array, and
+can block it.  All shared memory is anonymous (shmq.shared_array, memfds,
 anonymous queues in memfds) and created before the fork: nothing has a
-name, so no crash of any process can leave anything in /dev/shm.
+name, so no crash of any process can leave anything in /dev/shm.  The
+rings carry small records only: a message larger than SPILL_BYTES travels
+in its sender's region of the spill heap (NOTE [ Spilled messages ] in
+_spill.py).
 
 Slab leases: the collator allocates a slab per batch from the arena under
-(lease, generation).  Main views the slab through an array whose base
-object (a SlabLease, _leases.pxi) every batch array keeps alive; when the
-last one dies, compiled code stores the generation into released[lease]
+(lease, generation).  Main views the slab through a SlabLease (_leases.pxi)
+and each array leaf through a leaf lease that keeps it alive; when the
+last leaf dies, compiled code stores the generation into released[lease]
 (release) and rings the collator's bell, running no Python bytecode, so a
 Ctrl-C there is not lost.  The collator reuses a slab only after its
-acquire load sees that store.
+acquire load sees that store.  Main also releases a slab whose live leaves
+it has moved out of the pool (NOTE [ Kept batch memory ] in _leases.pxi).
 
 The collator never blocks its loop: it takes messages without waiting,
 sleeps only on its bell, and keeps what main's ring cannot take in an
