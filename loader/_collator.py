@@ -391,6 +391,9 @@ class Collator:
         if slab is None:
             if (p.run, b.index) not in self.waiting:
                 self.waiting.append((p.run, b.index))
+            # A level, not only the message: main may hand out the batch
+            # that holds the memory only after it saw MemoryWait.
+            shmq.atomic_store(self.control.ctl, C.MEMORY_WAIT, 1)
             if not self.told_memory_wait:
                 self.told_memory_wait = True
                 self._send(P.MemoryWait(self.slabs.held_bytes, self.slabs.capacity,
@@ -418,6 +421,8 @@ class Collator:
             held, b.held_rows = b.held_rows, []
             for msg in held:
                 self._sample_row(p, msg)
+        if not self.waiting:
+            shmq.atomic_store(self.control.ctl, C.MEMORY_WAIT, 0)
 
     def _entry_free(self, p: _Pass, b: _Batch) -> bool:
         entry = self.table.entry(p.run, b.index)

@@ -84,6 +84,7 @@ STOP = 0            # 1 once main stops the loader (see NOTE [ ShmLoader process
 LATEST_RUN = 1      # id of the latest run started
 OUTBOX = 2          # 1 while the collator holds messages main's full ring could not take
 ACTIVE = 3          # num_workers="auto": workers with a lower id claim units (see _autoscale.py)
+MEMORY_WAIT = 4     # 1 while a batch waits for slab memory (NOTE [ Kept batch memory ])
 RUN_BASE = 8
 RUN_WORDS = 16
 (ID, EPOCH, SIZE, KEPT, UNITS, NBATCHES, ORDER, ORDER_SEED, SHIPPED, BASE_SEED, SNAPSHOT,

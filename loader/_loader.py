@@ -481,6 +481,8 @@ class ShmLoader:
         checking the children and the deadline (the loader's timeout)."""
         control = self._shared.control
         while True:
+            if shmq.atomic_load(control.ctl, C.MEMORY_WAIT):
+                self._move_kept_out(partial_only=False)  # NOTE [ Kept batch memory ]
             try:
                 msg = self._shared.receive(self._shared.to_main.get(timeout=P.WAIT_SLICE_S))
             except shmq.Empty:
