@@ -14,6 +14,7 @@ import time
 
 from loader import _protocol as P
 from loader._errors import WorkerError
+from loader._layout import align
 from loader._stats import EpochClock
 
 
@@ -95,7 +96,7 @@ class _Epoch:
         scaler = getattr(self.loader, "_autoscaler", None)
         if scaler is not None:
             scaler.batch_handed_out()
-        self.clock.bytes += msg.slab.nbytes
+        self.clock.bytes += align(msg.tags + 8 * msg.rows)  # the batch, not its whole pages
         return self.loader._batch(msg)
 
     def _run_ended(self, msg: P.RunEnded) -> None:

@@ -51,6 +51,9 @@ cdef extern from "sys/mman.h" nogil:
     int munmap(void *addr, size_t length)
     void *mremap(void *old_address, size_t old_size, size_t new_size, int flags, void *new_address)
 
+cdef extern from "unistd.h" nogil:
+    int close_fd "close"(int fd)
+
 cdef extern from "signal.h" nogil:
     int raise_signal "raise"(int sig)
 
@@ -85,6 +88,24 @@ cdef int _by_addr(const void *a, const void *b) noexcept nogil:
     return -1 if x < y else (1 if x > y else 0)
 
 
+cdef class ArenaFile:
+    """The arena's memfd in main (a duplicate), shared by the book and its
+    mappings, so that closing it is seen by every mapping at once."""
+
+    cdef int fd
+
+    def __cinit__(self):
+        self.fd = -1
+
+    cdef void close(self) noexcept:
+        if self.fd >= 0:
+            close_fd(self.fd)
+            self.fd = -1
+
+    def __dealloc__(self):
+        self.close()
+
+
 @cython.no_gc_clear
 cdef class ArenaMap:
     """One mapping of the arena (its memfd) in main, through which slabs
@@ -92,7 +113,7 @@ cdef class ArenaMap:
 
     cdef char *addr
     cdef Py_ssize_t nbytes
-    cdef int fd
+    cdef ArenaFile file            # None: not to be mapped again (arena_array)
     cdef Py_ssize_t held_slabs    # slabs viewed here, held and not evicted
     cdef bint current             # new slabs are viewed here
     cdef bint retired             # only its kept runs are still mapped
@@ -103,12 +124,12 @@ cdef class ArenaMap:
         self.addr = NULL
         self.runs = NULL
 
-    cdef int open(self, int fd, Py_ssize_t nbytes) except -1:
+    cdef int open(self, int fd, Py_ssize_t nbytes, ArenaFile file) except -1:
         cdef void *p = mmap(NULL, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0)
         if p == MAP_FAILED:
             raise OSError(errno, f"cannot map the batch arena ({nbytes} bytes): "
                                  f"{os.strerror(errno)}")
-        self.addr, self.nbytes, self.fd, self.current = <char *>p, nbytes, fd, True
+        self.addr, self.nbytes, self.file, self.current = <char *>p, nbytes, file, True
         return 0
 
     cdef Py_ssize_t add_run(self, char *addr, Py_ssize_t nbytes) except -1:
@@ -127,11 +148,11 @@ cdef class ArenaMap:
         cdef Run *r = &self.runs[i]
         if self.retired:
             munmap(r.addr, r.nbytes)
-        else:
+        elif self.file is not None and self.file.fd >= 0:
             # Map the arena back under it, so the mapping is whole again
             # when it is retired (unmapped around the live runs).
             mmap(r.addr, r.nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_NORESERVE,
-                 self.fd, r.addr - self.addr)
+                 self.file.fd, r.addr - self.addr)
         r.nbytes = 0
 
     cdef void slab_gone(self) noexcept nogil:
@@ -163,6 +184,18 @@ cdef class ArenaMap:
         free(self.runs)
 
 
+def arena_array(int fd, Py_ssize_t nbytes):
+    """A uint8 array over a shared mapping of the memfd fd (nbytes long).
+    Not mmap.mmap: it keeps a duplicate of fd open for as long as any
+    array views it, so a loader's start failure or close would leave it."""
+    cdef ArenaMap m = ArenaMap.__new__(ArenaMap)
+    m.open(fd, nbytes, None)
+    cdef cnp.npy_intp dims = nbytes
+    arr = cnp.PyArray_SimpleNewFromData(1, &dims, cnp.NPY_UINT8, m.addr)
+    cnp.set_array_base(arr, m)
+    return arr
+
+
 @cython.no_gc_clear
 cdef class KeptRun:
     """Pages of an evicted slab the user still holds, now private at the
@@ -192,7 +225,7 @@ cdef class LeaseBook:
 
     cdef object released_array, bell
     cdef ArenaMap map                # where new slabs are viewed
-    cdef int fd
+    cdef ArenaFile file
     cdef Py_ssize_t arena_bytes
     cdef int64_t *released
     cdef Py_ssize_t max_leases
@@ -208,13 +241,13 @@ cdef class LeaseBook:
         self.held_offset = self.held_bytes = NULL
         self.holder = NULL
         self.page_users = NULL
-        self.fd = -1
 
     def __init__(self, int arena_fd, Py_ssize_t arena_bytes, cnp.ndarray released not None,
                  Bell bell not None):
         if released.dtype != np.int64 or not released.flags.c_contiguous or released.ndim != 1:
             raise TypeError("released is a 1-d C-contiguous int64 array")
-        self.fd = os.dup(arena_fd)  # ours: it outlives the loader's while batches are held
+        self.file = ArenaFile.__new__(ArenaFile)
+        self.file.fd = arena_fd  # ours now: it outlives the loader while batches are held
         self.arena_bytes = arena_bytes
         self.map = self._new_map()
         self.released_array, self.bell = released, bell
@@ -228,7 +261,7 @@ cdef class LeaseBook:
 
     cdef ArenaMap _new_map(self):
         cdef ArenaMap m = ArenaMap.__new__(ArenaMap)
-        m.open(self.fd, self.arena_bytes)
+        m.open(self.file.fd, self.arena_bytes, self.file)
         return m
 
     def __dealloc__(self):
@@ -236,8 +269,6 @@ cdef class LeaseBook:
         free(self.held_bytes)
         free(self.holder)
         free(self.page_users)
-        if self.fd >= 0:
-            os.close(self.fd)
 
     @property
     def held(self):
@@ -346,6 +377,9 @@ cdef class LeaseBook:
         others go back as their slabs are dropped."""
         if self.closed:
             return
+        # No mapping is made after close, and none holds the fd open: a kept
+        # run that dies now keeps its pages until its mapping goes (run_gone).
+        self.file.close()
         cdef Py_ssize_t npages = (self.arena_bytes + PAGE_BYTES - 1) // PAGE_BYTES
         cdef Py_ssize_t i, p, first, last
         self.page_users = <uint32_t *>calloc(npages + 1, sizeof(uint32_t))

@@ -357,6 +357,12 @@ class ShmLoader:
         except BaseException as e:
             raise start_error(e, "create its shared memory") from e
         try:
+            leases = LeaseBook(shared.take_arena_fd(), shared.arena.nbytes, shared.released,
+                               shared.control.collator_bell)
+        except BaseException as e:
+            shared.close()
+            raise start_error(e, "create its shared memory") from e
+        try:
             specs = [(f"worker {i}", worker_main, (cfg, shared, i)) for i in range(self.num_workers)]
             specs.append(("the collator", collator_main, (cfg, shared)))
             self._procs = (start_threads(specs) if self._threads
@@ -368,8 +374,7 @@ class ShmLoader:
         if self.auto:
             shared.control.set_active(self.num_workers)
             self._autoscaler = Autoscaler(self, self.num_workers, self.max_workers)
-        self._leases = LeaseBook(shared.arena_fd, shared.arena.nbytes, shared.released,
-                                 shared.control.collator_bell)
+        self._leases = leases
         self._pinned = self._pin_chunks()
         self._next_child_check = 0.0
 

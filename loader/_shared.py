@@ -4,7 +4,6 @@ memory main creates before it forks."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import pickle
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ import numpy as np
 
 import shmq
 from loader._control import Control
+from loader._native import arena_array
 from loader._slabs import MAX_LEASES
 from loader._spill import SpillHeap, SpillWriter
 from loader._stats import start_idle
@@ -113,8 +113,12 @@ class SharedState:
         # The batch memory, in a memfd: main maps it again to view slabs, and
         # again after moving kept batches out of it (NOTE [ Kept batch memory ]).
         self.arena_fd = os.memfd_create("shmloader-arena", os.MFD_CLOEXEC)
-        os.ftruncate(self.arena_fd, cfg.memory_cap_bytes)
-        self.arena = np.frombuffer(mmap.mmap(self.arena_fd, cfg.memory_cap_bytes), np.uint8)
+        try:
+            os.ftruncate(self.arena_fd, cfg.memory_cap_bytes)
+            self.arena = arena_array(self.arena_fd, cfg.memory_cap_bytes)
+        except BaseException:
+            os.close(self.arena_fd)
+            raise
         self.released = shmq.shared_array(MAX_LEASES, np.int64)
         workers = max(cfg.num_workers, cfg.max_workers, 1)  # ids of workers added later too
         self.hazards = shmq.shared_array(workers, np.int64)
@@ -144,6 +148,11 @@ class SharedState:
             self.close()
             raise
         self.to_collator, self.to_main = self.rings
+
+    def take_arena_fd(self) -> int:
+        """The arena's memfd, for main's LeaseBook, which closes it."""
+        fd, self.arena_fd = self.arena_fd, -1
+        return fd
 
     def spill_writer(self, region: int) -> SpillWriter | None:
         """The sending side of a process's spill region (None for threads)."""

@@ -309,7 +309,7 @@ def test_a_child_killed_while_kept_batches_move_out(victim, monkeypatch):
     killed = []
 
     def move_and_kill(self, partial_only):
-        if not killed:
+        if not killed and self._leases.held:  # kept batches about to move
             child = next(c for c in self._procs if c.role == victim)
             os.kill(child.pid, signal.SIGKILL)
             killed.append(child.pid)
@@ -322,7 +322,7 @@ def test_a_child_killed_while_kept_batches_move_out(victim, monkeypatch):
         with pytest.raises(WorkerError) as info:
             for batch in ld:
                 kept.append(batch)
-    assert killed and len(kept) >= 3
+    assert killed and kept
     assert victim in str(info.value) and f"pid {killed[0]}" in str(info.value)
     for k, (x, y) in enumerate(kept):
         ids = torch.arange(100 * k, 100 * (k + 1))

@@ -97,8 +97,7 @@ def test_leases_release_when_the_last_view_dies_and_discard_after_close():
     bells = shmq.shared_array(2, np.int32)
     bell = Bell(bells, 0)
     bells[1] = 1                               # a sleeper: ring() bumps the sequence
-    book = LeaseBook(fd, 1 << 20, released, bell)
-    os.close(fd)                               # the book keeps its own
+    book = LeaseBook(fd, 1 << 20, released, bell)   # the book owns fd now
     v = book.view(3, 7, 8192, 4096)
     batch = v[:16].view(np.float32)            # an array of the batch keeps the slab alive
     del v

@@ -12,6 +12,7 @@ import pytest
 import shmq
 from loader import DataStallWarning, ShmLoader
 from loader import _stats
+from loader._slabs import slab_bytes
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -58,7 +59,7 @@ def test_counts_bytes_and_pool_per_epoch():
         assert s["bytes"] % 200 == 0 and 7200 <= s["bytes"] // 200 <= 7200 + 128, s
         assert s["bytes"] == inline_stats["bytes"]  # the same batches, without workers
         assert 0 < s["peak_slab_bytes"] <= s["memory_cap_bytes"] == loader.memory_cap_bytes
-        assert s["peak_slab_bytes"] % (s["bytes"] // 200) == 0  # whole slabs
+        assert s["peak_slab_bytes"] % slab_bytes(s["bytes"] // 200) == 0  # whole slabs
         assert 0 < s["loop_wait_seconds"] <= s["seconds"]
         assert s["loop_wait_share"] == pytest.approx(s["loop_wait_seconds"] / s["seconds"])
         assert s["bytes_per_second"] == pytest.approx(s["bytes"] / s["seconds"])
