@@ -24,13 +24,15 @@ sender's ring leads to), and a reader takes a sender's records in the
 order they were sent (a ring keeps each producer's order), so a region is
 a byte log: positions only grow, and TAIL says that every block before it
 is free.  A block never wraps: one that would cross the end of the region
-starts the next lap.  When the log is empty (TAIL == HEAD) the next block
-starts the next lap, at offset 0, so the same few pages are reused warm.
+starts the next lap.  The log wraps early, to offset 0 of the next lap,
+when it is empty or when it has run past twice what is live and the start
+is free again, so a busy log cycles over pages it has touched (fresh pages
+fill at a fraction of memory speed).
 
 Sizes: R is the machine's RAM, so a message is bounded by memory alone;
 the heap is mapped with no reservation, and only pages written are memory.
-A region keeps RETAIN_BYTES of pages faulted in across laps; pages a rare
-huge message touched beyond that are given back when the log is empty.
+A region keeps the pages of its window (RETAIN_BYTES at least) faulted in;
+pages a rare huge message touched beyond it go back when the log is empty.
 
 HEAD and LAP (where the log last started afresh: everything before it is
 free) live in shared memory so that a worker started again under the same
@@ -164,12 +166,18 @@ class SpillWriter:
         if n > r:
             raise MemoryError(f"a message of {n} bytes between the loader's processes is larger "
                               f"than this machine's memory ({r} bytes)")
+        # The pages the log cycles through: twice what is live with this block,
+        # so a busy log wraps onto pages it has touched instead of fresh ones.
+        window = max(RETAIN_BYTES, 2 * (head - tail + n))
+        lap = -(-head // r) * r   # the next lap's start (head itself, on a lap boundary)
         if tail >= head:  # empty: start a lap, on the pages used before
-            pos = self.lap = -(-head // r) * r
+            pos = self.lap = lap
             shmq.atomic_store(self.heap.words, self.region_id * _HEADER_WORDS + LAP, pos)
-            self._give_back_extra()
+            self._give_back_beyond(window)
+        elif head % r + n > window and lap + n - tail <= r:
+            pos = lap     # the start of the region is free again: wrap early
         else:
-            pos = head if head % r + n <= r else -(-head // r) * r
+            pos = head if head % r + n <= r else lap
             if pos + n - tail > r:
                 raise MemoryError(
                     f"messages of {head - tail} bytes sent to another of the loader's processes "
@@ -178,10 +186,12 @@ class SpillWriter:
         self.touched = max(self.touched, pos % r + n)
         return pos
 
-    def _give_back_extra(self) -> None:
-        if self.touched > RETAIN_BYTES:
-            shmq.discard_pages(self.region[RETAIN_BYTES:self.touched])
-            self.touched = RETAIN_BYTES
+    def _give_back_beyond(self, window: int) -> None:
+        """The log is empty: pages past the window (a rare huge message's)
+        go back to the system."""
+        if self.touched > window:
+            shmq.discard_pages(self.region[window:self.touched])
+            self.touched = window
 
 
 def _decode(block: np.ndarray):
