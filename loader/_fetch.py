@@ -45,6 +45,13 @@ def batch_fetcher(dataset, batch_size, iterable: bool):
     return fetch if fetch else None
 
 
+def seed_call(seeder, epoch: int, indices: list, start: int) -> None:
+    """reproducible=True: seed the generators for one call, from its
+    first index (a sampler's non-int index: the batch's first position)."""
+    first = indices[0]
+    seeder(epoch, BATCH_STREAM, first if type(first) is int else start | (1 << 62))
+
+
 def indices_of(order, start: int, stop: int) -> list:
     """The dataset indices at positions [start, stop) of a run's order, as
     torch's BatchSampler hands them over: a list (of ints, or of the

@@ -125,8 +125,7 @@ class InlineEpoch:
         _fetch.py); its error is raised as it is, as torch raises it, with
         a note naming the batch's indices."""
         if self.seeder is not None:
-            first = indices[0]
-            self.seeder(self.epoch, F.BATCH_STREAM, first if type(first) is int else start | (1 << 62))
+            F.seed_call(self.seeder, self.epoch, indices, start)
         try:
             samples = self.fetch(indices)
         except Exception as e:

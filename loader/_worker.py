@@ -459,8 +459,7 @@ class Worker:
         run ended.  See NOTE [ Batched fetch ] in _fetch.py."""
         dataset = self.cfg.dataset
         if self.seeder is not None:
-            first = indices[0]
-            self.seeder(epoch, F.BATCH_STREAM, first if type(first) is int else start | (1 << 62))
+            F.seed_call(self.seeder, epoch, indices, start)
         try:
             samples = F.checked(dataset, indices, dataset.__getitems__(indices))
         except Exception as e:

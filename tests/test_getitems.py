@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
 from torch.utils.data import StackDataset, Subset  # noqa: E402
 
 from loader import DataLoader, ShmLoader  # noqa: E402
@@ -144,7 +145,7 @@ def test_subset_and_stackdataset_match_torch(workers):
         got = list(DataLoader(ds, batch_size=6, num_workers=workers))
         assert len(got) == len(want) == -(-len(ds) // 6)
         for g, w in zip(got, want):
-            flat_g, flat_w = torch.utils._pytree.tree_flatten(g), torch.utils._pytree.tree_flatten(w)
+            flat_g, flat_w = tree_flatten(g), tree_flatten(w)
             assert flat_g[1] == flat_w[1]
             assert all(torch.equal(a, b) for a, b in zip(flat_g[0], flat_w[0]))
     with ShmLoader(sub, batch_size=6, num_workers=workers) as ld:
