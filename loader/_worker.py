@@ -464,7 +464,7 @@ class Worker:
             samples = F.checked(dataset, indices, dataset.__getitems__(indices))
         except Exception as e:
             self.channel.failed(run, batch, -1, -1, e,
-                                f"{F.where(dataset, indices)} (batch {batch}), in worker {self.id}")
+                                f"{F.where(dataset, indices)}, in worker {self.id}")
             return True
         if self.cfg.per_batch:
             output = self._collate(run, batch, samples)

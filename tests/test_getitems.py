@@ -41,6 +41,8 @@ class Batched:
         raise AssertionError(f"dataset[{i}] called: __getitems__ should have been")
 
     def __getitems__(self, indices):
+        # torch's contract: a list of plain ints (as BatchSampler makes it)
+        assert type(indices) is list and all(type(i) is int for i in indices), indices
         if self.fail_on in indices:
             raise KeyError(f"no sample {self.fail_on}")
         d = (np.random.rand(), random.random(), torch.rand(1).item()) if self.draws else (0, 0, 0)
@@ -93,6 +95,19 @@ def test_shmloader_fetches_each_batch_with_one_call(workers, in_order):
         assert first == expected
     else:  # first-ready: the sampler's batches, in arrival order
         assert sorted(first) == sorted(expected)
+
+
+@pytest.mark.parametrize("kw", [dict(num_workers="auto"), dict(worker_mode="thread"),
+                                dict(num_workers=3, batch_sampler=[[5, 1], [9, 9, 0], [7]])])
+def test_auto_workers_threads_and_batch_samplers_fetch_by_batch(kw):
+    expected = [[5, 1], [9, 9, 0], [7]] if "batch_sampler" in kw else [
+        list(range(s, min(s + 8, N))) for s in range(0, N, 8)]
+    with ShmLoader(Batched(), batch_size=1 if "batch_sampler" in kw else 8, **kw) as ld:
+        for _ in range(2):
+            batches = list(ld)
+            assert [np.asarray(b["i"]).tolist() for b in batches] == expected
+            assert [np.asarray(b["rows"]).tolist() for b in batches] == [
+                [len(e)] * len(e) for e in expected]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
