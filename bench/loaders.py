@@ -674,6 +674,88 @@ def run_auto(samples, epochs):
               f"run, {rates['auto'][1] / best_last:.2f} over the last epoch")
 
 
+def _token_table(rows, tokens, path):
+    """W14's dataset: rows x tokens int32 ids in an Arrow stream file on
+    disk (written in chunks, so the table never has to fit in memory),
+    memory-mapped by datasets as any saved dataset is."""
+    import datasets
+    import pyarrow as pa
+
+    schema = pa.schema([("ids", pa.list_(pa.int32(), tokens))])
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, schema) as out:
+        for start in range(0, rows, 10_000):
+            n = min(10_000, rows - start)
+            flat = (np.arange(n * tokens, dtype=np.int64) + start * tokens) % 50_257
+            out.write_batch(pa.record_batch([pa.FixedSizeListArray.from_arrays(
+                pa.array(flat.astype(np.int32)), tokens)], schema=schema))
+    return datasets.Dataset.from_file(path)
+
+
+def _timed_batches(loader, n, warmup=20):
+    """(batches/s, main-thread CPU ms per batch) over n batches after
+    `warmup` (workers started, memory touched), across epoch ends."""
+    it, taken = iter(loader), 0
+
+    def take():
+        nonlocal it
+        try:
+            return next(it)
+        except StopIteration:
+            it = iter(loader)
+            return next(it)
+
+    for _ in range(warmup):
+        take()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(n):
+        b = take()
+        taken += 1
+        del b
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    del it
+    return taken / wall, cpu / taken * 1e3
+
+
+def run_w14(rows, batches, tokens=1024, batch_size=32, workers=2):
+    """W14: a Hugging Face datasets.Dataset of token ids read through its
+    __getitems__ (one Arrow slice per batch), shuffled, 2 workers."""
+    import tempfile
+
+    import torch.utils.data as tud
+
+    from loader import DataLoader
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # one format for all: "torch" converts row by row inside datasets, which
+        # then costs the same in every loader and hides what the loaders do
+        ds = _token_table(rows, tokens, os.path.join(tmp, "tokens.arrow")).with_format("numpy")
+        makers = {
+            "ShmLoader": lambda: ShmLoader(ds, batch_size=batch_size, shuffle=True,
+                                           num_workers=workers, seed=0),
+            "loader.DataLoader": lambda: DataLoader(
+                ds, batch_size=batch_size, shuffle=True, num_workers=workers,
+                persistent_workers=True),
+            "PyTorch DataLoader": lambda: tud.DataLoader(
+                ds, batch_size=batch_size, shuffle=True, num_workers=workers,
+                persistent_workers=True),
+        }
+        results = {}
+        for kind, new in makers.items():
+            loader = new()
+            try:
+                results[kind] = _timed_batches(loader, batches)
+            finally:
+                close(loader)
+        del ds
+    gb = rows * tokens * 4 / 1e9
+    print(f"\nW14 datasets.Dataset: {rows} rows x {tokens} int32 ({gb:.2f} GB of Arrow), batch "
+          f"{batch_size}, shuffled, {workers} workers, {batches} batches after 20")
+    print(f"{'loader':<20} {'batch/s':>9} {'main CPU/batch':>15} {'vs PyTorch':>11}")
+    torch_bps = results["PyTorch DataLoader"][0]
+    for kind, (bps, cpu) in results.items():
+        print(f"{kind:<20} {bps:>9.1f} {cpu:>12.3f} ms {bps / torch_bps:>10.2f}x")
+
+
 WORKLOADS = {
     "W1": lambda args: run_w1(args.batches, args.warmup),
     "W2": lambda args: run_small("W2 tiny (10, 150) float64", W2, BATCH, 60),
@@ -684,6 +766,7 @@ WORKLOADS = {
     "W9": lambda args: run_w9(400_000, 4, 256, 8192),
     "W10": lambda args: run_w10(512, 4),
     "AUTO": lambda args: run_auto(3000, 6),
+    "W14": lambda args: run_w14(200_000, 600),  # 0.8 GB of Arrow in a temporary directory
 }
 
 

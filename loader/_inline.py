@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+from loader import _fetch as F
 from loader import _order as O
 from loader._stats import EpochClock
 from loader._layout import Layout, LayoutCache, materialize, signature_and_leaves, stack
@@ -69,6 +70,8 @@ class InlineEpoch:
             order = None if order is None else order[:plan.kept]
         self.geometry = self.progress.batches = O.Batches(plan.kept, ld._rows, plan.offsets)
         self.index_of = O.index_getter(order)
+        self.order = order
+        self.fetch = F.batch_fetcher(ld.dataset, ld.batch_size, False)
 
     def __next__(self):
         t0 = time.perf_counter_ns()  # all of next() is the training loop waiting
@@ -101,7 +104,10 @@ class InlineEpoch:
         start, stop = self.geometry.span(k)
         saved = _SavedGenerators() if self.seeder is not None else None
         try:
-            samples = [self._load(self.index_of(pos), pos) for pos in range(start, stop)]
+            if self.fetch is not None:
+                samples = self._fetch(F.indices_of(self.order, start, stop), start)
+            else:
+                samples = [self._load(self.index_of(pos), pos) for pos in range(start, stop)]
         finally:
             if saved is not None:
                 saved.restore()
@@ -113,6 +119,19 @@ class InlineEpoch:
         if self.seeder is not None:  # a sampler's non-int index: seeded by its position
             self.seeder(self.epoch, 0, index if type(index) is int else pos | (1 << 62))
         return self.loader.dataset[index]
+
+    def _fetch(self, indices: list, start: int) -> list:
+        """One __getitems__ call for the batch (NOTE [ Batched fetch ] in
+        _fetch.py); its error is raised as it is, as torch raises it, with
+        a note naming the batch's indices."""
+        if self.seeder is not None:
+            F.seed_call(self.seeder, self.epoch, indices, start)
+        try:
+            samples = self.fetch(indices)
+        except Exception as e:
+            e.add_note(F.where(self.loader.dataset, indices))
+            raise
+        return F.checked(self.loader.dataset, indices, samples)
 
     def _next_of_stream(self):
         ld = self.loader

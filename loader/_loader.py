@@ -19,6 +19,7 @@ import numpy as np
 
 import shmq
 from loader import _control as C
+from loader import _fetch as F
 from loader import _order as O
 from loader import _protocol as P
 from loader._autoscale import Autoscaler, cpu_count, default_max_workers
@@ -333,6 +334,10 @@ class ShmLoader:
                 f"this ShmLoader belongs to process {self._owner_pid}; a process forked from it "
                 f"(this is {os.getpid()}) cannot use it: create a new ShmLoader here")
 
+    def _batched_fetch(self) -> bool:
+        """One dataset.__getitems__ call per batch (NOTE [ Batched fetch ])."""
+        return F.batch_fetcher(self.dataset, self.batch_size, self.iterable) is not None
+
     def _ranks(self) -> tuple[int, int]:
         """(rank, world size) this loader shards epochs for."""
         if self.distributed is True:
@@ -351,6 +356,7 @@ class ShmLoader:
             parent_pid=0 if self._threads else os.getpid(), rank=self._rank, world=self._world,
             threads=self._threads, max_workers=self.max_workers,
             whole_batches=self._torch_rules and not self.iterable,
+            batched_fetch=self._batched_fetch(),
             shuffle_buffer=self.shuffle_buffer)
         try:
             shared = SharedState(cfg)
@@ -715,7 +721,8 @@ class ShmLoader:
         nbatches = len(offsets) - 1 if offsets is not None else (
             kept if self.batch_size is None else -(-kept // self.batch_size))
         per_batch = self.collate_fn is not None or self.batch_size is None  # tags are units
-        claims_batches = per_batch or (self._torch_rules and self.num_workers > 0)
+        claims_batches = per_batch or (
+            (self._torch_rules or self._batched_fetch()) and self.num_workers > 0)
         units = nbatches if claims_batches else kept
         progress = MapProgress(len(done) if done is not None else kept, done, remap,
                                O.Batches(kept, self._rows, offsets), per_batch)

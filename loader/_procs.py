@@ -104,6 +104,16 @@ _FORK_WARNING = ("ignore", re.compile(r".*multi-threaded.*fork", re.I), Deprecat
                  None, 0)
 
 
+def _risky_threads() -> int:
+    """Python threads besides this one that could hold a lock across the
+    fork.  tqdm's monitor does not count: every progress bar starts it
+    (datasets' save_to_disk, map, from_parquet), it only sleeps on an event
+    and takes tqdm's own lock, which a worker does not need."""
+    me = threading.current_thread()
+    return sum(1 for t in threading.enumerate()
+               if t is not me and type(t).__module__ != "tqdm._monitor")
+
+
 def fork_children(specs, advise: bool = True) -> list[Child]:
     """Fork one child per (role, target, args); each runs target(*args) and
     exits.  If any fork fails, the children already started are killed and
@@ -111,11 +121,12 @@ def fork_children(specs, advise: bool = True) -> list[Child]:
     advise=False: no warning about other threads (loader.DataLoader gives
     none that torch's does not give)."""
     global _advised_threads
-    if advise and not _advised_threads and threading.active_count() > 1:
+    others = _risky_threads()
+    if advise and not _advised_threads and others:
         _advised_threads = True  # (before: with -W error the warning raises)
         warnings.warn(
             f"ShmLoader forks {len(specs)} processes from a process running "
-            f"{threading.active_count()} threads; a lock another thread holds at the fork stays "
+            f"{others + 1} threads; a lock another thread holds at the fork stays "
             f"locked in the children and can hang them. Create the loader (and iterate it once) "
             f"before starting threads, or make sure they hold no locks the dataset uses",
             RuntimeWarning, stacklevel=4)

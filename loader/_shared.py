@@ -51,6 +51,8 @@ class LoaderConfig:
     shuffle_buffer: int = 0       # iterable datasets: samples mixed in each worker's window
     threads: bool = False         # worker_mode="thread": workers and collator are threads
     max_workers: int = 0          # num_workers="auto": the most workers there can be (else 0)
+    batched_fetch: bool = False   # one dataset.__getitems__ call per batch (NOTE [ Batched
+                                  # fetch ] in _fetch.py)
 
     @property
     def per_batch(self) -> bool:
@@ -61,7 +63,7 @@ class LoaderConfig:
     @property
     def claims_batches(self) -> bool:
         """A run's units are batches, not positions."""
-        return self.per_batch or self.whole_batches
+        return self.per_batch or self.whole_batches or self.batched_fetch
 
     @property
     def rows_per_batch(self) -> int:

@@ -16,6 +16,7 @@ import numpy as np
 
 import shmq
 from loader import _control as C
+from loader import _fetch as F
 from loader import _order as O
 from loader import _protocol as P
 from loader._native import DROPPED, ENDED, RowWriter, RunCounters, StreamSlots, derived_seeds
@@ -285,7 +286,7 @@ class Worker:
             return self._stream_run(run)
         epoch = self.control.read(run, C.EPOCH)
         order, batches = self._order(run)
-        if self.cfg.whole_batches:
+        if self.cfg.whole_batches or self.cfg.batched_fetch:
             self._whole_batch_run(run, epoch, order, batches)
         elif self.cfg.per_batch:
             self._batch_run(run, epoch, order, batches)
@@ -401,14 +402,15 @@ class Worker:
                     return
 
     def _next_batches(self, run: int, count: int):
-        """The batches this worker loads whole: in order, id, id + W,
-        id + 2W... as torch assigns them (so that what a dataset draws from
-        the generators torch seeded per worker lands in the same samples);
-        out of order, as claimed."""
-        if self.cfg.in_order:
+        """The batches this worker loads whole: DataLoader in order, id,
+        id + W, id + 2W... as torch assigns them (so that what a dataset
+        draws from the generators torch seeded per worker lands in the same
+        samples); else as claimed, so that a slow batch never holds up the
+        batches behind it."""
+        if self.cfg.in_order and self.cfg.whole_batches:
             yield from range(self.id, count, max(self.cfg.num_workers, 1))
             return
-        while (unit := self.counters.claim(run)) >= 0 and unit < count:
+        while self._may_claim(run, count) and 0 <= (unit := self.counters.claim(run)) < count:
             yield unit
 
     def _whole_batch_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
@@ -421,6 +423,11 @@ class Worker:
             if not self._wait_to_load(run, batch):
                 return
             start, stop = batches.span(batch)
+            if cfg.batched_fetch:
+                if not self._fetched_batch(run, epoch, batch, F.indices_of(order, start, stop),
+                                           start):
+                    return
+                continue
             samples = []
             for row, pos in enumerate(range(start, stop)):
                 index = index_of(pos)
@@ -444,6 +451,35 @@ class Worker:
                     output = self._collate(run, batch, samples)
                     if output is not _FAILED and not self._place_output(run, batch, output, batch):
                         return
+
+    def _fetched_batch(self, run: int, epoch: int, batch: int, indices: list,
+                       start: int) -> bool:
+        """Load a batch with one __getitems__ call and place its samples in
+        their rows (or its collated output: a collate_fn).  False once the
+        run ended.  See NOTE [ Batched fetch ] in _fetch.py."""
+        dataset = self.cfg.dataset
+        if self.seeder is not None:
+            F.seed_call(self.seeder, epoch, indices, start)
+        try:
+            samples = F.checked(dataset, indices, dataset.__getitems__(indices))
+        except Exception as e:
+            self.channel.failed(run, batch, -1, -1, e,
+                                f"{F.where(dataset, indices)}, in worker {self.id}")
+            return True
+        if self.cfg.per_batch:
+            output = self._collate(run, batch, samples)
+            return output is _FAILED or self._place_output(run, batch, output, batch)
+        rows, place = len(samples), self.writer.place
+        for row, sample in enumerate(samples):
+            try:
+                if place(run, batch, row, rows, start + row, sample) == ENDED:
+                    return False
+            except Exception as e:  # a CollateError, or a file read failing (FileDataset)
+                self.channel.failed(run, batch, start + row, -1, e,
+                                    f"in worker {self.id}, placing sample {indices[row]!r} "
+                                    f"(returned by __getitems__) in its batch")
+                return True
+        return True
 
     def _collate(self, run: int, batch: int, samples: list):
         if self.cfg.collate_fn is None:  # batch_size=None: the sample is the batch
