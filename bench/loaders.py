@@ -749,8 +749,8 @@ def main(argv=None):
     if args.plot:
         from plot import plot_ratios
 
-        plot_ratios(RATIOS, args.plot, f"ShmLoader side by side, {', '.join(chosen)}; "
-                                       f"{time.strftime('%Y-%m-%d')}, {machine()}")
+        plot_ratios(RATIOS, args.plot, f"ShmLoader side by side: {', '.join(chosen)}, "
+                                       f"{time.strftime('%Y-%m-%d')}\n{machine()}")
         print(f"\nratios drawn in {args.plot}")
 
 

@@ -4,11 +4,15 @@ in one run; called from bench/loaders.py (--workloads W11,W12,W13,KEEP).
 
 Every dataset object is shared as is by all the loaders of a workload
 (numpy leaves: PyTorch's default collate turns them into tensors), and the
-training loop touches nothing, so the figures are the loaders' own.  Per
-loader: one warm-up epoch, one timed epoch (samples/s, batches/s, main-
-thread CPU per batch from time.thread_time()), then one more epoch for the
-peak memory (PSS of the process tree + /dev/shm growth; see PeakMemory in
-loaders.py for why it is kept out of the timed epoch).
+training loop touches nothing, so the figures are the loaders' own.  All
+the loaders of a workload are alive at once: one warm-up epoch each, then
+ROUNDS rounds of one timed epoch each, in turn, so that every loader sees
+the same load from the rest of the machine (2 shared cores); each loader's
+median epoch gives samples/s, batches/s and main-thread CPU per batch
+(time.thread_time()).  Peak memory is measured afterwards, one loader
+alive at a time (a warm-up epoch, then one sampled by PeakMemory: PSS of
+the process tree + /dev/shm growth; loaders.py says why it is kept out of
+the timed epochs).
 
 Generated data (JPEGs, the token file) lives in the temp directory and is
 reused by later runs: $TMPDIR/shmq-bench-*.
@@ -54,17 +58,39 @@ def _epoch(loader):
     return time.perf_counter() - t0, time.thread_time() - c0, n
 
 
-def _measure(loader, samples):
-    """(samples/s, batches/s, main CPU ms per batch, peak PSS GB, /dev/shm GB, stats or None)"""
+ROUNDS = 3
+
+
+def _side_by_side(makers, samples):
+    """kind -> (samples/s, batches/s, main CPU ms per batch, peak PSS GB,
+    /dev/shm GB, stats() of the last timed epoch or None); makers: kind ->
+    a function making that loader."""
+    loaders, timed, stats = {}, {kind: [] for kind in makers}, {}
     try:
-        _epoch(loader)  # workers started, memory touched
-        wall, cpu, n = _epoch(loader)
-        stats = loader.stats() if hasattr(loader, "stats") else None
-        with PeakMemory() as peak:
-            _epoch(loader)
+        for kind, make in makers.items():
+            loaders[kind] = make()
+            _epoch(loaders[kind])  # workers started, memory touched
+        for _ in range(ROUNDS):
+            for kind, loader in loaders.items():
+                timed[kind].append(_epoch(loader))
+        for kind, loader in loaders.items():
+            stats[kind] = loader.stats() if hasattr(loader, "stats") else None
     finally:
-        close(loader)
-    return samples / wall, n / wall, cpu / n * 1e3, peak.pss / 1e9, peak.shm / 1e9, stats
+        for loader in loaders.values():
+            close(loader)
+    rows = {}
+    for kind, make in makers.items():
+        loader = make()
+        try:
+            _epoch(loader)
+            with PeakMemory() as peak:
+                _epoch(loader)
+        finally:
+            close(loader)
+        wall, cpu, n = sorted(timed[kind])[ROUNDS // 2]
+        rows[kind] = (samples / wall, n / wall, cpu / n * 1e3, peak.pss / 1e9, peak.shm / 1e9,
+                      stats[kind])
+    return rows
 
 
 def _table(workload, title, rows, unit="samples/s"):
@@ -126,18 +152,14 @@ def run_w13(batches):
     for name, cls, batch_size in (("W13 bytes", RawJpegs, 256), ("W13 text", Documents, 64)):
         samples = batches * batch_size
         dataset = cls(samples)
-        rows = {}
-        for kind in (OURS, "loader.DataLoader", "PyTorch DataLoader"):
-            if kind == OURS:
-                loader = ShmLoader(dataset, batch_size=batch_size, num_workers=2, seed=0)
-            elif kind == "loader.DataLoader":
-                loader = _drop_in(dataset, batch_size, 2)
-            else:
-                loader = _torch_loader(dataset, batch_size, 2)
-            rows[kind] = _measure(loader, samples)
+        rows = _side_by_side({
+            OURS: lambda: ShmLoader(dataset, batch_size=batch_size, num_workers=2, seed=0),
+            "loader.DataLoader": lambda: _drop_in(dataset, batch_size, 2),
+            "PyTorch DataLoader": lambda: _torch_loader(dataset, batch_size, 2),
+        }, samples)
         what = ("raw JPEG bytes of 100-200 KB" if cls is RawJpegs else "1 MB str documents")
-        _table(name, f"{batches} batches of {batch_size} x ({what}, label), 2 workers, second "
-                     f"epoch", rows)
+        _table(name, f"{batches} batches of {batch_size} x ({what}, label), 2 workers, median "
+                     f"of {ROUNDS} epochs", rows)
 
 
 # --- W11: JPEG decode + RandomResizedCrop + flip ------------------------------------------
@@ -257,23 +279,20 @@ def run_w11(nfiles):
     files = make_jpegs(nfiles)
     kb = sum(os.path.getsize(f) for f in files) / len(files) / 1e3
     dataset = Jpegs(files)
-    kinds = [OURS, "ShmLoader, thread workers", "PyTorch DataLoader"]
+    makers = {
+        OURS: lambda: ShmLoader(dataset, batch_size=64, num_workers=2, seed=0),
+        "ShmLoader, thread workers": lambda: ShmLoader(dataset, batch_size=64, num_workers=2,
+                                                       seed=0, worker_mode="thread"),
+        "PyTorch DataLoader": lambda: _torch_loader(dataset, 64, 2),
+    }
     skipped = spdl_status()
     if skipped is None:
-        kinds.append("SPDL pipeline, 2 threads")
-    rows = {}
-    for kind in kinds:
-        if kind.startswith("ShmLoader"):
-            loader = ShmLoader(dataset, batch_size=64, num_workers=2, seed=0,
-                               worker_mode="thread" if "thread" in kind else "process")
-        elif kind.startswith("SPDL"):
-            loader = SpdlImages(dataset, 64, 2)
-        else:
-            loader = _torch_loader(dataset, 64, 2)
-        rows[kind] = _measure(loader, len(dataset))
+        makers["SPDL pipeline, 2 threads"] = lambda: SpdlImages(dataset, 64, 2)
+    rows = _side_by_side(makers, len(dataset))
     _table("W11", f"images: {len(files)} JPEGs 500x375 q90 (mean {kb:.0f} KB; made or found in "
                   f"{time.perf_counter() - t0:.0f} s), Pillow decode + RandomResizedCrop(224) + "
-                  f"flip, uint8 (3, 224, 224) + label, batch 64, 2 workers, second epoch", rows)
+                  f"flip, uint8 (3, 224, 224) + label, batch 64, 2 workers, median of {ROUNDS} "
+                  f"epochs", rows)
     if skipped:
         print(f"  {skipped}")
     one = sorted(_decode_ms(dataset) for _ in range(3))[1]
@@ -349,17 +368,14 @@ class GetBatch:
 def run_w12(batches):
     path = make_tokens()
     dataset = TokenWindows(path, batches * 32)
-    rows = {}
-    for kind in (OURS, "PyTorch DataLoader", "nanoGPT get_batch, in-process"):
-        if kind == OURS:
-            loader = ShmLoader(dataset, batch_size=32, num_workers=2, seed=0, output="torch")
-        elif kind.startswith("nanoGPT"):
-            loader = GetBatch(path, batches)
-        else:
-            loader = _torch_loader(dataset, 32, 2)
-        rows[kind] = _measure(loader, batches)
+    rows = _side_by_side({
+        OURS: lambda: ShmLoader(dataset, batch_size=32, num_workers=2, seed=0, output="torch"),
+        "PyTorch DataLoader": lambda: _torch_loader(dataset, 32, 2),
+        "nanoGPT get_batch, in-process": lambda: GetBatch(path, batches),
+    }, batches)
     _table("W12", f"tokens: 1 GB uint16 memmap, random windows of 1,025 -> (x, y) int64 "
-                  f"(32, 1024), {batches} batches, 2 workers, second epoch", rows, unit="batch/s")
+                  f"(32, 1024), {batches} batches, 2 workers, median of {ROUNDS} epochs", rows,
+           unit="batch/s")
     ours = rows[OURS]
     nano = rows["nanoGPT get_batch, in-process"]
     print(f"  training-loop time per batch: ShmLoader {1e3 / ours[1]:.3f} ms wall, "
