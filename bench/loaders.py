@@ -2,7 +2,12 @@
 numpy collate) and Grain's DataLoader: workloads W1-W4, W7-W10 and AUTO of
 docs/benchmarks.md, in one run on one machine.
 
-    python bench/loaders.py [--workloads W1,W2,W3,W4,W7,W8,W9,W10,AUTO] [--batches 12]
+    python bench/loaders.py [--workloads W1,...,AUTO,W11,W12,W13,KEEP] [--batches 12]
+                            [--plot docs/ratios.png]
+
+W11 (images), W12 (tokens), W13 (bytes and text) and KEEP (a loop that keeps
+every label) are in realistic.py.  --plot draws every ratio the run printed
+as one PNG (matplotlib).
 
 Grain is measured when it is installed (the [bench] extra installs it).
 Its DataLoader starts its worker processes for each pass, so its epochs
@@ -52,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ipc  # noqa: E402
 from loader import ShmLoader  # noqa: E402
-from report import machine  # noqa: E402
+from report import RATIOS, machine, record_ratio  # noqa: E402
 
 BATCH = 128
 
@@ -294,9 +299,12 @@ def run_w1(batches, warmup):
           f"{'ready batch':>11} {'peak PSS':>8} {'/dev/shm':>8} {'ShmLoader is':>12}")
     ours = rows["ShmLoader"][0]
     for kind, (gbs, bps, first, cpu, ready, pss, shm) in rows.items():
+        if kind != "ShmLoader":
+            record_ratio("W1", kind, ours / gbs)
         print(f"{kind:<22} {gbs:>6.2f} {bps:>7.1f} {first * 1e3:>8.0f} ms {cpu:>11.2f} ms "
               f"{ready:>8.3f} ms {pss:>6.2f} GB {shm:>5.2f} GB {ours / gbs:>11.2f}x")
     print(f"{'copy limit (1 core)':<22} {limit:>6.2f}{'':>68} {ours / limit:>11.2f}x")
+    record_ratio("W1", "copy limit", ours / limit)
 
 
 def run_small(name, dataset, batch_size, batches):
@@ -314,6 +322,8 @@ def run_small(name, dataset, batch_size, batches):
     print(f"{'loader':<24} {'batch/s':>9} {'main CPU/batch':>15} {'ShmLoader is':>13}")
     for kind, (bps, cpu) in rows.items():
         print(f"{kind:<24} {bps:>9.1f} {cpu:>12.2f} ms {rows['ShmLoader'][0] / bps:>12.2f}x")
+        if kind != "ShmLoader":
+            record_ratio(name.split()[0], kind, rows["ShmLoader"][0] / bps)
     torch_bps = rows["PyTorch tensor path"][0]
     print(f"loader.DataLoader is {rows['loader.DataLoader'][0] / torch_bps:.2f}x PyTorch's "
           f"DataLoader; reproducible=True costs "
@@ -328,6 +338,7 @@ def run_w3(batches):
           f"{'vs ideal':>9}")
     for workers in (2, 4, 8):
         ideal = max(0.050, BATCH * 0.003125 / workers)
+        means = {}
         for kind in kinds():
             if kind == "PyTorch numpy collate":
                 continue  # W1 measures the collate path; W3 is about prefetching
@@ -348,6 +359,10 @@ def run_w3(batches):
                 close(loader)
             print(f"{kind:<24} {workers:>7} {first * 1e3:>8.0f} ms {ideal * 1e3:>6.0f} ms "
                   f"{mean * 1e3:>8.0f} ms {mean / ideal:>8.2f}x", flush=True)
+            means[kind] = mean
+        for kind, mean in means.items():
+            if kind != "ShmLoader":
+                record_ratio(f"W3 {workers} workers", kind, mean / means["ShmLoader"])
 
 
 class W7Samples:
@@ -417,6 +432,8 @@ def run_w7(steps):
     for kind, used in rows.items():
         ratio = rows["ShmLoader"] / used if used else float("inf")
         print(f"{kind:<24} {100 * used:>13.2f}% {ratio:>14.2f}x")
+        if kind != "ShmLoader" and rows["ShmLoader"]:
+            record_ratio("W7 idle CPU", kind, used / rows["ShmLoader"])
 
 
 class TorchFiles:
@@ -476,6 +493,8 @@ def run_w8(file_mb, nfiles, workers_list):
             for kind, (mbs, cpu) in rows.items():
                 print(f"{kind:<28} {workers:>7} {mbs:>8.0f} {cpu:>12.2f} ms {ours / mbs:>12.2f}x",
                       flush=True)
+                if not kind.startswith("ShmLoader"):
+                    record_ratio(f"W8 {workers} workers", kind, ours / mbs)
     finally:
         shutil.rmtree(tmp)
 
@@ -564,6 +583,8 @@ def run_w9(rows, files, batch_size, buffer):
         ours = results["ShmLoader + ParquetDataset"][0]
         for kind, (rps, mbs, cpu) in results.items():
             print(f"{kind:<34} {rps:>10.0f} {mbs:>8.0f} {cpu:>12.2f} ms {ours / rps:>12.2f}x")
+            if not kind.startswith("ShmLoader"):
+                record_ratio("W9", kind, ours / rps)
     finally:
         shutil.rmtree(tmp)
 
@@ -620,6 +641,8 @@ def run_w10(samples, workers):
     ours = rows["ShmLoader, thread workers"][0]
     for kind, (sps, gbs, pss) in rows.items():
         print(f"{kind:<30} {sps:>10.0f} {gbs:>6.2f} {pss:>6.2f} GB {ours / sps:>11.2f}x")
+        if kind != "ShmLoader, thread workers":
+            record_ratio("W10 (thread workers)", kind, ours / sps)
 
 
 class SleepySamples:
@@ -767,18 +790,31 @@ WORKLOADS = {
     "W10": lambda args: run_w10(512, 4),
     "AUTO": lambda args: run_auto(3000, 6),
     "W14": lambda args: run_w14(200_000, 600),  # 0.8 GB of Arrow in a temporary directory
+    "W11": lambda args: _realistic().run_w11(2000),
+    "W12": lambda args: _realistic().run_w12(args.w12_batches),
+    "W13": lambda args: _realistic().run_w13(24),
+    "KEEP": lambda args: _realistic().run_keep(64),
 }
+
+
+def _realistic():
+    import realistic  # imports this module's helpers back: loaded only when asked for
+
+    return realistic
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="W1,W2,W3,W4,W7,W8,W9,W10,AUTO",
+    parser.add_argument("--workloads", default="W1,W2,W3,W4,W7,W8,W9,W10,AUTO,W11,W12,W13,KEEP",
                         help="comma-separated, of " + ", ".join(WORKLOADS))
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--w3-batches", type=int, default=8)
     parser.add_argument("--w7-steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2, help="W1 epochs before the timed one")
+    parser.add_argument("--w12-batches", type=int, default=600)
+    parser.add_argument("--plot", metavar="PATH",
+                        help="draw the side-by-side ratios of every workload run as one PNG")
     args = parser.parse_args(argv)
     chosen = [w.strip().upper() for w in args.workloads.split(",")]
     unknown = [w for w in chosen if w not in WORKLOADS]
@@ -793,6 +829,12 @@ def main(argv=None):
     print(f"{machine()}; peers: {', '.join(kinds()[1:])}")
     for w in chosen:
         WORKLOADS[w](args)
+    if args.plot:
+        from plot import plot_ratios
+
+        plot_ratios(RATIOS, args.plot, f"ShmLoader side by side: {', '.join(chosen)}, "
+                                       f"{time.strftime('%Y-%m-%d')}\n{machine()}")
+        print(f"\nratios drawn in {args.plot}")
 
 
 if __name__ == "__main__":

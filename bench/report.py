@@ -29,3 +29,13 @@ def format_table(results, baseline="shmq get") -> list[str]:
             ratio = f"{ours[0] / rate:.2f}x" if ours else "-"
             lines.append(f"{workload:<14} {name:<24} {rate:>12,.0f} {gbs:>8.2f} {ratio:>14}")
     return lines
+
+
+# Side-by-side ratios of every loader workload run, for --plot: workload ->
+# peer -> how many times better ShmLoader did than that peer on the
+# workload's headline figure (> 1: ShmLoader ahead).
+RATIOS: dict[str, dict[str, float]] = {}
+
+
+def record_ratio(workload: str, peer: str, ratio: float) -> None:
+    RATIOS.setdefault(workload, {})[peer] = ratio
