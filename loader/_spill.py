@@ -24,10 +24,11 @@ sender's ring leads to), and a reader takes a sender's records in the
 order they were sent (a ring keeps each producer's order), so a region is
 a byte log: positions only grow, and TAIL says that every block before it
 is free.  A block never wraps: one that would cross the end of the region
-starts the next lap.  The log wraps early, to offset 0 of the next lap,
-when it is empty or when it has run past twice what is live and the start
-is free again, so a busy log cycles over pages it has touched (fresh pages
-fill at a fraction of memory speed).
+starts the next lap.  When the log is empty (TAIL == HEAD) the next block
+starts the next lap, at offset 0, so the same pages are reused warm.  (A
+log kept busy by batches in flight rarely empties and writes on fresh
+pages: see the W13 row of docs/benchmarks.md.  Wrapping while blocks are
+live would need the writer to wait for the reader: not done yet.)
 
 Sizes: R is the machine's RAM, so a message is bounded by memory alone;
 the heap is mapped with no reservation, and only pages written are memory.
@@ -166,16 +167,13 @@ class SpillWriter:
         if n > r:
             raise MemoryError(f"a message of {n} bytes between the loader's processes is larger "
                               f"than this machine's memory ({r} bytes)")
-        # The pages the log cycles through: twice what is live with this block,
-        # so a busy log wraps onto pages it has touched instead of fresh ones.
+        # The pages kept faulted in: twice what is live with this block.
         window = max(RETAIN_BYTES, 2 * (head - tail + n))
         lap = -(-head // r) * r   # the next lap's start (head itself, on a lap boundary)
         if tail >= head:  # empty: start a lap, on the pages used before
             pos = self.lap = lap
             shmq.atomic_store(self.heap.words, self.region_id * _HEADER_WORDS + LAP, pos)
             self._give_back_beyond(window)
-        elif head % r + n > window and lap + n - tail <= r:
-            pos = lap     # the start of the region is free again: wrap early
         else:
             pos = head if head % r + n <= r else lap
             if pos + n - tail > r:

@@ -180,34 +180,6 @@ def test_the_spill_log_frees_in_order_rewinds_when_empty_and_gives_big_pages_bac
         ring.close()
 
 
-def test_a_busy_spill_log_wraps_onto_the_pages_it_touched():
-    """Blocks of 40 MiB, one always live: once the log runs past twice
-    what is live, the next block goes back to offset 0 (warm pages), never
-    onto a live block."""
-    import shmq
-    from loader._spill import SpillHeap, SpillWriter
-
-    heap = SpillHeap(1, region_bytes=512 * MiB)
-    ring = shmq.Queue(1 * MiB, anonymous=True)
-    try:
-        w = SpillWriter(heap, 0)
-        blocks = [bytes([k]) * (40 * MiB) for k in range(8)]
-        w.put(ring, blocks[0])
-        sent = [ring.get()]
-        offsets = [sent[0].pos % heap.region_bytes]
-        for k in range(1, 8):
-            w.put(ring, blocks[k])
-            sent.append(ring.get())
-            offsets.append(sent[-1].pos % heap.region_bytes)
-            assert heap.receive(sent[-2]) == blocks[k - 1]   # the one before is freed now
-        assert heap.receive(sent[-1]) == blocks[7]
-        assert offsets[0] == 0 and 0 in offsets[1:]           # wrapped early at least once
-        assert max(offsets) + sent[0].nbytes <= 4 * sent[0].nbytes  # within the window
-        assert w.touched <= 4 * sent[0].nbytes
-    finally:
-        ring.close()
-
-
 def ring_block(heap, region):
     """The size of the region's only live block (head - tail)."""
     return heap.head(region) - max(heap.tail(region), heap.head(region) // heap.region_bytes
