@@ -336,12 +336,27 @@ class TokenWindows:
     def __len__(self):
         return self.n
 
-    def __getitem__(self, i):
+    def _tokens(self):
         if self._pid != os.getpid():
             self._data, self._pid = np.memmap(self.path, np.uint16, "r"), os.getpid()
+        return self._data
+
+    def __getitem__(self, i):
         s = int(self.starts[i])
-        w = self._data[s:s + self.block + 1].astype(np.int64)
+        w = self._tokens()[s:s + self.block + 1].astype(np.int64)
         return w[:-1], w[1:]
+
+
+class TokenWindowsBatched(TokenWindows):
+    """TokenWindows with __getitems__ (issue 18): the batch's windows in one
+    vectorised gather (a (B, block + 1) fancy index of the memmap, one
+    astype), then split into the list of (x, y) samples torch's contract
+    asks for; each sample is a pair of views into that one array."""
+
+    def __getitems__(self, indices):
+        offsets = np.arange(self.block + 1)
+        w = self._tokens()[self.starts[indices][:, None] + offsets].astype(np.int64)
+        return list(zip(w[:, :-1], w[:, 1:]))
 
 
 class GetBatch:
@@ -366,22 +381,32 @@ class GetBatch:
             yield self.get_batch()
 
 
+GETITEMS = "ShmLoader + __getitems__"
+
+
 def run_w12(batches):
     path = make_tokens()
     dataset = TokenWindows(path, batches * 32)
+    batched = TokenWindowsBatched(path, batches * 32)  # the same windows, one call per batch
     rows = _side_by_side({
         OURS: lambda: ShmLoader(dataset, batch_size=32, num_workers=2, seed=0, output="torch"),
+        GETITEMS: lambda: ShmLoader(batched, batch_size=32, num_workers=2, seed=0,
+                                    output="torch"),
         "PyTorch DataLoader": lambda: _torch_loader(dataset, 32, 2),
         "nanoGPT get_batch, in-process": lambda: GetBatch(path, batches),
     }, batches)
     _table("W12", f"tokens: 1 GB uint16 memmap, random windows of 1,025 -> (x, y) int64 "
                   f"(32, 1024), {batches} batches, 2 workers, median of {ROUNDS} epochs", rows,
            unit="batch/s")
-    ours = rows[OURS]
+    ours, gi = rows[OURS], rows[GETITEMS]
     nano = rows["nanoGPT get_batch, in-process"]
     print(f"  training-loop time per batch: ShmLoader {1e3 / ours[1]:.3f} ms wall, "
-          f"{ours[2]:.3f} ms main CPU; in-process get_batch {1e3 / nano[1]:.3f} ms wall, "
+          f"{ours[2]:.3f} ms main CPU; {GETITEMS} {1e3 / gi[1]:.3f} ms wall, {gi[2]:.3f} ms "
+          f"main CPU; in-process get_batch {1e3 / nano[1]:.3f} ms wall, "
           f"{nano[2]:.3f} ms main CPU")
+    print(f"  {GETITEMS} vs in-process get_batch: {gi[1] / nano[1]:.2f}x batches/s "
+          f"(target >= 1x), {gi[2]:.3f} ms main CPU per batch (target <= 0.05 ms); "
+          f"stats(): {gi[5].get('summary') if gi[5] else None}")
 
 
 # --- KEEP: targets.append(y) over an epoch 4x memory_cap_bytes -----------------------------
