@@ -1,6 +1,6 @@
 """Attacks at the machine's limits (issue 15): a worker SIGKILLed while
-main re-matches FileDataset's pattern, more workers than the pids limit
-lets fork, one sample of 3 GiB."""
+main re-matches FileDataset's pattern or is inside load_state_dict(), more
+workers than the pids limit lets fork, one sample of 3 GiB."""
 
 import json
 import os
@@ -59,6 +59,89 @@ def test_worker_sigkilled_during_the_between_epoch_match(tmp_path):
     assert detected < 2.0, detected
     rows = np.concatenate(got)[:, 0].tolist()
     assert rows == list(range(40)) * (len(rows) // 40) + list(range(len(rows) % 40))
+
+
+def _dead(pid: int, within: float = 5.0) -> bool:
+    """Wait until `pid` (a child of the loader, not ours to reap) is a zombie."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] == "Z":
+                return True
+        time.sleep(0.01)
+    return False
+
+
+def _indices(batches) -> list:
+    return np.concatenate(batches)[:, 0].tolist() if batches else []
+
+
+@pytest.mark.parametrize("seed", [7, None], ids=["same-seed-workers-kept", "seed-from-state-restart"])
+def test_worker_sigkilled_inside_load_state_dict(seed, monkeypatch):
+    """A worker dies while main is inside load_state_dict() (in its first
+    call into the running pool, _end of the current run).  With the
+    loader's own seed the workers are kept: load_state_dict returns at
+    once and the next epoch reports the death (WorkerError naming the
+    worker, its pid and SIGKILL).  A loader without a seed takes the
+    state's, so load_state_dict shuts the pool down (the dead worker is
+    reaped there) and the next iter() starts new workers and resumes
+    exactly.  Either way a new loader given the same state yields exactly
+    the rest of the epoch."""
+    n, k = 203, 10
+
+    def make(s):
+        return ShmLoader(np.arange(n).reshape(-1, 1), batch_size=4, shuffle=True, seed=s,
+                         num_workers=2, persistent_workers=True, timeout=30)
+    with make(7) as ref:
+        whole = _indices(list(ref))  # the uninterrupted epoch 1
+    with make(7) as src:
+        it = iter(src)
+        head = _indices([next(it) for _ in range(k)])
+        state = src.state_dict()
+        del it
+    assert head == whole[:4 * k]
+
+    real_end = ShmLoader._end
+    killed = []
+
+    def end_and_kill(self, run):
+        if not killed:
+            victim = self._worker_children()[0]
+            os.kill(victim.pid, signal.SIGKILL)
+            killed.append(victim.pid)
+            assert _dead(victim.pid)  # dead before load_state_dict goes on
+        return real_end(self, run)
+
+    loader = make(seed)
+    try:
+        it = iter(loader)
+        next(it)  # the pool runs, part-way through an epoch
+        monkeypatch.setattr(ShmLoader, "_end", end_and_kill)
+        t0 = time.monotonic()
+        loader.load_state_dict(state)
+        assert time.monotonic() - t0 < 5.0
+        monkeypatch.setattr(ShmLoader, "_end", real_end)
+        assert killed
+        t0 = time.monotonic()
+        if seed is None:  # the state's seed: new workers
+            assert loader._shared is None
+            rest = _indices(list(loader))
+            assert killed[0] not in [c.pid for c in loader._worker_children()]
+            assert head + rest == whole
+        else:  # the same workers: the death is reported, and again, never a hang
+            for _ in range(2):
+                with pytest.raises(WorkerError, match=rf"worker 0 \(pid {killed[0]}\) was killed "
+                                                      rf"by signal SIGKILL"):
+                    list(loader)
+                assert time.monotonic() - t0 < 5.0
+                loader.load_state_dict(state)
+    finally:
+        loader.close()
+    with make(seed) as fresh:
+        fresh.load_state_dict(state)
+        rest = _indices(list(fresh))
+    assert head + rest == whole
+    assert sorted(head + rest) == list(range(n))
 
 
 PIDS_CHILD = textwrap.dedent("""
