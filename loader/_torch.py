@@ -32,7 +32,8 @@ import weakref
 from typing import NamedTuple, TypeVar
 
 import torch
-from torch.utils.data import BatchSampler, SequentialSampler
+import numpy as np
+from torch.utils.data import BatchSampler, IterDataPipe, SequentialSampler
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _DatasetKind
@@ -40,8 +41,13 @@ from torch.utils.data.dataloader import _DatasetKind
 from loader._errors import LoaderTimeout, WorkerError
 from loader._loader import ShmLoader
 from loader._procs import wait_all
+from loader.integrations import accelerate as _accelerate_integration
 
 __all__ = ["DataLoader"]
+
+# HF accelerate rebuilds the DataLoaders it prepares as torch's class: make
+# it keep this one (loader/integrations/accelerate.py), whenever it is imported.
+_accelerate_integration.install_when_imported()
 
 
 _T_co = TypeVar("_T_co", covariant=True)
@@ -108,8 +114,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
             else:  # a user's batch sampler: its batches as they come
                 kwargs["batch_sampler"] = order = self._order_source(bs)
         workers = self.num_workers
+        pipe = _PipeEpochs(self.dataset) if isinstance(self.dataset, IterDataPipe) else None
         shm = ShmLoader(
-            self.dataset, num_workers=workers,
+            self.dataset if pipe is None else pipe, num_workers=workers,
             collate_fn=self.collate_fn if custom else None,
             in_order=self.in_order,
             prefetch=(self.prefetch_factor or 2) * max(workers, 1) if workers else None,
@@ -118,7 +125,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             timeout=self.timeout if self.timeout > 0 else None,
             output="keep" if custom else "torch", pin_memory=self.pin_memory, **kwargs)
         shm._torch_rules = True
-        return _Pool(shm, order)
+        return _Pool(shm, order, pipe)
 
     def _order_source(self, source):
         """What ShmLoader takes as its sampler (or batch sampler): None for
@@ -196,9 +203,69 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
 class _Pool(NamedTuple):
     """A ShmLoader serving a DataLoader, and the order it ships (None: the
-    default sequential order, computed by its workers)."""
+    default sequential order, computed by its workers); pipe: the wrapper
+    of an IterDataPipe dataset (NOTE [ IterDataPipes as torch runs them ])."""
     shm: ShmLoader
     order: "_TorchOrder | None"
+    pipe: "_PipeEpochs | None" = None
+
+
+# NOTE [ IterDataPipes as torch runs them ]
+# =========================================
+#
+# torch's DataLoader treats an IterDataPipe specially (dataloader.py:
+# _BaseDataLoaderIter, _sharding_worker_init_fn; _utils/worker.py):
+# - each iterator (and each _reset of a persistent one) draws a "shared
+#   seed" from the loader's generator (before the workers' base seed;
+#   broadcast from rank 0 under torch.distributed) and every worker reseeds
+#   the pipe's random datapipes (shuffle) from it with apply_random_seed,
+#   so all workers shuffle alike and torch.manual_seed before an epoch
+#   fixes its order;
+# - each worker applies sharding_filter with apply_sharding over
+#   num_workers * world_size instances, instance worker_id * world_size +
+#   rank (num_workers=0: world_size instances, instance rank), so every
+#   sample comes from exactly one worker of one rank.
+# ShmLoader iterates its dataset afresh in each worker at each epoch, so
+# the DataLoader hands it _PipeEpochs, which does both as iteration starts.
+# The epoch's seed, world size and rank reach the (forked, possibly
+# persistent) workers through three int64 words of an anonymous shared
+# mapping, written by main before the epoch's run is published (the run's
+# publication is the release store that makes them visible).
+
+class _PipeEpochs(torch.utils.data.IterableDataset):
+    """An IterDataPipe, sharded and reseeded per epoch as torch's workers
+    do (NOTE [ IterDataPipes as torch runs them ])."""
+
+    def __init__(self, pipe):
+        import mmap
+
+        self.pipe = pipe
+        # MAP_SHARED | MAP_ANONYMOUS: shared with the forked workers, no name to leak
+        self._words = np.frombuffer(mmap.mmap(-1, 24), np.int64)
+
+    def new_epoch(self, generator, group) -> None:
+        """In main, as torch's iterator starts or resets: draw the shared seed."""
+        import torch.distributed as dist
+
+        seed = torch.empty((), dtype=torch.int64).random_(generator=generator)
+        world, rank = 1, 0
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast(seed, src=0, group=group)
+            world, rank = dist.get_world_size(), dist.get_rank()
+        self._words[:] = (int(seed.item()), world, rank)
+
+    def __iter__(self):
+        from torch.utils.data.graph_settings import apply_random_seed, apply_sharding
+
+        seed, world, rank = (int(w) for w in self._words)
+        info = torch.utils.data.get_worker_info()
+        workers, wid = (info.num_workers, info.id) if info is not None else (1, 0)
+        # torch applies it once per worker; the same values again change nothing
+        apply_sharding(self.pipe, workers * world, wid * world + rank)
+        rng = torch.Generator()
+        rng.manual_seed(seed)
+        apply_random_seed(self.pipe, rng)
+        return iter(self.pipe)
 
 
 # NOTE [ Drawing the order as torch does ]
@@ -290,6 +357,12 @@ class _Iterator:
         self._dataset, self._iterable = loader.dataset, loader._dataset_kind == _DatasetKind.Iterable
         self._num_workers = loader.num_workers
         self._batches = None
+        self._pipe_group = None
+        if pool.pipe is not None:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                self._pipe_group = dist.new_group(backend="gloo")  # as torch's iterator makes
         self._reset(loader)
 
     def _reset(self, loader: DataLoader) -> None:
@@ -297,6 +370,8 @@ class _Iterator:
         if self._batches is not None:
             self._batches.close()
         self._IterableDataset_len_called = loader._IterableDataset_len_called
+        if self._pool.pipe is not None:  # drawn before the base seed, as torch draws it
+            self._pool.pipe.new_epoch(loader.generator, self._pipe_group)
         self._batches = iter(self._pool.shm)
         if self._num_workers:
             self._batches.start()  # torch's iterator prefetches as it is made
