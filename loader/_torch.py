@@ -187,13 +187,32 @@ class DataLoader(_TorchDataLoader[_T_co]):
         """The position of the current epoch, to resume it exactly: see
         ShmLoader.state_dict.  With several live iterators, the state is
         of the one the loader's own workers serve (the first)."""
-        return self._shm_loader().state_dict()
+        state = self._shm_loader().state_dict()
+        order = self._pool.order
+        if order is not None and order.sampler_epoch is not None and not state.get("complete"):
+            # the epoch's order came from a sampler's set_epoch (DistributedSampler):
+            # NOTE [ The sampler's epoch in a state ]
+            state["sampler_epoch"] = order.sampler_epoch
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         shm = self._shm_loader()
+        sampler_epoch = None
+        if isinstance(state, dict) and "sampler_epoch" in state:
+            state = dict(state)
+            sampler_epoch = state.pop("sampler_epoch")
+            if not isinstance(sampler_epoch, int) or isinstance(sampler_epoch, bool):
+                raise ValueError(f"load_state_dict: field 'sampler_epoch' is {sampler_epoch!r}, "
+                                 f"but it must be an int; load a state from state_dict() of a "
+                                 f"loader of the same dataset and arguments")
+            if self._pool.order is None or _epoch_sampler(self._pool.order.source) is None:
+                raise ValueError("load_state_dict: the state records the epoch of a sampler "
+                                 "with set_epoch (sampler_epoch), but this loader's sampler has "
+                                 "none; load a state of a loader with the same sampler")
         shm.load_state_dict(state)
         if self._pool.order is not None and not state.get("complete", True):
             self._pool.order.resuming = True
+            self._pool.order.resume_epoch = sampler_epoch
 
     def stats(self) -> dict | None:
         """Where the last complete epoch's time went: see ShmLoader.stats
@@ -293,6 +312,31 @@ class _PipeEpochs(torch.utils.data.IterableDataset):
 # no mirror: its order is drawn from the recorded states, and it leaves the
 # generators as the whole epoch would.
 
+# NOTE [ The sampler's epoch in a state ]
+# =======================================
+#
+# A DistributedSampler (any sampler with set_epoch) draws its order from
+# its seed and the epoch it was last given.  A resumed loader draws the
+# epoch's order again when it is iterated, but frameworks do not call
+# set_epoch before that: Lightning iterates the loader (setup_data), then
+# sets the epoch, so a state of epoch 1 resumed with the sampler still at
+# epoch 0 (1/4 of the samples twice, 1/4 never, measured with 2 ranks).
+# So a state records the epoch the order was drawn with, and the resumed
+# epoch sets it on the sampler before drawing.  Under Lightning every rank
+# loads rank 0's state: the positions (one count per rank, in order) and
+# the epoch are the same on every rank, and each rank's own sampler draws
+# its own shard, so the resume is exact on every rank.
+
+def _epoch_sampler(source):
+    """The sampler whose set_epoch decides source's order (source, or the
+    sampler of a batch sampler), or None."""
+    for s in (source, getattr(source, "sampler", None)):
+        if s is not None and callable(getattr(s, "set_epoch", None)) and isinstance(
+                getattr(s, "epoch", None), int):
+            return s
+    return None
+
+
 class _TorchOrder:
     """The sampler (or batch sampler) ShmLoader iterates at each epoch,
     drawing from the generators as torch's iterator would: see NOTE
@@ -303,6 +347,8 @@ class _TorchOrder:
         self.generators, self.prefetched = generators, prefetched
         self.generator = getattr(source, "generator", None)  # ShmLoader's resume records it
         self.resuming = False  # the next epoch is a resumed one: no mirror
+        self.resume_epoch = None  # its sampler's epoch (NOTE [ The sampler's epoch in a state ])
+        self.sampler_epoch = None  # the epoch the current order was drawn with
         self._mirror = None
 
     def __len__(self) -> int:
@@ -314,6 +360,11 @@ class _TorchOrder:
         return type(self.source).__name__
 
     def __iter__(self):
+        epoch_sampler = _epoch_sampler(self.source)
+        if self.resuming and self.resume_epoch is not None:
+            epoch_sampler.set_epoch(self.resume_epoch)
+        self.resume_epoch = None
+        self.sampler_epoch = None if epoch_sampler is None else epoch_sampler.epoch
         before = [g.get_state() for g in self.generators]
         items = list(self.source)
         self._mirror = None
