@@ -231,3 +231,55 @@ def test_accelerate_path_that_cannot_keep_it_warns():
         out = adl.prepare_data_loader(torch.utils.data.DataLoader(TensorDataset(torch.arange(4))),
                                       num_processes=1, process_index=0)
     assert type(out.base_dataloader) is torch.utils.data.DataLoader
+
+
+# --- the sampler's epoch in a state (found under Lightning DDP) ------------------------
+
+def _distributed(rank=0):
+    ds = TensorDataset(torch.arange(40))
+    sampler = torch.utils.data.DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True,
+                                                  seed=3)
+    return DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, persistent_workers=True)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_state_resumes_the_set_epoch_it_was_drawn_with(rank):
+    """Lightning iterates a resumed loader before it calls set_epoch, and
+    gives every rank rank 0's state: the state records the sampler's epoch
+    (NOTE [ The sampler's epoch in a state ]), so the resumed epoch is the
+    cut one on every rank, not epoch 0's order."""
+    dl = _distributed(rank=0)
+    for epoch in range(2):
+        dl.sampler.set_epoch(epoch)
+        it = iter(dl)
+        got = [next(it)[0].tolist() for _ in range(2)]
+        if epoch == 0:
+            got += [b[0].tolist() for b in it]
+    state = dl.state_dict()
+    assert state["sampler_epoch"] == 1
+    dl.close()
+    whole = _distributed(rank)
+    whole.sampler.set_epoch(1)
+    expected = [b[0].tolist() for b in whole]
+    whole.close()
+    resumed = _distributed(rank)  # its sampler is at epoch 0, as Lightning leaves it
+    resumed.load_state_dict(state)
+    rest = [b[0].tolist() for b in resumed]
+    resumed.close()
+    assert rest == expected[2:]
+    assert resumed.sampler.epoch == 1
+
+
+def test_a_bad_sampler_epoch_is_refused_before_anything_changes():
+    dl = _distributed()
+    dl.sampler.set_epoch(1)
+    it = iter(dl)
+    next(it)
+    state = dl.state_dict()
+    dl.close()
+    with pytest.raises(ValueError, match="field 'sampler_epoch' is '1'"):
+        _distributed().load_state_dict(dict(state, sampler_epoch="1"))
+    plain = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, shuffle=True, num_workers=2)
+    with pytest.raises(ValueError, match="sampler has none"):
+        plain.load_state_dict(state)
+    plain.close()
