@@ -432,11 +432,18 @@ def forked_class_reduce(obj):
     loader is forked from main after the dataset (and so its classes)
     existed, so the same class object sits at the same address in the
     receiver; _forked_class finds it there without trusting the address."""
-    if isinstance(obj, type) and not _found_by_name(obj):
-        return _forked_class, (obj.__module__, obj.__qualname__, id(obj))
+    if isinstance(obj, type):
+        found = _found_cache.get(obj)
+        if found is None:  # once per class: every message pickles its own class
+            if len(_found_cache) > 4096:  # classes made per sample: keep it bounded
+                _found_cache.clear()
+            found = _found_cache[obj] = _found_by_name(obj)
+        if not found:
+            return _forked_class, (obj.__module__, obj.__qualname__, id(obj))
     return NotImplemented
 
 
+_found_cache: dict[type, bool] = {}
 _forked_classes: dict[int, type] = {}
 
 

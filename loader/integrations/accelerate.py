@@ -70,7 +70,8 @@ def _keeping(fn):
     @functools.wraps(fn)
     def keeping(dataloader, *args, **kwargs):
         if not _ours(dataloader):
-            return fn(dataloader, *args, **kwargs)
+            with _lock:  # not while another thread has the name swapped
+                return fn(dataloader, *args, **kwargs)
         import accelerate.data_loader as adl
         from loader._torch import DataLoader
 
