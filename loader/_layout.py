@@ -25,6 +25,7 @@ import ast
 import hashlib
 import io
 import math
+import os
 import pickle
 import sys
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -422,6 +423,50 @@ def _found_by_name(cls: type) -> bool:
     for part in cls.__qualname__.split("."):
         obj = getattr(obj, part, None)
     return obj is cls
+
+
+def forked_class_reduce(obj):
+    """reduce= for the messages between the loader's processes (SpillWriter):
+    a class pickle cannot find by name (a namedtuple made in a class body
+    or a function) goes by its identity instead.  Every process of a
+    loader is forked from main after the dataset (and so its classes)
+    existed, so the same class object sits at the same address in the
+    receiver; _forked_class finds it there without trusting the address."""
+    if isinstance(obj, type):
+        found = _found_cache.get(obj)
+        if found is None:  # once per class: every message pickles its own class
+            if len(_found_cache) > 4096:  # classes made per sample: keep it bounded
+                _found_cache.clear()
+            found = _found_cache[obj] = _found_by_name(obj)
+        if not found:
+            return _forked_class, (obj.__module__, obj.__qualname__, id(obj))
+    return NotImplemented
+
+
+_found_cache: dict[type, bool] = {}
+_forked_classes: dict[int, type] = {}
+
+
+def _forked_class(module: str, qualname: str, ident: int) -> type:
+    """The class forked_class_reduce named, looked up among this process's
+    objects (once per class: the gc scan costs tens of ms)."""
+    cls = _forked_classes.get(ident)
+    if cls is None:
+        import gc
+
+        for obj in gc.get_objects():
+            # id first, and type(obj) rather than isinstance: isinstance reads
+            # obj.__class__, which some lazy objects answer with a warning
+            if (id(obj) == ident and issubclass(type(obj), type)
+                    and obj.__qualname__ == qualname and obj.__module__ == module):
+                cls = _forked_classes[ident] = obj
+                break
+        else:
+            raise pickle.UnpicklingError(
+                f"class {module}.{qualname}, which pickle cannot find by name, was made in a "
+                f"loader worker after it started (pid {os.getpid()} does not have it): define it "
+                f"at module level, or before the loader starts its workers")
+    return cls
 
 
 class _DigestPickler(pickle.Pickler):

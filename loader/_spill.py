@@ -55,6 +55,8 @@ import numpy as np
 import shmq
 from shmq.codec import encode
 
+from loader._layout import forked_class_reduce
+
 SPILL_BYTES = 64 << 10     # larger encodings go through the heap, not the ring
 RETAIN_BYTES = 64 << 20    # pages a region keeps faulted in between laps
 _ALIGN = 64
@@ -134,7 +136,7 @@ class SpillWriter:
         msg itself when it is small, else a Spilled record of it, its block
         written into the region.  Once spilled, the record must be sent:
         the reader frees blocks in the order they were written."""
-        pickled, buffers = encode(msg)
+        pickled, buffers = encode(msg, reduce=forked_class_reduce)
         size = len(pickled) + sum(b.raw().nbytes for b in buffers)
         if size <= SPILL_BYTES:
             return pickled, buffers

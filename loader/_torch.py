@@ -32,7 +32,8 @@ import weakref
 from typing import NamedTuple, TypeVar
 
 import torch
-from torch.utils.data import BatchSampler, SequentialSampler
+import numpy as np
+from torch.utils.data import BatchSampler, IterDataPipe, SequentialSampler
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _DatasetKind
@@ -40,8 +41,13 @@ from torch.utils.data.dataloader import _DatasetKind
 from loader._errors import LoaderTimeout, WorkerError
 from loader._loader import ShmLoader
 from loader._procs import wait_all
+from loader.integrations import accelerate as _accelerate_integration
 
 __all__ = ["DataLoader"]
+
+# HF accelerate rebuilds the DataLoaders it prepares as torch's class: make
+# it keep this one (loader/integrations/accelerate.py), whenever it is imported.
+_accelerate_integration.install_when_imported()
 
 
 _T_co = TypeVar("_T_co", covariant=True)
@@ -108,8 +114,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
             else:  # a user's batch sampler: its batches as they come
                 kwargs["batch_sampler"] = order = self._order_source(bs)
         workers = self.num_workers
+        pipe = _PipeEpochs(self.dataset) if isinstance(self.dataset, IterDataPipe) else None
         shm = ShmLoader(
-            self.dataset, num_workers=workers,
+            self.dataset if pipe is None else pipe, num_workers=workers,
             collate_fn=self.collate_fn if custom else None,
             in_order=self.in_order,
             prefetch=(self.prefetch_factor or 2) * max(workers, 1) if workers else None,
@@ -118,7 +125,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             timeout=self.timeout if self.timeout > 0 else None,
             output="keep" if custom else "torch", pin_memory=self.pin_memory, **kwargs)
         shm._torch_rules = True
-        return _Pool(shm, order)
+        return _Pool(shm, order, pipe)
 
     def _order_source(self, source):
         """What ShmLoader takes as its sampler (or batch sampler): None for
@@ -180,13 +187,32 @@ class DataLoader(_TorchDataLoader[_T_co]):
         """The position of the current epoch, to resume it exactly: see
         ShmLoader.state_dict.  With several live iterators, the state is
         of the one the loader's own workers serve (the first)."""
-        return self._shm_loader().state_dict()
+        state = self._shm_loader().state_dict()
+        order = self._pool.order
+        if order is not None and order.sampler_epoch is not None and not state.get("complete"):
+            # the epoch's order came from a sampler's set_epoch (DistributedSampler):
+            # NOTE [ The sampler's epoch in a state ]
+            state["sampler_epoch"] = order.sampler_epoch
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         shm = self._shm_loader()
+        sampler_epoch = None
+        if isinstance(state, dict) and "sampler_epoch" in state:
+            state = dict(state)
+            sampler_epoch = state.pop("sampler_epoch")
+            if not isinstance(sampler_epoch, int) or isinstance(sampler_epoch, bool):
+                raise ValueError(f"load_state_dict: field 'sampler_epoch' is {sampler_epoch!r}, "
+                                 f"but it must be an int; load a state from state_dict() of a "
+                                 f"loader of the same dataset and arguments")
+            if self._pool.order is None or _epoch_sampler(self._pool.order.source) is None:
+                raise ValueError("load_state_dict: the state records the epoch of a sampler "
+                                 "with set_epoch (sampler_epoch), but this loader's sampler has "
+                                 "none; load a state of a loader with the same sampler")
         shm.load_state_dict(state)
         if self._pool.order is not None and not state.get("complete", True):
             self._pool.order.resuming = True
+            self._pool.order.resume_epoch = sampler_epoch
 
     def stats(self) -> dict | None:
         """Where the last complete epoch's time went: see ShmLoader.stats
@@ -196,9 +222,69 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
 class _Pool(NamedTuple):
     """A ShmLoader serving a DataLoader, and the order it ships (None: the
-    default sequential order, computed by its workers)."""
+    default sequential order, computed by its workers); pipe: the wrapper
+    of an IterDataPipe dataset (NOTE [ IterDataPipes as torch runs them ])."""
     shm: ShmLoader
     order: "_TorchOrder | None"
+    pipe: "_PipeEpochs | None" = None
+
+
+# NOTE [ IterDataPipes as torch runs them ]
+# =========================================
+#
+# torch's DataLoader treats an IterDataPipe specially (dataloader.py:
+# _BaseDataLoaderIter, _sharding_worker_init_fn; _utils/worker.py):
+# - each iterator (and each _reset of a persistent one) draws a "shared
+#   seed" from the loader's generator (before the workers' base seed;
+#   broadcast from rank 0 under torch.distributed) and every worker reseeds
+#   the pipe's random datapipes (shuffle) from it with apply_random_seed,
+#   so all workers shuffle alike and torch.manual_seed before an epoch
+#   fixes its order;
+# - each worker applies sharding_filter with apply_sharding over
+#   num_workers * world_size instances, instance worker_id * world_size +
+#   rank (num_workers=0: world_size instances, instance rank), so every
+#   sample comes from exactly one worker of one rank.
+# ShmLoader iterates its dataset afresh in each worker at each epoch, so
+# the DataLoader hands it _PipeEpochs, which does both as iteration starts.
+# The epoch's seed, world size and rank reach the (forked, possibly
+# persistent) workers through three int64 words of an anonymous shared
+# mapping, written by main before the epoch's run is published (the run's
+# publication is the release store that makes them visible).
+
+class _PipeEpochs(torch.utils.data.IterableDataset):
+    """An IterDataPipe, sharded and reseeded per epoch as torch's workers
+    do (NOTE [ IterDataPipes as torch runs them ])."""
+
+    def __init__(self, pipe):
+        import mmap
+
+        self.pipe = pipe
+        # MAP_SHARED | MAP_ANONYMOUS: shared with the forked workers, no name to leak
+        self._words = np.frombuffer(mmap.mmap(-1, 24), np.int64)
+
+    def new_epoch(self, generator, group) -> None:
+        """In main, as torch's iterator starts or resets: draw the shared seed."""
+        import torch.distributed as dist
+
+        seed = torch.empty((), dtype=torch.int64).random_(generator=generator)
+        world, rank = 1, 0
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast(seed, src=0, group=group)
+            world, rank = dist.get_world_size(), dist.get_rank()
+        self._words[:] = (int(seed.item()), world, rank)
+
+    def __iter__(self):
+        from torch.utils.data.graph_settings import apply_random_seed, apply_sharding
+
+        seed, world, rank = (int(w) for w in self._words)
+        info = torch.utils.data.get_worker_info()
+        workers, wid = (info.num_workers, info.id) if info is not None else (1, 0)
+        # torch applies it once per worker; the same values again change nothing
+        apply_sharding(self.pipe, workers * world, wid * world + rank)
+        rng = torch.Generator()
+        rng.manual_seed(seed)
+        apply_random_seed(self.pipe, rng)
+        return iter(self.pipe)
 
 
 # NOTE [ Drawing the order as torch does ]
@@ -226,6 +312,31 @@ class _Pool(NamedTuple):
 # no mirror: its order is drawn from the recorded states, and it leaves the
 # generators as the whole epoch would.
 
+# NOTE [ The sampler's epoch in a state ]
+# =======================================
+#
+# A DistributedSampler (any sampler with set_epoch) draws its order from
+# its seed and the epoch it was last given.  A resumed loader draws the
+# epoch's order again when it is iterated, but frameworks do not call
+# set_epoch before that: Lightning iterates the loader (setup_data), then
+# sets the epoch, so a state of epoch 1 resumed with the sampler still at
+# epoch 0 (1/4 of the samples twice, 1/4 never, measured with 2 ranks).
+# So a state records the epoch the order was drawn with, and the resumed
+# epoch sets it on the sampler before drawing.  Under Lightning every rank
+# loads rank 0's state: the positions (one count per rank, in order) and
+# the epoch are the same on every rank, and each rank's own sampler draws
+# its own shard, so the resume is exact on every rank.
+
+def _epoch_sampler(source):
+    """The sampler whose set_epoch decides source's order (source, or the
+    sampler of a batch sampler), or None."""
+    for s in (source, getattr(source, "sampler", None)):
+        if s is not None and callable(getattr(s, "set_epoch", None)) and isinstance(
+                getattr(s, "epoch", None), int):
+            return s
+    return None
+
+
 class _TorchOrder:
     """The sampler (or batch sampler) ShmLoader iterates at each epoch,
     drawing from the generators as torch's iterator would: see NOTE
@@ -236,6 +347,8 @@ class _TorchOrder:
         self.generators, self.prefetched = generators, prefetched
         self.generator = getattr(source, "generator", None)  # ShmLoader's resume records it
         self.resuming = False  # the next epoch is a resumed one: no mirror
+        self.resume_epoch = None  # its sampler's epoch (NOTE [ The sampler's epoch in a state ])
+        self.sampler_epoch = None  # the epoch the current order was drawn with
         self._mirror = None
 
     def __len__(self) -> int:
@@ -247,6 +360,11 @@ class _TorchOrder:
         return type(self.source).__name__
 
     def __iter__(self):
+        epoch_sampler = _epoch_sampler(self.source)
+        if self.resuming and self.resume_epoch is not None:
+            epoch_sampler.set_epoch(self.resume_epoch)
+        self.resume_epoch = None
+        self.sampler_epoch = None if epoch_sampler is None else epoch_sampler.epoch
         before = [g.get_state() for g in self.generators]
         items = list(self.source)
         self._mirror = None
@@ -290,6 +408,12 @@ class _Iterator:
         self._dataset, self._iterable = loader.dataset, loader._dataset_kind == _DatasetKind.Iterable
         self._num_workers = loader.num_workers
         self._batches = None
+        self._pipe_group = None
+        if pool.pipe is not None:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                self._pipe_group = dist.new_group(backend="gloo")  # as torch's iterator makes
         self._reset(loader)
 
     def _reset(self, loader: DataLoader) -> None:
@@ -297,6 +421,8 @@ class _Iterator:
         if self._batches is not None:
             self._batches.close()
         self._IterableDataset_len_called = loader._IterableDataset_len_called
+        if self._pool.pipe is not None:  # drawn before the base seed, as torch draws it
+            self._pool.pipe.new_epoch(loader.generator, self._pipe_group)
         self._batches = iter(self._pool.shm)
         if self._num_workers:
             self._batches.start()  # torch's iterator prefetches as it is made

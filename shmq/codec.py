@@ -132,6 +132,8 @@ _ndarray = np.ndarray  # module globals: this runs once per object pickled
 
 
 class _OutOfBandPickler(pickle.Pickler):
+    extra_reduce = None  # encode(reduce=...)
+
     def reducer_override(self, obj):
         if type(obj) is _ndarray:  # the hot case first, without a call
             if obj.dtype.hasobject:
@@ -143,6 +145,8 @@ class _OutOfBandPickler(pickle.Pickler):
         if torch is not None and isinstance(obj, torch.Tensor):
             arr = _tensor_as_array(torch, obj)
             return _tensor_from_buffer, (pickle.PickleBuffer(arr), arr.dtype, arr.shape)
+        if self.extra_reduce is not None:
+            return self.extra_reduce(obj)
         return NotImplemented
 
 
@@ -172,9 +176,15 @@ def _tensor_as_array(torch, t) -> np.ndarray:
     return _c_contiguous(t.resolve_conj().resolve_neg().numpy())
 
 
-def encode(obj) -> tuple[bytes, list[pickle.PickleBuffer]]:
-    """(pickle stream, out-of-band buffers) for ``obj``."""
+def encode(obj, reduce=None) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """(pickle stream, out-of-band buffers) for ``obj``.  reduce: tried for
+    every object that is not an array or tensor, as pickle's
+    reducer_override (return NotImplemented to pickle it as usual); lets a
+    caller whose peers are forked children name what pickle cannot find."""
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
-    _OutOfBandPickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
+    pickler = _OutOfBandPickler(stream, protocol=5, buffer_callback=buffers.append)
+    if reduce is not None:
+        pickler.extra_reduce = reduce
+    pickler.dump(obj)
     return stream.getvalue(), buffers
