@@ -6,7 +6,6 @@ the batches, and the generators' states afterwards, must be equal.  The
 resume habit (a state taken in the first epoch) is in test_resume.py."""
 
 import collections
-import errno
 import gc
 import os
 import threading
@@ -26,31 +25,8 @@ pytestmark = [pytest.mark.timeout(120),
 N = 100
 
 
-@pytest.fixture(autouse=True)
-def torch_feeder_threads_may_lose_their_pipes():
-    """As in test_dataloader_parity.py: torch's own DataLoader, abandoned by
-    an exception, can leave queue feeder threads failing with EBADF; only
-    that is let through, and they are joined before the filter goes."""
-    previous = threading.excepthook
-
-    def hook(args):
-        exc = args.exc_value
-        while exc is not None:
-            if isinstance(exc, OSError) and exc.errno == errno.EBADF:
-                if args.thread is not None and args.thread.name == "QueueFeederThread":
-                    return
-            exc = exc.__context__
-        previous(args)
-
-    threading.excepthook = hook
-    try:
-        yield
-        gc.collect()
-        for t in threading.enumerate():
-            if t.name == "QueueFeederThread":
-                t.join(10)
-    finally:
-        threading.excepthook = previous
+# The same tolerance of torch's feeder threads as the parity tests (autouse).
+from test_dataloader_parity import torch_feeder_threads_may_lose_their_pipes  # noqa: E402,F401
 
 
 class FailsAt(tud.Dataset):
