@@ -27,6 +27,8 @@ workers iter() resets the one iterator, as torch's does.  See NOTE
 
 from __future__ import annotations
 
+import os
+import signal
 import warnings
 import weakref
 from typing import NamedTuple, TypeVar
@@ -499,7 +501,7 @@ class _Iterator:
 
 class _WorkerProcess:
     """One worker as torch's iterator shows it in `_workers`: pid,
-    is_alive(), join(timeout), exitcode."""
+    is_alive(), join(timeout), exitcode, terminate(), kill()."""
 
     def __init__(self, child):
         self._child = child
@@ -518,6 +520,24 @@ class _WorkerProcess:
     def join(self, timeout: float | None = None) -> None:
         if self._child.exitcode is None:
             wait_all([self._child], float("inf") if timeout is None else timeout)
+
+    def terminate(self) -> None:
+        """SIGTERM, as multiprocessing.Process.terminate; nothing once it
+        has exited (an unreaped child's pid cannot be reused), nor for a
+        thread worker (worker_mode="thread"), which no signal stops.  The
+        loader reports the death as any worker's."""
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL, as multiprocessing.Process.kill (see terminate)."""
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        if self._child.exitcode is None and self._child.pid != os.getpid():
+            try:
+                os.kill(self._child.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def __repr__(self) -> str:
         state = "alive" if self.is_alive() else f"exitcode={self.exitcode}"

@@ -8,6 +8,7 @@ resume habit (a state taken in the first epoch) is in test_resume.py."""
 import collections
 import gc
 import os
+import signal
 import threading
 import warnings
 
@@ -307,6 +308,28 @@ def test_iterator_workers_are_the_worker_processes():
         assert not w.is_alive()
     loader.close()
     assert iter(DataLoader(TensorDataset(torch.arange(4)), num_workers=0))._workers == []
+
+
+def test_iterator_workers_terminate_as_processes_do():
+    """Upstream's test_iterable_style_dataset (persistent workers) calls
+    terminate() on every entry of _workers once they have exited: a no-op
+    then; on a live worker it is SIGTERM, reported as any worker's death."""
+    loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, num_workers=2,
+                        persistent_workers=True, timeout=30)
+    it = iter(loader)
+    assert torch.cat([b[0] for b in it]).tolist() == list(range(40))
+    victim, other = it._workers
+    victim.terminate()
+    victim.join(10)
+    assert not victim.is_alive() and victim.exitcode == -signal.SIGTERM
+    victim.terminate()  # exited: nothing to do
+    victim.kill()
+    with pytest.raises(RuntimeError, match=f"pid {victim.pid}"):
+        list(loader)
+    loader.close()
+    other.join(10)
+    assert not other.is_alive()
+    other.terminate()
 
 
 def test_persistent_iterator_workers_stay_across_epochs_until_close():
