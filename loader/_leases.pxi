@@ -16,7 +16,7 @@
 # own, so main knows which parts of a slab the training loop still holds:
 # `targets.append(y)` keeps y's lease, not x's.  A slab goes back to the
 # pool when its last leaf dies, as before.  When the pool is short of
-# memory (the collator's MemoryWait), or slabs that are mostly dropped
+# memory (the collator holds MEMORY_WAIT at 1), or slabs that are mostly dropped
 # hold a quarter of the cap, main *evicts* the slabs the user still holds:
 #
 #   for each live leaf: its pages  ─ copy ─►  private pages  ─ mremap(MREMAP_FIXED) ─►

@@ -34,6 +34,7 @@ from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import LoaderStartError, fork_children, start_error, wait_all
 from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
 from loader._shared import LoaderConfig, SharedState
+from loader._slabs import ram_bytes
 from loader._state import Expected, check_state
 from loader._stats import EpochClock, stall_advice, summary_line, warn_stalled
 from loader._threads import start_threads
@@ -77,8 +78,7 @@ class _Run(NamedTuple):
 
 
 def _default_memory_cap() -> int:
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return max(1 << 30, pages // 4)
+    return max(1 << 30, ram_bytes() // 4)
 
 
 def _positive_int(name, value, minimum=1):
@@ -544,12 +544,10 @@ class ShmLoader:
         a batch of a run main abandoned is released at once."""
         kind = type(msg)
         if kind is P.MemoryWait:
-            # The pool is full.  What the training loop holds moves out of
-            # it; if it holds nothing, the pool is full of batches loading
-            # ahead (a cap under prefetch's needs: stats() says so) or the
-            # message is older than a release the collator has yet to see.
-            # Either way the collator goes on as memory comes back.
-            self._move_kept_out(partial_only=False)
+            # A wake-up only: every caller receives again, and _receive
+            # moves what the loop keeps out of the pool while MEMORY_WAIT is
+            # set.  (If the loop keeps nothing, the pool is full of batches
+            # loading ahead, a cap under prefetch's needs: stats() says so.)
             return
         if kind is P.RunEnded:
             self._unended.discard(msg.run)

@@ -8,22 +8,31 @@ writes ] in _table.py for why a retired slab waits for the hazards.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import os
+from typing import NamedTuple
 
 import numpy as np
 
 import shmq
+
 MAX_LEASES = 1 << 16
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def whole_pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+
+
+def ram_bytes() -> int:
+    """This machine's memory."""
+    return os.sysconf("SC_PHYS_PAGES") * PAGE_BYTES
 
 
 def slab_bytes(nbytes: int) -> int:
     """What a batch of nbytes takes from the pool: whole pages, since main
     may move pages of a slab the user keeps out of the pool (NOTE [ Kept
     batch memory ] in _leases.pxi), and they must hold no other slab."""
-    return -(-max(nbytes, 1) // PAGE_BYTES) * PAGE_BYTES
+    return whole_pages(max(nbytes, 1))
 
 
 class Slab(NamedTuple):

@@ -32,8 +32,9 @@ live would need the writer to wait for the reader: not done yet.)
 
 Sizes: R is the machine's RAM, so a message is bounded by memory alone;
 the heap is mapped with no reservation, and only pages written are memory.
-A region keeps the pages of its window (RETAIN_BYTES at least) faulted in;
-pages a rare huge message touched beyond it go back when the log is empty.
+When the log is empty, a region keeps RETAIN_BYTES (or twice the next
+block, if larger) faulted in; pages a rare huge message touched beyond
+that go back to the system.
 
 HEAD and LAP (where the log last started afresh: everything before it is
 free) live in shared memory so that a worker started again under the same
@@ -46,7 +47,6 @@ objects by reference.
 
 from __future__ import annotations
 
-import os
 import pickle
 from typing import NamedTuple
 
@@ -56,6 +56,7 @@ import shmq
 from shmq.codec import encode
 
 from loader._layout import forked_class_reduce
+from loader._slabs import ram_bytes, whole_pages
 
 SPILL_BYTES = 64 << 10     # larger encodings go through the heap, not the ring
 RETAIN_BYTES = 64 << 20    # pages a region keeps faulted in between laps
@@ -75,17 +76,12 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) & ~(_ALIGN - 1)
 
 
-def _ram_bytes() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 class SpillHeap:
     """`regions` logs of `region_bytes` each in anonymous shared memory, made
     before the fork (every child inherits them; nothing has a name)."""
 
     def __init__(self, regions: int, region_bytes: int | None = None):
-        page = os.sysconf("SC_PAGE_SIZE")
-        self.region_bytes = -(-(region_bytes or _ram_bytes()) // page) * page
+        self.region_bytes = whole_pages(region_bytes or ram_bytes())
         self.regions = regions
         self.data = shmq.shared_array(regions * self.region_bytes, np.uint8)
         self.words = shmq.shared_array(regions * _HEADER_WORDS, np.int64)
@@ -169,13 +165,12 @@ class SpillWriter:
         if n > r:
             raise MemoryError(f"a message of {n} bytes between the loader's processes is larger "
                               f"than this machine's memory ({r} bytes)")
-        # The pages kept faulted in: twice what is live with this block.
-        window = max(RETAIN_BYTES, 2 * (head - tail + n))
         lap = -(-head // r) * r   # the next lap's start (head itself, on a lap boundary)
         if tail >= head:  # empty: start a lap, on the pages used before
             pos = self.lap = lap
             shmq.atomic_store(self.heap.words, self.region_id * _HEADER_WORDS + LAP, pos)
-            self._give_back_beyond(window)
+            # kept faulted in: RETAIN_BYTES, or twice this block if larger
+            self._give_back_beyond(max(RETAIN_BYTES, 2 * n))
         else:
             pos = head if head % r + n <= r else lap
             if pos + n - tail > r:
