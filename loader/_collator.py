@@ -331,8 +331,8 @@ class Collator:
                     if dst is not None:
                         dst[tr] = src[r]
                 tags[tk][tr] = tags[k][r]
-                if layout.value_leaves:
-                    group[tk].values[tr] = group[k].values[r]
+                if layout.value_leaves and r in group[k].values:
+                    group[tk].values[tr] = group[k].values.pop(r)
             full, short = divmod(len(sources), layout.rows)
             for k, b in enumerate(group):
                 if k < full:
@@ -349,6 +349,7 @@ class Collator:
         """A batch that will not be sent: no worker writes into it any more."""
         del p.open[b.index]
         self._unpublish(p, b)
+        self._forget_values(b)
         if b.slab is not None:
             self.slabs.release(b.slab.lease)
 
@@ -445,6 +446,7 @@ class Collator:
             return
         b = p.open.pop(index, None)
         if b is not None:
+            self._forget_values(b)
             if b.published:
                 self.table.add_flags(p.run, b.index, REFUSED)  # writers drop their rows now
                 p.given_up[index] = b
@@ -498,7 +500,7 @@ class Collator:
         b.layout, b.slab = layout, slab
         self._mark_holes(b)
         b.confirmed = not provisional
-        b.values = {}  # rows' values are re-sent by their writers after a relayout
+        self._forget_values(b)  # rows' values are re-sent by their writers after a relayout
         self._publish(p, b)
         return True
 
@@ -561,7 +563,11 @@ class Collator:
                     q.expected.add(msg.worker)
             return
         if msg.run <= self.known_run and msg.run not in self.passes:
-            return  # a run that ended before a worker added late said Done for it
+            # a run that ended before a worker added late said Done for it,
+            # or a row's values arriving after the run ended
+            if kind is P.RowValues:
+                self.shared.free_values(msg.values)
+            return
         p = self._pass(msg.run)
         if kind is P.Done:
             p.done[msg.worker] = msg
@@ -603,9 +609,19 @@ class Collator:
     def _row_values(self, p: _Pass, m: P.RowValues) -> None:
         b = p.open.get(m.batch)
         if b is None or b.layout is None or m.values_key != b.layout.values_key:
-            return  # written into a layout replaced since: its writer sends them again
+            # given up, or written into a layout replaced since (its writer
+            # sends them again)
+            self.shared.free_values(m.values)
+            return
+        self.shared.free_values(b.values.get(m.row))
         b.values[m.row] = m.values
         self._finish_if_complete(p, b)
+
+    def _forget_values(self, b: _Batch, keep: int = 0) -> None:
+        """Free the values of b's rows from `keep` on: they will not be
+        sent (a row's values may be a block of the spill heap)."""
+        for r in [r for r in b.values if r >= keep]:
+            self.shared.free_values(b.values.pop(r))
 
     def _sample_row(self, p: _Pass, m: P.SampleRow) -> None:
         """A sample whose batch's confirmed layout differs: write it with a
@@ -628,6 +644,7 @@ class Collator:
         view = self.arena[b.slab.offset:b.slab.offset + b.layout.nbytes]
         values = b.layout.write_row(view, m.row, leaves, m.pos)
         if b.layout.value_leaves:
+            self.shared.free_values(b.values.get(m.row))
             b.values[m.row] = values
         p.rows_by_collator += 1
         if self.table.count(p.run, b.index, b.version) == b.rows:
@@ -683,7 +700,10 @@ class Collator:
         self._unpublish(p, b)
         self.guess = b.layout.signature
         spec = b.layout.spec(rows, b.values)
-        self._send(P.BatchReady(p.run, b.index, b.slab, spec, b.layout.tags_offset, rows))
+        self._forget_values(b, keep=rows)  # (main frees the rows' blocks it opens)
+        b.values = {}
+        self._send(P.BatchReady(run=p.run, batch=b.index, slab=b.slab, spec=spec,
+                                tags=b.layout.tags_offset, rows=rows))
         p.sent += 1
         p.samples += rows if b.batched else 1
         if p.iterable:

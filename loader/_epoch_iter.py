@@ -97,6 +97,7 @@ class _Epoch:
         if scaler is not None:
             scaler.batch_handed_out()
         self.clock.bytes += align(msg.tags + 8 * msg.rows)  # the batch, not its whole pages
+        self.clock.spilled_bytes += msg.values_bytes
         return self.loader._batch(msg)
 
     def _run_ended(self, msg: P.RunEnded) -> None:

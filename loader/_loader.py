@@ -262,6 +262,7 @@ class ShmLoader:
         self._progress = self._progress_plan = None  # of the epoch state_dict() describes
         self._closed = False
         self._stats = None
+        self._moved_out = (0, 0)  # kept slabs and bytes moved out by lease books closed
         self._warned_stall = False
         self._rank, self._world = (0, 1)
         _live_loaders.add(self)
@@ -299,7 +300,12 @@ class ShmLoader:
         - "summary": all of it in one line, for a log.
         - "epoch", "batches", "samples"; "seconds" from the epoch's first
           next() to its end; "bytes" of batch memory handed out (slabs, with
-          their row tags) and "bytes_per_second".
+          their row tags, and "spilled_bytes": large bytes and str leaves,
+          which come through the spill heap) and "bytes_per_second".
+        - "kept_slabs_moved_out", "kept_bytes_moved_out": since the loader
+          started, slabs whose parts you still held were moved out of the
+          pool when it ran short, copying that many bytes (NOTE [ Kept batch
+          memory ]).
         - "loop_wait_seconds", "loop_wait_share": how long the training loop
           waited in next() for a batch (num_workers=0: loading them).  Above
           half of an epoch of 5 s or more, a DataStallWarning says why, once.
@@ -321,10 +327,17 @@ class ShmLoader:
             return None
         out = dict(self._stats)
         out["workers"] = self._workers_loading()
+        out["kept_slabs_moved_out"], out["kept_bytes_moved_out"] = self._kept_moved_out()
         scaler = getattr(self, "_autoscaler", None)
         if scaler is not None:
             out["worker_counts"] = list(scaler.history)
         return out
+
+    def _kept_moved_out(self) -> tuple[int, int]:
+        slabs, nbytes = self._moved_out
+        if self._shared is not None:  # the pool's book now
+            slabs, nbytes = slabs + self._leases.evicted_slabs, nbytes + self._leases.kept_bytes
+        return slabs, nbytes
 
     # --- processes ----------------------------------------------------------------------
 
@@ -460,6 +473,7 @@ class ShmLoader:
         if self._pinned is not None:
             self._pinned.close()
             self._pinned = None
+        self._moved_out = self._kept_moved_out()
         self._leases.close()  # the arena's pages no batch you hold uses go back now
         self._shared = None
         self._inboxes.clear()
