@@ -58,8 +58,10 @@ class _Pass:
 
     def __init__(self, run: int, control: C.Control, cfg: LoaderConfig, shared: SharedState):
         self.run = run
+        self.control = control
         self.iterable = cfg.iterable
         self.per_batch = cfg.per_batch
+        self.claims_batches = cfg.claims_batches
         self.workers = max(cfg.num_workers, 1)
         self.B = cfg.rows_per_batch
         if self.iterable:
@@ -126,7 +128,19 @@ class _Pass:
                         if j not in self.above[w]:
                             yield j * self.workers + w
             return
-        yield from range(self.lo, min(self.sent + window, self.nbatches))
+        yield from range(self.lo, min(self.sent + window, self.nbatches,
+                                      self.loadable_batches() + 1))
+
+    def loadable_batches(self) -> int:
+        """Batches below main's LIMIT, which workers may load now.  One past
+        them is laid out too, ready when the limit rises; a slab for any
+        further would only wait, so the pool holds at most `prefetch` + 1
+        batches beyond those the training loop holds."""
+        # SYNC POINT: acquire load; main's store of LIMIT (Control.set_limit) pairs with it.
+        limit = shmq.atomic_load(self.control.ctl, C.word(self.run, C.LIMIT))
+        if self.claims_batches or limit <= 0:
+            return max(limit, 0)
+        return self.batches.locate(min(limit, self.batches.kept) - 1)[0] + 1
 
 
 class Collator:
@@ -277,6 +291,12 @@ class Collator:
         for anything (memory, a table entry): iterable runs send or free
         each such worker's last batches; once every worker is settled,
         the run ends."""
+        if p.done and not self.control.live(p.run):
+            # Main ended the run and reads none of its batches: those waiting
+            # for memory wait no more (the memory may be what a newer run needs).
+            for b in p.open.values():
+                b.wanted, b.held_rows = None, []
+            self.waiting = [(r, i) for r, i in self.waiting if r != p.run]
         for w in list(p.done):
             mine = [b for b in p.open.values() if not p.iterable or p.worker_of(b.index) == w]
             if any(b.wanted is not None or b.held_rows for b in mine):

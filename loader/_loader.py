@@ -743,17 +743,21 @@ class ShmLoader:
 
     def _limit(self, run: _Run, yielded: int) -> int:
         """Units workers may load once `yielded` batches were yielded: those
-        of the next `prefetch` batches.  (Iterable runs: per worker.)"""
+        of the next `prefetch` batches.  (Iterable runs: per worker.)  A run
+        started ahead shares `prefetch` with the epoch still running: it is
+        given a negative `yielded`, minus the batches that epoch has left."""
         if run.batches is None:  # each stream's next batches (a resumed one starts further)
             ahead = self._cfg.worker_prefetch + self._cfg.shuffle_batches
             return [j + ahead for j in run.plan.progress.first_batches()]
-        upto = min(yielded + self.prefetch, run.plan.nbatches)
+        upto = max(min(yielded + self.prefetch, run.plan.nbatches), 0)
         if run.plan.units == run.plan.nbatches:  # workers claim whole batches
             return upto
         return run.batches.span(upto - 1)[1] if upto > 0 else 0
 
-    def _start_run(self, epoch, resume: dict | None = None, snapshot=None) -> _Run:
-        """Start a pass over the data for `epoch` (see NOTE [ Runs ])."""
+    def _start_run(self, epoch, resume: dict | None = None, snapshot=None,
+                   yielded: int = 0) -> _Run:
+        """Start a pass over the data for `epoch` (see NOTE [ Runs ]);
+        yielded: see _limit."""
         run_id = self._runs + 1
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while run_id - 2 in self._unended:  # its block is about to be reused
@@ -772,7 +776,7 @@ class ShmLoader:
         self._inboxes[run_id] = collections.deque()
         self._shared.control.start_run(
             run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
-            plan.order_seed, int(plan.offsets is not None), plan.base_seed, self._limit(run, 0),
+            plan.order_seed, int(plan.offsets is not None), plan.base_seed, self._limit(run, yielded),
             int(plan.snapshot is not None))
         return run
 
