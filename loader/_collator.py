@@ -148,9 +148,8 @@ class Collator:
         self.cfg, self.shared = cfg, shared
         self.control, self.table, self.arena = shared.control, shared.table, shared.arena
         self.inbox, self.to_main = shared.to_collator, shared.to_main
-        # Slabs the warm-up should cover: two runs' windows, and those main holds.
         self.slabs = SlabAllocator(shared.arena, shared.released, shared.hazards,
-                                   2 * cfg.publish_window + 2)
+                                   cfg.slabs_in_flight)
         self.passes: dict[int, _Pass] = {}
         self.known_run = 0
         self.joined: dict[int, int] = {}  # workers added while running -> their first run

@@ -97,6 +97,17 @@ class LoaderConfig:
         return self.prefetch + 2
 
     @property
+    def slabs_in_flight(self) -> int:
+        """The slabs a steady loop keeps alive, which the collator faults in
+        ahead (SlabAllocator.warm_up): map-style, `prefetch` loading, one
+        laid out past main's limit and two the loop holds as next() hands
+        out a batch (runs started ahead share the prefetch); iterable, two
+        runs' windows and those two."""
+        if self.iterable:
+            return 2 * self.publish_window + 2
+        return self.prefetch + 3
+
+    @property
     def table_per_run(self) -> int:
         """Batch table entries per run.  A multiple of the worker count, so
         that the batches of an iterable run's workers (ids j * W + w) never
