@@ -28,9 +28,11 @@ nor its iterator can tell a look-ahead from the loop's own next(), so the
 wrapper says so: freeze_state() just before each batch it pulls ahead of
 the loop, thaw_state() when nothing pulled is held back any more (its
 pass ended).  While frozen, state_dict() answers the state as it was at
-freeze_state(); load_state_dict() and a new iter() of the loader thaw it
-(a new position; an iter() that is not the wrapper's own is a loop
-iterating the loader itself).  Ray's wrapper is replaced by one that does
+freeze_state(); a new iter() of the loader thaws it (an iter() that is
+not the wrapper's own is a loop iterating the loader itself).
+load_state_dict() freezes the state it loads, by the same rule: until
+the resumed pass begins, the loop has received exactly what that state
+says (a checkpoint taken right after a restore keeps the position).  Ray's wrapper is replaced by one that does
 this (loader/integrations/ray.py); a user's own prefetcher can do the
 same.  Cost: one state_dict() per batch, a few numbers.
 """
@@ -48,7 +50,7 @@ class FrozenState:
 
     def freeze_state(self) -> None:
         """From now on state_dict() is the state as it is now, until
-        thaw_state(), load_state_dict() or iter() (NOTE [ A state through a
+        thaw_state(), iter() or load_state_dict() (NOTE [ A state through a
         look-ahead wrapper ]).  For a wrapper about to pull a batch its
         training loop has not asked for yet."""
         self._frozen_state = None
@@ -57,6 +59,10 @@ class FrozenState:
     def thaw_state(self) -> None:
         """state_dict() counts every batch handed out again."""
         self._frozen_state = None
+
+    def _freeze_loaded(self, state: dict) -> None:
+        """load_state_dict(): until the resumed pass begins, the state is the loaded one."""
+        self._frozen_state = copy.deepcopy(state)
 
     def _frozen_state_copy(self) -> dict | None:
         # a copy: the caller may change what it gets (a checkpoint's extras)

@@ -981,7 +981,7 @@ class ShmLoader(FrozenState):
         epoch the state was taken in (or the next epoch, if it was over)."""
         self._check_owner()
         check_state(state, self._expected_state())  # before anything changes (_state.py)
-        self.thaw_state()
+        self._freeze_loaded(state)
         if self._shared is not None:
             self._end(self._current)
             self._end(self._ahead)

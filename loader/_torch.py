@@ -219,7 +219,8 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
                                  "with set_epoch (sampler_epoch), but this loader's sampler has "
                                  "none; load a state of a loader with the same sampler")
         shm.load_state_dict(state)
-        self.thaw_state()
+        self._freeze_loaded(state if sampler_epoch is None else {**state,
+                                                                 "sampler_epoch": sampler_epoch})
         if self._pool.order is not None and not state.get("complete", True):
             self._pool.order.resuming = True
             self._pool.order.resume_epoch = sampler_epoch
