@@ -7,20 +7,27 @@ Ray runs in a child process, never in pytest's own: ray.init leaves
 threads behind in its driver, which would make every later loader in this
 session fork beside them."""
 
+import importlib.util
 import json
 import re
 import subprocess
 import sys
+import threading
 import time
+import types
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-pytest.importorskip("ray.train")
+if importlib.util.find_spec("ray") is None:  # (not imported here: see the docstring)
+    pytest.skip("ray[train] is not installed (the test extra has it)", allow_module_level=True)
 torch = pytest.importorskip("torch")
 
 from torch.utils.data import DistributedSampler  # noqa: E402
+
+from loader import ShmLoader, _procs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)  # the first test pays for the cluster's runs
 
@@ -165,3 +172,60 @@ def test_readme_recipe_runs_as_written(ray_runs):
     each rank's model, optimizer and loader state."""
     _, driver = ray_runs
     assert driver["readme_checkpoint"] == ["rank0.pt", "rank1.pt"]
+
+
+def _fork_advice(threads_target) -> list[str]:
+    """The warnings a ShmLoader gives as it forks from a thread other than
+    main (as Train V2 runs the training function), beside a thread running
+    threads_target."""
+    stop = threading.Event()
+    other = threading.Thread(target=threads_target, args=(stop,), daemon=True)
+    other.start()
+    caught, failure = [], []
+
+    def training_thread():
+        try:
+            with warnings.catch_warnings(record=True) as got:
+                warnings.simplefilter("always")
+                loader = ShmLoader(list(range(64)), batch_size=8, num_workers=2)
+                assert [int(i) for b in loader for i in b] == list(range(64))
+                loader.close()
+            caught.extend(str(w.message) for w in got)
+        except BaseException as e:  # (re-raised in the test's thread)
+            failure.append(e)
+
+    t = threading.Thread(target=training_thread)
+    t.start()
+    t.join(60)
+    stop.set()
+    other.join(5)
+    assert not t.is_alive() and not failure, failure
+    return caught
+
+
+def _waits(stop):
+    stop.wait()
+
+
+def _rays_own(stop):
+    stop.wait()
+
+
+_rays_own.__module__ = "ray.train.v2._internal.execution.worker_group.thread_runner"
+
+
+def test_the_fork_advice_leaves_out_a_ray_workers_own_threads(monkeypatch):
+    """In a Ray worker (ray._private.worker in worker mode), the main
+    thread and threads whose target is Ray's are Ray's own: a ShmLoader
+    forking beside them gives no advice the user cannot follow.  A thread
+    of the user's in the same worker still gets it, as does any thread
+    outside a Ray worker."""
+    worker = types.SimpleNamespace(WORKER_MODE=1, global_worker=types.SimpleNamespace(mode=1))
+    monkeypatch.setitem(sys.modules, "ray._private.worker", worker)
+    monkeypatch.setattr(_procs, "_advised_threads", False)
+    assert _fork_advice(_rays_own) == []
+    advice = _fork_advice(_waits)
+    assert len(advice) == 1 and "before starting threads" in advice[0]
+    monkeypatch.setattr(_procs, "_advised_threads", False)
+    worker.global_worker.mode = 0  # the driver: every other thread is the user's
+    assert len(_fork_advice(_rays_own)) == 1
