@@ -229,3 +229,65 @@ def test_the_fork_advice_leaves_out_a_ray_workers_own_threads(monkeypatch):
     monkeypatch.setattr(_procs, "_advised_threads", False)
     worker.global_worker.mode = 0  # the driver: every other thread is the user's
     assert len(_fork_advice(_rays_own)) == 1
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """code in a fresh interpreter with warnings as errors (Ray is imported
+    there, never in pytest's process)."""
+    import os
+
+    return subprocess.run([sys.executable, "-W", "error", "-c", code], cwd=ROOT,
+                          capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.parametrize("first", ["loader", "ray"])
+def test_import_loader_installs_the_ray_integration_in_either_order(first):
+    """`import loader` before or after `import ray.train.torch`: the
+    function ray.train.torch exports (Train V2's), the V1 and V2 modules'
+    own are the wrapped ones, and install() again changes nothing."""
+    imports = ["import loader", "import ray.train.torch as rtt"]
+    code = "\n".join(imports if first == "loader" else imports[::-1]) + """
+import sys
+from loader.integrations import ray as integ
+fn = rtt.prepare_data_loader
+assert fn._keeps_loader, fn
+for name in integ._RAY_MODULES:
+    assert sys.modules[name].prepare_data_loader._keeps_loader, name
+integ.install()
+assert rtt.prepare_data_loader is fn
+print("ok")
+"""
+    r = _python(code)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_a_rebuild_that_still_ends_on_torchs_class_warns_loudly():
+    """A Ray whose prepare_data_loader builds the new loader some other way
+    (here: torch's class by its own name, not the module's `DataLoader`):
+    the result is handed back with a LoaderReplacedWarning naming the class
+    and the way to keep the project's loader."""
+    code = """
+import types, warnings
+import torch
+import loader
+from loader import DataLoader
+from loader.integrations import LoaderReplacedWarning
+from loader.integrations.ray import _keeping
+
+def rebuilds_as_torch(dl, add_dist_sampler, move_to_device, auto_transfer):
+    return torch.utils.data.DataLoader(dl.dataset, batch_size=dl.batch_size)
+
+mod = types.SimpleNamespace(DataLoader=torch.utils.data.DataLoader, _WrappedDataLoader=object)
+with warnings.catch_warnings(record=True) as got:
+    warnings.simplefilter("always")
+    out = _keeping(rebuilds_as_torch, mod)(DataLoader(list(range(8)), batch_size=4))
+assert type(out) is torch.utils.data.DataLoader
+assert [w.category for w in got] == [LoaderReplacedWarning], got
+text = str(got[0].message)
+assert "torch.utils.data.dataloader.DataLoader" in text and "add_dist_sampler=False" in text
+assert mod.DataLoader is torch.utils.data.DataLoader  # the names are put back
+print("ok")
+"""
+    r = _python(code)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

@@ -41,7 +41,7 @@ import sys
 import threading
 import warnings
 
-from loader.integrations.accelerate import LoaderReplacedWarning
+from loader.integrations import LoaderReplacedWarning
 
 __all__ = ["prepare_data_loader", "install", "LoaderReplacedWarning"]
 
