@@ -34,7 +34,8 @@ load_state_dict() freezes the state it loads, by the same rule: until
 the resumed pass begins, the loop has received exactly what that state
 says (a checkpoint taken right after a restore keeps the position).  Ray's wrapper is replaced by one that does
 this (loader/integrations/ray.py); a user's own prefetcher can do the
-same.  Cost: one state_dict() per batch, a few numbers.
+same.  Cost: one state_dict() per batch, a few numbers (5-9 us measured:
+docs/benchmarks.md, RAY).
 """
 
 from __future__ import annotations
