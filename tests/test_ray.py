@@ -7,6 +7,7 @@ Ray runs in a child process, never in pytest's own: ray.init leaves
 threads behind in its driver, which would make every later loader in this
 session fork beside them."""
 
+import faulthandler
 import importlib.util
 import json
 import re
@@ -48,6 +49,10 @@ def ray_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ray")
     code = out / "readme_block.py"
     code.write_text(_readme_block())
+    # The runs take 90-110 s on 2 busy cores, past the suite's 100 s stack-dump
+    # watch (faulthandler_timeout), which would print pytest's own idle stack:
+    # the bounds here are the child's 380 s limit and this module's timeout.
+    faulthandler.cancel_dump_traceback_later()
     t = time.monotonic()
     r = subprocess.run([sys.executable, str(SCRIPT), str(out), str(code)], cwd=ROOT,
                        capture_output=True, text=True, timeout=380,
