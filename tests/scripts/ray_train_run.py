@@ -249,6 +249,33 @@ def _note_pids(out: str, pids) -> None:
         f.write("".join(f"{p}\n" for p in pids))
 
 
+def _descendants(root: int) -> list:
+    """Every process under root (pids from /proc, as tests/conftest.py finds them)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -292,6 +319,7 @@ def main():
             readme_files = sorted(os.listdir(d))
         times["readme"] = time.monotonic() - t
     finally:
+        ray_tree = _descendants(os.getpid())  # Ray's own processes, its workers, their loaders
         t = time.monotonic()
         ray.shutdown()
         times["shutdown"] = time.monotonic() - t
@@ -307,13 +335,15 @@ def main():
             np.load(os.path.join(out, "shards_rank1.npz")) as z1:
         pids |= {int(p) for z in (z0, z1) for k in z.files if k.endswith("/pids")
                  for p in z[k] if p > 0}
-    deadline = time.monotonic() + 5
+    pids |= set(ray_tree)
+    deadline = time.monotonic() + 10
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)  # (what Ray's shutdown signalled may take a moment to exit)
     left_shm = sorted(e for e in _shm_entries() - before if _segment_pid(e) in pids)
     with open(os.path.join(out, "driver.json"), "w") as f:
         json.dump({"times": times, "readme_checkpoint": readme_files,
-                   "alive_after_shutdown": sorted(p for p in pids if _alive(p)),
+                   "alive_after_shutdown": {p: _cmdline(p) for p in sorted(pids) if _alive(p)},
+                   "ray_tree": len(ray_tree),
                    "checked_pids": len(pids), "shm_left": left_shm}, f)
 
 
