@@ -26,6 +26,7 @@ from loader._autoscale import Autoscaler, cpu_count, default_max_workers
 from loader._collator import collator_main
 from loader._epoch_iter import MapEpoch, StreamEpoch
 from loader._errors import LoaderTimeout, WorkerError
+from loader._frozen_state import FrozenState
 from loader._epochs import EpochInfo
 from loader._inline import InlineEpoch
 from loader._layout import materialize
@@ -113,7 +114,7 @@ def distributed_rank() -> tuple[int, int]:
     return rank, world
 
 
-class ShmLoader:
+class ShmLoader(FrozenState):
     """Batches from arbitrary Python preprocessing, at memory speed.
 
     Forked workers run ``dataset[i]`` (or iterate an iterable dataset) and
@@ -825,6 +826,7 @@ class ShmLoader:
         if self._closed:
             raise ValueError("this ShmLoader is closed; create a new one")
         self._check_owner()
+        self.thaw_state()  # a pass of its own, or a wrapper's (which freezes it again)
         if self._shared is None:  # (re)starting: the ranks are taken now (torchrun may have
             self._rank, self._world = self._ranks()  # initialised its process group since)
         resume, self._resume = self._resume, None
@@ -966,7 +968,12 @@ class ShmLoader:
         data, cheap enough to take every step).  A new loader of the same
         dataset and arguments given it by load_state_dict() yields exactly
         the rest of that epoch, then the following epochs as this one
-        would.  See NOTE [ Resuming an epoch ] in _progress.py."""
+        would.  See NOTE [ Resuming an epoch ] in _progress.py; behind a
+        wrapper that looks ahead, freeze_state() (NOTE [ A state through a
+        look-ahead wrapper ] in _frozen_state.py)."""
+        frozen = self._frozen_state_copy()
+        if frozen is not None:
+            return frozen
         progress = self._progress
         state = {"format": STATE_FORMAT, "epoch": self._epoch, "seed": self.seed,
                  "rank": self._rank, "world": self._world, "workers": self.num_workers,
@@ -992,6 +999,7 @@ class ShmLoader:
         epoch the state was taken in (or the next epoch, if it was over)."""
         self._check_owner()
         check_state(state, self._expected_state())  # before anything changes (_state.py)
+        self._freeze_loaded(state)
         if self._shared is not None:
             self._end(self._current)
             self._end(self._ahead)
