@@ -23,13 +23,12 @@ LoaderReplacedWarning naming the class, never silently.
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import sys
 import threading
 import warnings
 
 from loader.integrations import LoaderReplacedWarning
+from loader.integrations import install_when_imported as _install_when_imported
 
 __all__ = ["install", "LoaderReplacedWarning"]
 
@@ -95,31 +94,6 @@ def _keeping(fn):
     return keeping
 
 
-class _InstallAfterImport(importlib.abc.MetaPathFinder):
-    """Installs the wrappers as accelerate.data_loader is imported, before
-    accelerate.accelerator takes its references to them."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "accelerate.data_loader":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_install(module):
-            exec_module(module)
-            install()
-
-        spec.loader.exec_module = exec_then_install
-        return spec
-
-
 def install_when_imported() -> None:
-    """install() now if accelerate is imported, else as soon as it is
-    (loader._torch calls this: no import of accelerate, no cost without it)."""
-    if "accelerate.data_loader" in sys.modules:
-        install()
-    elif not any(isinstance(f, _InstallAfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _InstallAfterImport())
+    """install() now if accelerate is imported, else as soon as it is."""
+    _install_when_imported("accelerate.data_loader", install)

@@ -35,13 +35,12 @@ look-ahead wrapper ] in loader/_frozen_state.py.
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import sys
 import threading
 import warnings
 
 from loader.integrations import LoaderReplacedWarning
+from loader.integrations import install_when_imported as _install_when_imported
 
 __all__ = ["prepare_data_loader", "install", "LoaderReplacedWarning"]
 
@@ -196,31 +195,6 @@ def wrapper_class():
     return StatefulWrappedDataLoader
 
 
-class _InstallAfterImport(importlib.abc.MetaPathFinder):
-    """Installs the wrapper as ray.train.torch finishes importing (it imports
-    both modules of _RAY_MODULES and takes its reference to the function)."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "ray.train.torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_install(module):
-            exec_module(module)
-            install()
-
-        spec.loader.exec_module = exec_then_install
-        return spec
-
-
 def install_when_imported() -> None:
-    """install() now if ray.train.torch is imported, else as soon as it is
-    (loader._torch calls this: no import of ray, no cost without it)."""
-    if "ray.train.torch" in sys.modules:
-        install()
-    elif not any(isinstance(f, _InstallAfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _InstallAfterImport())
+    """install() now if ray.train.torch is imported, else as soon as it is."""
+    _install_when_imported("ray.train.torch", install)
