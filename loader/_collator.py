@@ -28,6 +28,7 @@ from loader._slabs import Slab, SlabAllocator, slab_bytes
 from loader._stats import WaitClock
 from loader._progress import stream_skips
 from loader._table import CONFIRMED, REFUSED, count_of
+from loader._trace import POOL, ROLE_COLLATOR, RUN, now, tracer_of
 from loader._worker import exit_if_orphaned
 
 DRAIN_BATCH = 256  # messages handled between looks at runs, memory and the outbox
@@ -151,6 +152,8 @@ class Collator:
         self.freed = False             # memory was reclaimed while checking whether to sleep
         self.pid = os.getpid()
         self.clock = WaitClock(shared.waited, len(shared.waited) - 1)  # NOTE [ Wait clocks ]
+        self.tracer = tracer_of(cfg.trace, ROLE_COLLATOR)  # NOTE [ Trace records ]
+        self.laid_out: dict = {}  # (run, batch) -> when first published, for the trace
 
     # --- loop ---------------------------------------------------------------------
 
@@ -265,6 +268,7 @@ class Collator:
             p = self.passes[self.known_run] = _Pass(self.known_run, self.control, self.cfg,
                                                     self.shared)
             p.expected |= {w for w, first in self.joined.items() if first <= p.run}
+            self.tracer.record(RUN, now(), 0, p.run, self.control.read(p.run, C.EPOCH))
             self._publish_ahead(p)
 
     def _pass(self, run: int) -> _Pass:
@@ -372,6 +376,7 @@ class Collator:
                 self._drop(p, b)
         self.waiting = [(r, i) for r, i in self.waiting if r != p.run]
         del self.passes[p.run]
+        self.tracer.run_ended(p.run, self.laid_out)
         self._send(P.RunEnded(p.run, p.sent, p.samples, p.rows_by_collator, p.relayouts,
                                p.peak_slab_bytes))
 
@@ -405,6 +410,7 @@ class Collator:
         if slab is not None:
             for p in self.passes.values():  # every run going on sees the pool's use
                 p.peak_slab_bytes = max(p.peak_slab_bytes, self.slabs.in_use)
+            self.tracer.record(POOL, now(), 0, self.slabs.in_use, self.slabs.capacity)
         return slab
 
     def _retry_waiting(self) -> None:
@@ -508,6 +514,7 @@ class Collator:
                            count)
         self.taken[self.table.entry(p.run, b.index)] = (p.run, b.index)
         b.published = True
+        self.tracer.batch_laid_out(p.run, b.index, self.laid_out)
         self.control.table_bell.ring()
 
     def _unpublish(self, p: _Pass, b: _Batch) -> None:
@@ -684,6 +691,7 @@ class Collator:
         self.guess = b.layout.signature
         spec = b.layout.spec(rows, b.values)
         self._send(P.BatchReady(p.run, b.index, b.slab, spec, b.layout.tags_offset, rows))
+        self.tracer.batch_sent(p.run, b.index, rows, self.laid_out)
         p.sent += 1
         p.samples += rows if b.batched else 1
         if p.iterable:

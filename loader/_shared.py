@@ -53,6 +53,7 @@ class LoaderConfig:
     max_workers: int = 0          # num_workers="auto": the most workers there can be (else 0)
     batched_fetch: bool = False   # one dataset.__getitems__ call per batch (NOTE [ Batched
                                   # fetch ] in _fetch.py)
+    trace: Any = None             # a TraceLog (trace=PATH): NOTE [ Trace records ] in _trace.py
 
     @property
     def per_batch(self) -> bool:

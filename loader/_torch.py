@@ -42,6 +42,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from loader._errors import LoaderTimeout, WorkerError
 from loader._loader import ShmLoader
+from loader._trace import check_path
 from loader._procs import wait_all
 from loader.integrations import accelerate as _accelerate_integration
 
@@ -64,8 +65,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
                  num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
-                 in_order=True):
+                 in_order=True, trace=None):
         self._user_collate_fn = collate_fn
+        self._trace = trace        # ShmLoader(trace=...): the loader's own workers' run
+        if trace is not None:
+            check_path(trace)      # a bad path fails here, as ShmLoader's does
         self._pool = None          # the loader's own ShmLoader: state_dict() is its
         self._pool_user = None     # (weakref) the iterator using it, without persistent workers
         self._extra_pools = weakref.WeakSet()  # ShmLoaders of further live iterators
@@ -97,7 +101,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             self._pool = self._new_pool()
         return self._pool.shm
 
-    def _new_pool(self) -> _Pool:
+    def _new_pool(self, traced: bool = True) -> _Pool:
         kwargs = {}
         order = None
         custom = self._user_collate_fn not in (None, default_collate, default_convert)
@@ -125,7 +129,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
             persistent_workers=self.persistent_workers, worker_init_fn=self.worker_init_fn,
             generator=self.generator, reproducible=False,
             timeout=self.timeout if self.timeout > 0 else None,
-            output="keep" if custom else "torch", pin_memory=self.pin_memory, **kwargs)
+            output="keep" if custom else "torch", pin_memory=self.pin_memory,
+            trace=self._trace if traced else None, **kwargs)
         shm._torch_rules = True
         return _Pool(shm, order, pipe)
 
@@ -169,7 +174,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
             self._pool_user = weakref.ref(it)
             return it
         # another iterator is live: this one has its own workers, as in torch
-        pool = self._new_pool()
+        pool = self._new_pool(traced=False)  # the trace is of the loader's own workers
         self._extra_pools.add(pool.shm)
         return _Iterator(self, pool, owned=True)
 
