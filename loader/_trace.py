@@ -9,21 +9,21 @@ taken only as records fill them).  Every process of the loader, and every
 process it forks later (a respawned pool, num_workers="auto" growing),
 inherits the mapping; worker threads share it.
 
-    words[0]                  HEAD: records claimed so far (may pass the capacity)
-    words[8 + 8*i : 16 + 8*i] record i: kind, tid, t0, t1, a, b, c, d
+    words[0]                   CLAIMED: records handed out in chunks so far
+    words[1]                   DROPPED: records not written, the log being full
+    words[8 + 8*i : 16 + 8*i]  record i: tid, t0, t1, a, b, c, d, kind
 
-A writer claims record i with one atomic fetch-add on HEAD, stores the
-seven payload words, then stores `kind` (never 0) last:
-
-    SYNC POINT: release store of `kind`; main reads the records only after
-    every child has exited or been joined, and skips those whose kind is
-    still 0 (a process killed between its claim and its kind store).
-
-so a killed worker's records up to its death are kept and its half-written
-one is dropped, never misread.  Past the capacity, a claim writes nothing:
-the JSON says how many were dropped.  Times are time.perf_counter_ns(),
-CLOCK_MONOTONIC on Linux: one clock in every process, the one stats()
-uses (NOTE [ Wait clocks ] in _stats.py), so the two add up.
+A writer claims CHUNK records at a time with one atomic fetch-add on
+CLAIMED and fills them in order, each with one struct.pack_into, which
+stores the words left to right: `kind` (never 0) is stored last.  Main
+reads the records only once every writer has exited or been joined (all
+their stores are visible then), and skips records whose kind is 0: the
+unused rest of a chunk, or the record a process was writing when it was
+killed.  So a killed worker's records up to its death are kept and a torn
+one is never read.  Past the capacity a record is only counted (DROPPED)
+and the JSON says so.  Times are time.perf_counter_ns(), CLOCK_MONOTONIC
+on Linux: one clock in every process, the one stats() uses (NOTE [ Wait
+clocks ] in _stats.py), so the two add up.
 
 Nothing is formatted while the loader runs: main turns the records into
 JSON at close() (_trace_json.py), writing a temporary file beside PATH and
@@ -33,6 +33,7 @@ renaming it, so PATH is either the whole trace or absent.
 from __future__ import annotations
 
 import os
+import struct
 import threading
 import time
 
@@ -40,7 +41,11 @@ import shmq
 
 HEADER_WORDS = 8
 RECORD_WORDS = 8
+KIND_WORD = 7                # the last word of a record: see the NOTE
+CLAIMED, DROPPED = 0, 1      # header words
+CHUNK = 64                   # records a writer claims at a time
 CAPACITY_RECORDS = 1 << 20   # 64 MiB at most, only as far as it fills
+_RECORD = struct.Struct("8q")
 
 # kinds (0: not written)
 NAME = 1      # a tracer started: t0 = when; a = pid; b = role (ROLE_*, or a worker id >= 0)
@@ -106,13 +111,13 @@ class TraceLog:
         return t
 
     def records(self):
-        """The committed records, as an (n, RECORD_WORDS) int64 array, and
-        how many claims found the log full.  Main only, once the writers
-        are gone (NOTE [ Trace records ])."""
-        claimed = int(shmq.atomic_load(self.words, 0))
-        kept = min(claimed, self.capacity)
-        rows = self.words[HEADER_WORDS:HEADER_WORDS + RECORD_WORDS * kept].reshape(-1, RECORD_WORDS)
-        return rows[rows[:, 0] != 0].copy(), claimed - kept
+        """The records written, as an (n, RECORD_WORDS) int64 array, and how
+        many were dropped.  Main only, once the writers are gone (NOTE
+        [ Trace records ])."""
+        claimed = min(int(self.words[CLAIMED]), self.capacity)
+        rows = self.words[HEADER_WORDS:HEADER_WORDS + RECORD_WORDS * claimed]
+        rows = rows.reshape(-1, RECORD_WORDS)
+        return rows[rows[:, KIND_WORD] != 0].copy(), int(self.words[DROPPED])
 
     def write(self) -> None:
         """Write the JSON (once): see _trace_json.py."""
@@ -130,25 +135,31 @@ class Tracer:
 
     def __init__(self, log: TraceLog, role: int):
         self.words, self.capacity = log.words, log.capacity
-        self.mv = memoryview(log.words)  # plain stores of the payload: cheaper than numpy's
+        self.mv = memoryview(log.words).cast("B")
+        self.pack = _RECORD.pack_into
         self.tid = threading.get_native_id()  # == the pid in a worker process
         self.role = role
+        self.next = self.end = 0  # the chunk being filled: records [next, end)
 
     def record(self, kind: int, t0: int, t1: int, a: int = 0, b: int = 0, c: int = 0,
                d: int = 0) -> None:
-        i = shmq.atomic_add(self.words, 0, 1)
-        if i >= self.capacity:
-            return  # full: counted by HEAD, reported in the JSON
-        base = HEADER_WORDS + RECORD_WORDS * i
-        mv = self.mv
-        mv[base + 1] = self.tid
-        mv[base + 2] = t0
-        mv[base + 3] = t1
-        mv[base + 4] = a
-        mv[base + 5] = b
-        mv[base + 6] = c
-        mv[base + 7] = d
-        shmq.atomic_store(self.words, base, kind)  # SYNC POINT: see NOTE [ Trace records ]
+        i = self.next
+        if i == self.end:
+            i = self._claim()
+            if i < 0:
+                return
+        self.next = i + 1
+        # kind last: see NOTE [ Trace records ]
+        self.pack(self.mv, (HEADER_WORDS + RECORD_WORDS * i) * 8, self.tid, t0, t1, a, b, c, d,
+                  kind)
+
+    def _claim(self) -> int:
+        first = shmq.atomic_add(self.words, CLAIMED, CHUNK)
+        if first + CHUNK > self.capacity:
+            shmq.atomic_add(self.words, DROPPED, 1)
+            return -1
+        self.next, self.end = first, first + CHUNK
+        return first
 
     # --- hooks: what each process records ------------------------------------------
 

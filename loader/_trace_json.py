@@ -40,7 +40,7 @@ def trace_events(records, origin_ns: int) -> list[dict]:
     """The JSON events of the records (an (n, 8) int64 array)."""
     whois: dict[int, tuple[int, int]] = {}   # tid -> (pid, role)
     epoch_of_run: dict[int, int] = {}
-    for kind, tid, t0, _, a, b, _, _ in records.tolist():
+    for tid, t0, _, a, b, _, _, kind in records.tolist():
         if kind == NAME:
             whois[tid] = (a, b)
         elif kind == RUN:
@@ -50,7 +50,7 @@ def trace_events(records, origin_ns: int) -> list[dict]:
     def us(t):
         return (t - origin_ns) / 1e3
 
-    for kind, tid, t0, t1, a, b, c, d in records.tolist():
+    for tid, t0, t1, a, b, c, d, kind in records.tolist():
         pid = whois.get(tid, (tid, 0))[0]
         at = {"pid": pid, "tid": tid, "ts": us(t0)}
         if kind == LOAD:
@@ -124,8 +124,9 @@ def write_trace(path: str, records, dropped: int, origin_ns: int) -> None:
                          "records": len(records), "dropped_records": dropped}}
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
+        text = json.dumps(doc, separators=(",", ":"))  # (json.dump writes in small pieces)
         with open(tmp, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         try:
