@@ -29,6 +29,7 @@ from loader._stats import WaitClock
 from loader._progress import stream_skips
 from loader._table import CONFIRMED, REFUSED, count_of
 from loader._trace import POOL, ROLE_COLLATOR, RUN, now, tracer_of
+from loader._warmup import ArenaWarmer
 from loader._worker import exit_if_orphaned
 
 DRAIN_BATCH = 256  # messages handled between looks at runs, memory and the outbox
@@ -135,9 +136,12 @@ class Collator:
         self.cfg, self.shared = cfg, shared
         self.control, self.table, self.arena = shared.control, shared.table, shared.arena
         self.inbox, self.to_main = shared.to_collator, shared.to_main
-        # Slabs the warm-up should cover: two runs' windows, and those main holds.
+        # Slabs the warm-up covers: those the window publishes, the one main
+        # holds, and the next run's first while this one ends (W1 peaks at
+        # 6-8 slabs with prefetch 3).  NOTE [ Warming the arena ] in _warm.pxi
         self.slabs = SlabAllocator(shared.arena, shared.released, shared.hazards,
-                                   2 * cfg.publish_window + 2)
+                                   cfg.publish_window + 3)
+        self.warmer = ArenaWarmer(shared.arena)
         self.passes: dict[int, _Pass] = {}
         self.known_run = 0
         self.joined: dict[int, int] = {}  # workers added while running -> their first run
@@ -169,9 +173,6 @@ class Collator:
                 if p.done:  # Done messages whose batches waited for memory
                     self._settle(p)
             if self._drain():
-                continue
-            if self.slabs.warming:
-                self.slabs.warm_up()  # idle time, not batch time; messages are checked between chunks
                 continue
             self._sleep()
 
@@ -411,6 +412,7 @@ class Collator:
             for p in self.passes.values():  # every run going on sees the pool's use
                 p.peak_slab_bytes = max(p.peak_slab_bytes, self.slabs.in_use)
             self.tracer.record(POOL, now(), 0, self.slabs.in_use, self.slabs.capacity)
+            self.warmer.want(self.slabs.warm_target)
         return slab
 
     def _retry_waiting(self) -> None:
@@ -708,6 +710,10 @@ class Collator:
 
 
 def collator_main(cfg: LoaderConfig, shared: SharedState) -> None:
-    Collator(cfg, shared).run()
+    collator = Collator(cfg, shared)
+    try:
+        collator.run()
+    finally:
+        collator.warmer.stop()
     shared.to_collator.close()
     shared.to_main.close()
