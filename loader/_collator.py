@@ -137,11 +137,11 @@ class Collator:
         self.control, self.table, self.arena = shared.control, shared.table, shared.arena
         self.inbox, self.to_main = shared.to_collator, shared.to_main
         # Slabs the warm-up covers: those the window publishes, the one main
-        # holds, and the next run's first while this one ends (W1 peaks at
-        # 6-8 slabs with prefetch 3).  NOTE [ Warming the arena ] in _warm.pxi
+        # holds, and one more as the next run starts (W1 peaks at 6-8 slabs
+        # with prefetch 3).  NOTE [ Warming the arena ] in _warm.pxi
         self.slabs = SlabAllocator(shared.arena, shared.released, shared.hazards,
-                                   cfg.publish_window + 3)
-        self.warmer = ArenaWarmer(shared.arena)
+                                   cfg.publish_window + 2)
+        self.warmer = ArenaWarmer(shared.warm_fd, shared.arena.nbytes)
         self.passes: dict[int, _Pass] = {}
         self.known_run = 0
         self.joined: dict[int, int] = {}  # workers added while running -> their first run

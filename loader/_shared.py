@@ -116,9 +116,11 @@ class SharedState:
         # The batch memory, in a memfd: main maps it again to view slabs, and
         # again after moving kept batches out of it (NOTE [ Kept batch memory ]).
         self.arena_fd = os.memfd_create("shmloader-arena", os.MFD_CLOEXEC)
+        self.warm_fd = -1  # the collator's, to allocate pages ahead (NOTE [ Warming the arena ])
         try:
             os.ftruncate(self.arena_fd, cfg.memory_cap_bytes)
             self.arena = arena_array(self.arena_fd, cfg.memory_cap_bytes)
+            self.warm_fd = os.dup(self.arena_fd)
         except BaseException:
             os.close(self.arena_fd)
             raise
@@ -197,6 +199,9 @@ class SharedState:
         if self.arena_fd >= 0:
             os.close(self.arena_fd)  # the mappings keep the memory while they are used
             self.arena_fd = -1
+        if self.warm_fd >= 0:
+            os.close(self.warm_fd)
+            self.warm_fd = -1
         for q in self.rings:
             q.close()
         for fd in self.order_fds + self.snapshot_fds:

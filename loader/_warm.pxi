@@ -2,9 +2,7 @@
 # Included by _native.pyx.
 #
 # Why compiled: a writer checks, before every row it writes, whether its
-# own mapping of the slab is populated (a byte per 2 MiB chunk, in C); and
-# the page-by-page fallback must be an atomic no-op write, which Python
-# cannot express.
+# own mapping of the slab is populated (a byte per 2 MiB chunk, in C).
 #
 # NOTE [ Warming the arena ]
 # ==========================
@@ -14,26 +12,26 @@
 # is "touched" per process: each worker maps the arena itself, so a page
 # another process faulted in still costs this worker a (minor) fault.  A
 # new loader's first epochs used to pay both inside the workers' copies
-# (W1 epochs 1, 2, 3: 2.8, 10.3, 23.5 GB/s).  Two things fault in bulk now,
-# with madvise(MADV_POPULATE_WRITE) (Linux >= 5.14): one system call per
-# range instead of a trap per page, and it never changes the data, so it
-# is safe on pages other processes are writing:
+# (W1 epochs 1, 2, 3: 2.8, 10.3, 23.5 GB/s).  Now the work is done in bulk,
+# ahead of the copies, and only once per page per process:
 #
-#   the collator  a background thread (ArenaWarmer, _warmup.py) populates
-#                 the arena ahead of the allocator, up to the slabs one run
-#                 keeps in flight, as soon as the first batch says how big a
-#                 slab is: the pages exist before any worker writes them.
+#   the collator  a background thread (ArenaWarmer, _warmup.py) allocates
+#                 the arena's pages with fallocate() on its memfd, from the
+#                 low offsets up (first fit hands those out first), up to
+#                 the slabs one run keeps in flight, as soon as the first
+#                 batch says how big a slab is.  No mapping is involved, so
+#                 no process pays page tables it will not use.
 #   each writer   before its first row in a 2 MiB chunk of the arena, it
-#                 populates its own mapping of that whole chunk (WarmChunks):
-#                 page-table entries in bulk, instead of a fault per page
-#                 in the copy.  A chunk is done once per process.
+#                 populates its own mapping of the whole chunk with one
+#                 madvise(MADV_POPULATE_WRITE) (Linux >= 5.14; WarmChunks):
+#                 page-table entries in bulk instead of a fault per page.
 #
-# Without MADV_POPULATE_WRITE (older kernels) the collator's thread touches
-# a word per page with an atomic add of 0 (a write fault, data unchanged
-# even under a concurrent writer), and writers fault as before.  Main's
-# eviction of kept batches (NOTE [ Kept batch memory ]) remaps pages in
-# main's mapping only; neither warmer touches main's mappings, and after
-# close() nothing warms again, so pages given back stay given back.
+# Neither changes a byte (fallocate leaves allocated pages alone, and
+# MADV_POPULATE_WRITE only faults pages in), so both are safe on slabs
+# other processes are writing.  On older kernels writers fault as before.
+# Main's eviction of kept batches (NOTE [ Kept batch memory ]) remaps pages
+# in main's mapping only, which nothing here touches; the warmer stops with
+# the collator, before close() gives pages back.
 
 cdef extern from *:
     """
@@ -41,13 +39,8 @@ cdef extern from *:
     #ifndef MADV_POPULATE_WRITE
     #define MADV_POPULATE_WRITE 23  /* Linux 5.14 */
     #endif
-    /* A write access that changes nothing, even racing a writer of the byte. */
-    static inline void loader_touch_byte(unsigned char *p) {
-        __atomic_fetch_add(p, 0, __ATOMIC_RELAXED);
-    }
     """
     int MADV_POPULATE_WRITE
-    void loader_touch_byte(unsigned char *p) nogil
 
 cdef extern from "sys/mman.h" nogil:
     int madvise(void *addr, size_t length, int advice)
@@ -64,27 +57,6 @@ cdef int _populate(char *p, size_t n) noexcept nogil:
     if n == 0:
         return 0
     return madvise(<void *>lo, <size_t>p + n - lo, MADV_POPULATE_WRITE)
-
-
-def populate(cnp.ndarray arr not None) -> bool:
-    """Fault in the pages under arr (C-contiguous, writable) without
-    changing a byte, also while other processes write them: one
-    madvise(MADV_POPULATE_WRITE), or on kernels without it an atomic add
-    of 0 to a byte of every page.  True if madvise did it."""
-    if not arr.flags.c_contiguous or not arr.flags.writeable:
-        raise ValueError("populate needs a writable C-contiguous array")
-    cdef char *p = <char *>cnp.PyArray_DATA(arr)
-    cdef size_t n = <size_t>cnp.PyArray_NBYTES(arr)
-    cdef size_t off
-    cdef int rc
-    with nogil:
-        rc = _populate(p, n)
-        if rc != 0:
-            off = 0
-            while off < n:
-                loader_touch_byte(<unsigned char *>(p + off))
-                off = (off | (_PAGE - 1)) + 1  # the next page's first byte
-    return rc == 0
 
 
 cdef class WarmChunks:
