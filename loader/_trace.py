@@ -49,13 +49,14 @@ _RECORD = struct.Struct("8q")
 
 # kinds (0: not written)
 NAME = 1      # a tracer started: t0 = when; a = pid; b = role (ROLE_*, or a worker id >= 0)
-LOAD = 2      # dataset[i] / __getitems__: a = index (-1: a batch), b = position, c = samples, d = epoch
+LOAD = 2      # dataset[i] / __getitems__: a = index (-1: a batch), b = position,
+              # c = samples, d = epoch
 WRITE = 3     # a worker's write into the slab: a = position, b = batch, c = run, d = rows
 COLLATE = 4   # a collate_fn in a worker: a = batch, b = samples, c = run
 BATCH = 5     # the collator: t0 = laid out, t1 = sent to main; a = batch, b = rows, c = run
 RUN = 6       # the collator saw a run start: a = run, b = epoch
 POOL = 7      # slab pool occupancy: a = bytes in use, b = capacity
-WAIT = 8      # the training loop in next(): a = epoch, b = batch handed out (-1: none)
+WAIT = 8      # the training loop in next(): a = epoch
 EPOCH = 9     # an epoch from its first next() to its end: a = epoch, b = batches,
               # c = samples, d = 1 if it ran to its end, else 0
 

@@ -81,7 +81,7 @@ def trace_events(records, origin_ns: int) -> list[dict]:
                            "args": {"bytes in use": a}})
         elif kind == WAIT:
             events.append({"name": "next()", "cat": "main", "ph": "X", **at,
-                           "dur": us(t1) - us(t0), "args": {"epoch": a, "batch": b}})
+                           "dur": us(t1) - us(t0), "args": {"epoch": a}})
         elif kind == EPOCH:
             track = {"pid": pid, "tid": EPOCHS_TID_OFFSET + tid}
             events.append({"name": "epoch", "cat": "main", "ph": "X", **track, "ts": us(t0),

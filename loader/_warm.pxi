@@ -96,11 +96,3 @@ cdef class WarmChunks:
                     return
                 self.done[c] = 1
             c += 1
-
-    def populated_bytes(self) -> int:
-        """How much of the arena this process has populated (tests)."""
-        cdef Py_ssize_t c, total = 0
-        for c in range(self.nchunks):
-            if self.done[c]:
-                total += min(<Py_ssize_t>1 << _CHUNK_SHIFT, self.nbytes - (c << _CHUNK_SHIFT))
-        return total

@@ -10,11 +10,11 @@ load + write time differ by the bookkeeping between samples, bounded by
 BUSY_SLACK."""
 
 import json
-from collections import Counter
 import os
 import re
 import signal
 import time
+from collections import Counter
 
 import numpy as np
 import pytest

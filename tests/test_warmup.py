@@ -13,9 +13,8 @@ import time
 import numpy as np
 import pytest
 
-import shmq
 from loader import ShmLoader
-from loader._native import WarmChunks, arena_array
+from loader._native import arena_array
 from loader._slabs import slab_bytes
 from loader._warmup import ArenaWarmer
 
@@ -136,13 +135,10 @@ def test_the_warmer_never_changes_data_even_under_a_writer():
         os.close(fd)
 
 
-def test_warm_chunks_and_the_warmer_cover_exactly_what_is_asked():
+def test_the_warmer_covers_exactly_what_is_asked():
     fd = os.memfd_create("test-warm")
     try:
         os.ftruncate(fd, 33 * MiB)
-        arena = arena_array(fd, 33 * MiB)
-        chunks = WarmChunks(arena)
-        assert chunks.populated_bytes() == 0
         warmer = ArenaWarmer(fd, 33 * MiB)
         try:
             warmer.want(20 * MiB)
