@@ -18,6 +18,9 @@ What has no meaning here is accepted and documented:
   "forkserver" are accepted and fork is used.
 - pin_memory without an accelerator: a warning, as torch gives.
 
+One keyword torch does not have: trace=PATH, as ShmLoader's (a Perfetto
+trace of the loader's own workers, written when it is closed).
+
 Iterators are torch's: without persistent workers each iter() is its own
 pass with its own workers, so several may be live at once (a peek with
 next(iter(loader)) inside the loop, zip(loader, loader)); with persistent
@@ -42,8 +45,8 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from loader._errors import LoaderTimeout, WorkerError
 from loader._loader import ShmLoader
-from loader._trace import check_path
 from loader._procs import wait_all
+from loader._trace import check_path
 from loader.integrations import accelerate as _accelerate_integration
 
 __all__ = ["DataLoader"]
