@@ -549,9 +549,11 @@ class Worker:
             self.channel.failed(run, j0 * N + w if cfg.in_order else -1, -1, -1, e,
                                 f"in iter(dataset), in worker {w}")
             return ended
+        tracer = self.tracer
         while True:
             if self.seeder is not None:
                 self.seeder(epoch, w + 1, seq)
+            t0 = now() if tracer is not None else 0
             try:
                 sample = next(it)
             except StopIteration:
@@ -562,6 +564,8 @@ class Worker:
                                     f"while iterating the dataset, in worker {w}")
                 return ended
             seq += 1
+            if tracer is not None:  # the stream's sample number as its position
+                tracer.record(LOAD, t0, now(), -1, seq - 1, 1, epoch)
             if seq - 1 < done_below or seq - 1 in done_past:
                 continue  # read (and seeded) as before, so the stream goes on where it was
             if slots is None:

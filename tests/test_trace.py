@@ -232,3 +232,28 @@ def test_bad_trace_paths_fail_at_construction(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(missing.parent)):
         loader.DataLoader(Spin(8), trace=missing)
     assert os.listdir(tmp_path) == []  # the probe left nothing
+
+
+def test_iterable_dataset_streams_are_traced(tmp_path):
+    class Stream:
+        def __iter__(self):
+            w = loader.get_worker_info().id
+            for k in range(60):
+                yield np.array([w, k])
+
+    path = tmp_path / "stream.json"
+    with ShmLoader(Stream(), batch_size=8, num_workers=2, trace=path) as ld:
+        for _ in range(2):
+            assert sum(len(b) for b in ld) == 120
+            s = ld.stats()
+    _, events = load_trace(path)
+    runs = run_epoch_map(events)
+    for epoch in (1, 2):
+        loads = [e for e in named(events, "load") if e["args"]["epoch"] == epoch]
+        assert len(loads) == 120 and all("index" not in e["args"] for e in loads)
+        for pid in worker_pids(events):  # each worker's stream, numbered from 0
+            assert sorted(e["args"]["position"] for e in loads if e["pid"] == pid) \
+                == list(range(60))
+        assert sum(runs.get(e["args"]["run"]) == epoch for e in named(events, "write")) == 120
+        assert sum(e["args"]["epoch"] == epoch for e in named(events, "batch", "b")) \
+            == s["batches"] == 16
