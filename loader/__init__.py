@@ -16,6 +16,12 @@ from loader._parquet import ParquetDataset
 from loader._procs import LoaderStartError
 from loader._stats import DataStallWarning
 from loader._worker import WorkerInfo, get_worker_info
+from loader.integrations import ray as _ray_integration
+
+# Ray Train's prepare_data_loader rebuilds loaders as torch's class and wraps
+# them: make it keep ShmLoader and DataLoader (loader/integrations/ray.py),
+# whenever ray.train.torch is imported (a finder on sys.meta_path until then).
+_ray_integration.install_when_imported()
 
 __all__ = ["ShmLoader", "DataLoader", "FileDataset", "FileArray", "ParquetDataset",
            "get_worker_info", "WorkerInfo",

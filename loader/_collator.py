@@ -60,8 +60,10 @@ class _Pass:
 
     def __init__(self, run: int, control: C.Control, cfg: LoaderConfig, shared: SharedState):
         self.run = run
+        self.control = control
         self.iterable = cfg.iterable
         self.per_batch = cfg.per_batch
+        self.claims_batches = cfg.claims_batches
         self.workers = max(cfg.num_workers, 1)
         self.B = cfg.rows_per_batch
         if self.iterable:
@@ -128,7 +130,19 @@ class _Pass:
                         if j not in self.above[w]:
                             yield j * self.workers + w
             return
-        yield from range(self.lo, min(self.sent + window, self.nbatches))
+        yield from range(self.lo, min(self.sent + window, self.nbatches,
+                                      self.loadable_batches() + 1))
+
+    def loadable_batches(self) -> int:
+        """Batches below main's LIMIT, which workers may load now.  One past
+        them is laid out too, ready when the limit rises; a slab for any
+        further would only wait, so the pool holds at most `prefetch` + 1
+        batches beyond those the training loop holds."""
+        # SYNC POINT: acquire load; main's store of LIMIT (Control.set_limit) pairs with it.
+        limit = shmq.atomic_load(self.control.ctl, C.word(self.run, C.LIMIT))
+        if self.claims_batches or limit <= 0:
+            return max(limit, 0)
+        return self.batches.locate(min(limit, self.batches.kept) - 1)[0] + 1
 
 
 class Collator:
@@ -136,11 +150,9 @@ class Collator:
         self.cfg, self.shared = cfg, shared
         self.control, self.table, self.arena = shared.control, shared.table, shared.arena
         self.inbox, self.to_main = shared.to_collator, shared.to_main
-        # Slabs the warm-up covers: those the window publishes, the one main
-        # holds, and one more as the next run starts (W1 peaks at 6-8 slabs
-        # with prefetch 3).  NOTE [ Warming the arena ] in _warm.pxi
+        # Slabs the warm-up covers: NOTE [ Warming the arena ] in _warm.pxi
         self.slabs = SlabAllocator(shared.arena, shared.released, shared.hazards,
-                                   cfg.publish_window + 2)
+                                   cfg.slabs_in_flight)
         self.warmer = ArenaWarmer(shared.warm_fd, shared.arena.nbytes)
         self.passes: dict[int, _Pass] = {}
         self.known_run = 0
@@ -282,6 +294,12 @@ class Collator:
         for anything (memory, a table entry): iterable runs send or free
         each such worker's last batches; once every worker is settled,
         the run ends."""
+        if p.done and not self.control.live(p.run):
+            # Main ended the run and reads none of its batches: those waiting
+            # for memory wait no more (the memory may be what a newer run needs).
+            for b in p.open.values():
+                b.wanted, b.held_rows = None, []
+            self.waiting = [(r, i) for r, i in self.waiting if r != p.run]
         for w in list(p.done):
             mine = [b for b in p.open.values() if not p.iterable or p.worker_of(b.index) == w]
             if any(b.wanted is not None or b.held_rows for b in mine):
@@ -336,8 +354,8 @@ class Collator:
                     if dst is not None:
                         dst[tr] = src[r]
                 tags[tk][tr] = tags[k][r]
-                if layout.value_leaves:
-                    group[tk].values[tr] = group[k].values[r]
+                if layout.value_leaves and r in group[k].values:
+                    group[tk].values[tr] = group[k].values.pop(r)
             full, short = divmod(len(sources), layout.rows)
             for k, b in enumerate(group):
                 if k < full:
@@ -354,6 +372,7 @@ class Collator:
         """A batch that will not be sent: no worker writes into it any more."""
         del p.open[b.index]
         self._unpublish(p, b)
+        self._forget_values(b)
         if b.slab is not None:
             self.slabs.release(b.slab.lease)
 
@@ -453,6 +472,7 @@ class Collator:
             return
         b = p.open.pop(index, None)
         if b is not None:
+            self._forget_values(b)
             if b.published:
                 self.table.add_flags(p.run, b.index, REFUSED)  # writers drop their rows now
                 p.given_up[index] = b
@@ -506,7 +526,7 @@ class Collator:
         b.layout, b.slab = layout, slab
         self._mark_holes(b)
         b.confirmed = not provisional
-        b.values = {}  # rows' values are re-sent by their writers after a relayout
+        self._forget_values(b)  # rows' values are re-sent by their writers after a relayout
         self._publish(p, b)
         return True
 
@@ -570,7 +590,11 @@ class Collator:
                     q.expected.add(msg.worker)
             return
         if msg.run <= self.known_run and msg.run not in self.passes:
-            return  # a run that ended before a worker added late said Done for it
+            # a run that ended before a worker added late said Done for it,
+            # or a row's values arriving after the run ended
+            if kind is P.RowValues:
+                self.shared.free_values(msg.values)
+            return
         p = self._pass(msg.run)
         if kind is P.Done:
             p.done[msg.worker] = msg
@@ -612,9 +636,19 @@ class Collator:
     def _row_values(self, p: _Pass, m: P.RowValues) -> None:
         b = p.open.get(m.batch)
         if b is None or b.layout is None or m.values_key != b.layout.values_key:
-            return  # written into a layout replaced since: its writer sends them again
+            # given up, or written into a layout replaced since (its writer
+            # sends them again)
+            self.shared.free_values(m.values)
+            return
+        self.shared.free_values(b.values.get(m.row))
         b.values[m.row] = m.values
         self._finish_if_complete(p, b)
+
+    def _forget_values(self, b: _Batch, keep: int = 0) -> None:
+        """Free the values of b's rows from `keep` on: they will not be
+        sent (a row's values may be a block of the spill heap)."""
+        for r in [r for r in b.values if r >= keep]:
+            self.shared.free_values(b.values.pop(r))
 
     def _sample_row(self, p: _Pass, m: P.SampleRow) -> None:
         """A sample whose batch's confirmed layout differs: write it with a
@@ -637,6 +671,7 @@ class Collator:
         view = self.arena[b.slab.offset:b.slab.offset + b.layout.nbytes]
         values = b.layout.write_row(view, m.row, leaves, m.pos)
         if b.layout.value_leaves:
+            self.shared.free_values(b.values.get(m.row))
             b.values[m.row] = values
         p.rows_by_collator += 1
         if self.table.count(p.run, b.index, b.version) == b.rows:
@@ -692,7 +727,10 @@ class Collator:
         self._unpublish(p, b)
         self.guess = b.layout.signature
         spec = b.layout.spec(rows, b.values)
-        self._send(P.BatchReady(p.run, b.index, b.slab, spec, b.layout.tags_offset, rows))
+        self._forget_values(b, keep=rows)  # (main frees the rows' blocks it opens)
+        b.values = {}
+        self._send(P.BatchReady(run=p.run, batch=b.index, slab=b.slab, spec=spec,
+                                tags=b.layout.tags_offset, rows=rows))
         self.tracer.batch_sent(p.run, b.index, rows, self.laid_out)
         p.sent += 1
         p.samples += rows if b.batched else 1

@@ -100,6 +100,7 @@ class _Epoch:
         if scaler is not None:
             scaler.batch_handed_out()
         self.clock.bytes += align(msg.tags + 8 * msg.rows)  # the batch, not its whole pages
+        self.clock.spilled_bytes += msg.values_bytes
         return self.loader._batch(msg)
 
     def _run_ended(self, msg: P.RunEnded) -> None:
@@ -191,11 +192,20 @@ class MapEpoch(_Epoch):
         ld, run = self.loader, self.run
         if (ld._ahead is None and ld._runs_ahead() and run.id - 1 not in ld._unended
                 and self.control.claimed(run.id) >= run.plan.units):
-            ld._ahead = ld._start_run(self.epoch + 1)  # every unit is claimed
+            # every unit is claimed; the batches this epoch has left count
+            # against the next one's prefetch
+            ld._ahead = ld._start_run(self.epoch + 1, yielded=self._left())
+
+    def _left(self) -> int:
+        """Minus the batches of this run still to be handed out."""
+        return self.yielded - self.run.plan.nbatches
 
     def _advance(self) -> None:
         self.yielded += 1
-        self.control.set_limit(self.run.id, self.loader._limit(self.run, self.yielded))
+        ld = self.loader
+        self.control.set_limit(self.run.id, ld._limit(self.run, self.yielded))
+        if ld._ahead is not None and ld._current is self.run:
+            self.control.set_limit(ld._ahead.id, ld._limit(ld._ahead, self._left()))
 
     def _next_ready(self):
         """The next batch to hand out, if it is here (or raise its error:

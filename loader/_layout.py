@@ -137,6 +137,7 @@ class Spec(NamedTuple):
     container type may check what it is given: torch's PackedSequence)."""
     structure: object
     leaves: tuple
+    rows_values: tuple | None = None  # rows' values by reference: see Layout.spec
 
 
 class CollateError(ValueError):
@@ -566,17 +567,41 @@ class Layout:
 
     def spec(self, rows: int, values: dict):
         """The batch tree for main, trimmed to `rows` (a short last batch);
-        values maps each row to its non-numeric leaves."""
-        columns = iter(zip(*(values[r] for r in range(rows)))) if self.value_leaves else iter(())
+        values maps each row to its non-numeric leaves: a list, or a
+        reference to a block of them in the spill heap, which main opens
+        (NOTE [ Spilled messages ]): then the spec keeps the rows' entries
+        and its Value leaves are filled in main (with_values)."""
+        rows_values = [values[r] for r in range(rows)] if self.value_leaves else []
+        by_reference = any(type(v) is not list for v in rows_values)
+        columns = iter(()) if by_reference else _columns(rows_values, len(self.value_leaves))
         leaves = []
         for kind, code, shape, off in zip(self.kinds, self.codes, self.shapes, self.offsets):
             if kind == OTHER:
-                column = list(next(columns)) if rows else []
-                leaves.append(Value(column if self.batched else column[0], self.batched))
+                leaves.append(Value(None if by_reference else
+                                    _column_value(next(columns), self.batched), self.batched))
             else:
                 leaves.append(ArrayLeaf(off, code, (rows,) + shape if self.batched else shape,
                                         kind == TENSOR))
-        return Spec(self.structure, tuple(leaves))
+        return Spec(self.structure, tuple(leaves), tuple(rows_values) if by_reference else None)
+
+
+def _columns(rows_values: list, n: int):
+    """Per value leaf, its column (a list of one value per row)."""
+    return iter([list(c) for c in zip(*rows_values)] if rows_values else [[] for _ in range(n)])
+
+
+def _column_value(column: list, batched: bool):
+    return column if batched else column[0]
+
+
+def with_values(spec: Spec, rows_values: list) -> Spec:
+    """spec with its Value leaves filled from the rows' values (lists), for
+    a spec made with references (Layout.spec)."""
+    n = sum(type(leaf) is Value for leaf in spec.leaves)
+    columns = _columns(rows_values, n)
+    return Spec(spec.structure, tuple(
+        Value(_column_value(next(columns), leaf.batched), leaf.batched) if type(leaf) is Value
+        else leaf for leaf in spec.leaves))
 
 
 def castable(sig, layout: Layout) -> bool:

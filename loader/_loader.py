@@ -26,6 +26,7 @@ from loader._autoscale import Autoscaler, cpu_count, default_max_workers
 from loader._collator import collator_main
 from loader._epoch_iter import MapEpoch, StreamEpoch
 from loader._errors import LoaderTimeout, WorkerError
+from loader._frozen_state import FrozenState
 from loader._epochs import EpochInfo
 from loader._inline import InlineEpoch
 from loader._layout import materialize
@@ -114,7 +115,7 @@ def distributed_rank() -> tuple[int, int]:
     return rank, world
 
 
-class ShmLoader:
+class ShmLoader(FrozenState):
     """Batches from arbitrary Python preprocessing, at memory speed.
 
     Forked workers run ``dataset[i]`` (or iterate an iterable dataset) and
@@ -270,6 +271,7 @@ class ShmLoader:
         self._progress = self._progress_plan = None  # of the epoch state_dict() describes
         self._closed = False
         self._stats = None
+        self._moved_out = (0, 0)  # kept slabs and bytes moved out by lease books closed
         self._warned_stall = False
         self._rank, self._world = (0, 1)
         _live_loaders.add(self)
@@ -307,7 +309,12 @@ class ShmLoader:
         - "summary": all of it in one line, for a log.
         - "epoch", "batches", "samples"; "seconds" from the epoch's first
           next() to its end; "bytes" of batch memory handed out (slabs, with
-          their row tags) and "bytes_per_second".
+          their row tags, and "spilled_bytes": large bytes and str leaves,
+          which come through the spill heap) and "bytes_per_second".
+        - "kept_slabs_moved_out", "kept_bytes_moved_out": since the loader
+          started, slabs whose parts you still held were moved out of the
+          pool when it ran short, copying that many bytes (NOTE [ Kept batch
+          memory ]).
         - "loop_wait_seconds", "loop_wait_share": how long the training loop
           waited in next() for a batch (num_workers=0: loading them).  Above
           half of an epoch of 5 s or more, a DataStallWarning says why, once.
@@ -329,10 +336,17 @@ class ShmLoader:
             return None
         out = dict(self._stats)
         out["workers"] = self._workers_loading()
+        out["kept_slabs_moved_out"], out["kept_bytes_moved_out"] = self._kept_moved_out()
         scaler = getattr(self, "_autoscaler", None)
         if scaler is not None:
             out["worker_counts"] = list(scaler.history)
         return out
+
+    def _kept_moved_out(self) -> tuple[int, int]:
+        slabs, nbytes = self._moved_out
+        if self._shared is not None:  # the pool's book now
+            slabs, nbytes = slabs + self._leases.evicted_slabs, nbytes + self._leases.kept_bytes
+        return slabs, nbytes
 
     # --- processes ----------------------------------------------------------------------
 
@@ -468,6 +482,7 @@ class ShmLoader:
         if self._pinned is not None:
             self._pinned.close()
             self._pinned = None
+        self._moved_out = self._kept_moved_out()
         self._leases.close()  # the arena's pages no batch you hold uses go back now
         self._shared = None
         self._inboxes.clear()
@@ -742,17 +757,21 @@ class ShmLoader:
 
     def _limit(self, run: _Run, yielded: int) -> int:
         """Units workers may load once `yielded` batches were yielded: those
-        of the next `prefetch` batches.  (Iterable runs: per worker.)"""
+        of the next `prefetch` batches.  (Iterable runs: per worker.)  A run
+        started ahead shares `prefetch` with the epoch still running: it is
+        given a negative `yielded`, minus the batches that epoch has left."""
         if run.batches is None:  # each stream's next batches (a resumed one starts further)
             ahead = self._cfg.worker_prefetch + self._cfg.shuffle_batches
             return [j + ahead for j in run.plan.progress.first_batches()]
-        upto = min(yielded + self.prefetch, run.plan.nbatches)
+        upto = max(min(yielded + self.prefetch, run.plan.nbatches), 0)
         if run.plan.units == run.plan.nbatches:  # workers claim whole batches
             return upto
         return run.batches.span(upto - 1)[1] if upto > 0 else 0
 
-    def _start_run(self, epoch, resume: dict | None = None, snapshot=None) -> _Run:
-        """Start a pass over the data for `epoch` (see NOTE [ Runs ])."""
+    def _start_run(self, epoch, resume: dict | None = None, snapshot=None,
+                   yielded: int = 0) -> _Run:
+        """Start a pass over the data for `epoch` (see NOTE [ Runs ]);
+        yielded: see _limit."""
         run_id = self._runs + 1
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while run_id - 2 in self._unended:  # its block is about to be reused
@@ -771,7 +790,7 @@ class ShmLoader:
         self._inboxes[run_id] = collections.deque()
         self._shared.control.start_run(
             run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
-            plan.order_seed, int(plan.offsets is not None), plan.base_seed, self._limit(run, 0),
+            plan.order_seed, int(plan.offsets is not None), plan.base_seed, self._limit(run, yielded),
             int(plan.snapshot is not None))
         return run
 
@@ -820,6 +839,7 @@ class ShmLoader:
         if self._closed:
             raise ValueError("this ShmLoader is closed; create a new one")
         self._check_owner()
+        self.thaw_state()  # a pass of its own, or a wrapper's (which freezes it again)
         if self._shared is None:  # (re)starting: the ranks are taken now (torchrun may have
             self._rank, self._world = self._ranks()  # initialised its process group since)
         resume, self._resume = self._resume, None
@@ -961,7 +981,12 @@ class ShmLoader:
         data, cheap enough to take every step).  A new loader of the same
         dataset and arguments given it by load_state_dict() yields exactly
         the rest of that epoch, then the following epochs as this one
-        would.  See NOTE [ Resuming an epoch ] in _progress.py."""
+        would.  See NOTE [ Resuming an epoch ] in _progress.py; behind a
+        wrapper that looks ahead, freeze_state() (NOTE [ A state through a
+        look-ahead wrapper ] in _frozen_state.py)."""
+        frozen = self._frozen_state_copy()
+        if frozen is not None:
+            return frozen
         progress = self._progress
         state = {"format": STATE_FORMAT, "epoch": self._epoch, "seed": self.seed,
                  "rank": self._rank, "world": self._world, "workers": self.num_workers,
@@ -987,6 +1012,7 @@ class ShmLoader:
         epoch the state was taken in (or the next epoch, if it was over)."""
         self._check_owner()
         check_state(state, self._expected_state())  # before anything changes (_state.py)
+        self._freeze_loaded(state)
         if self._shared is not None:
             self._end(self._current)
             self._end(self._ahead)

@@ -106,12 +106,37 @@ _FORK_WARNING = ("ignore", re.compile(r".*multi-threaded.*fork", re.I), Deprecat
 
 def _risky_threads() -> int:
     """Python threads besides this one that could hold a lock across the
-    fork.  tqdm's monitor does not count: every progress bar starts it
-    (datasets' save_to_disk, map, from_parquet), it only sleeps on an event
-    and takes tqdm's own lock, which a worker does not need."""
+    fork, and that the user could have avoided starting (the advice says to
+    create the loader before them).  Not counted:
+    - tqdm's monitor: every progress bar starts it (datasets' save_to_disk,
+      map, from_parquet), it only sleeps on an event and takes tqdm's own
+      lock, which a worker does not need;
+    - a Ray worker's own threads: Train V2 runs the training function in a
+      thread of its own while the main thread serves Ray's calls, beside
+      Ray's GC and monitoring threads; none of them is the user's to move,
+      and they hold Ray's locks, which a worker does not take."""
     me = threading.current_thread()
+    in_ray_worker = _is_ray_worker()
     return sum(1 for t in threading.enumerate()
-               if t is not me and type(t).__module__ != "tqdm._monitor")
+               if t is not me and type(t).__module__ != "tqdm._monitor"
+               and not (in_ray_worker and _is_rays(t)))
+
+
+def _is_ray_worker() -> bool:
+    """This process is a Ray worker (an actor or task process, not the driver)."""
+    worker = sys.modules.get("ray._private.worker")
+    return worker is not None and getattr(worker.global_worker, "mode", None) == getattr(
+        worker, "WORKER_MODE", object())
+
+
+def _is_rays(t: threading.Thread) -> bool:
+    """A thread of a Ray worker that Ray started: its main thread (Ray's task
+    loop), or one whose class or target is Ray's."""
+    if t is threading.main_thread():
+        return True
+    target = getattr(t, "_target", None)
+    return any(str(getattr(x, "__module__", "") or "").startswith("ray.")
+               for x in (type(t), target))
 
 
 def fork_children(specs, advise: bool = True) -> list[Child]:

@@ -93,7 +93,7 @@ class RowValues(NamedTuple):
     batch: int
     row: int
     values_key: int
-    values: list
+    values: object   # a list, or a Spilled block of it (NOTE [ Spilled messages ])
 
 
 class Filled(NamedTuple):
@@ -141,6 +141,7 @@ class BatchReady(NamedTuple):
     spec: Any      # the batch tree (_layout.spec)
     tags: int      # offset in the slab of the rows' tags (int64 each; see _layout.Layout)
     rows: int
+    values_bytes: int = 0  # main: the spill heap's bytes its rows' values came in
 
 
 class RunEnded(NamedTuple):

@@ -12,9 +12,11 @@ from typing import Any, Callable
 import numpy as np
 
 import shmq
+from loader import _protocol as P
 from loader._control import Control
 from loader._native import arena_array
 from loader._slabs import MAX_LEASES
+from loader._layout import with_values
 from loader._spill import SpillHeap, SpillWriter
 from loader._stats import start_idle
 from loader._table import BatchTable
@@ -96,6 +98,17 @@ class LoaderConfig:
         return self.prefetch + 2
 
     @property
+    def slabs_in_flight(self) -> int:
+        """The slabs a steady loop keeps alive, which the collator faults in
+        ahead (NOTE [ Warming the arena ]): map-style, `prefetch` loading, one
+        laid out past main's limit and two the loop holds as next() hands
+        out a batch (runs started ahead share the prefetch); iterable, two
+        runs' windows and those two."""
+        if self.iterable:
+            return 2 * self.publish_window + 2
+        return self.prefetch + 3
+
+    @property
     def table_per_run(self) -> int:
         """Batch table entries per run.  A multiple of the worker count, so
         that the batches of an iterable run's workers (ids j * W + w) never
@@ -164,8 +177,30 @@ class SharedState:
         return None if self.spill is None else SpillWriter(self.spill, region)
 
     def receive(self, msg):
-        """A message taken from a ring, with a Spilled record resolved."""
-        return msg if self.spill is None else self.spill.receive(msg)
+        """A message taken from a ring, with a Spilled record resolved, and a
+        batch's rows' values sent by reference opened (NOTE [ Spilled
+        messages ])."""
+        if self.spill is None:
+            return msg
+        msg = self.spill.receive(msg)
+        if type(msg) is P.BatchReady and msg.spec.rows_values is not None:
+            spec = msg.spec
+            rows = [None] * len(spec.rows_values)
+            try:
+                for r, v in enumerate(spec.rows_values):
+                    rows[r] = self.spill.values(v)
+            finally:  # interrupted: the rest are freed unopened
+                for r, v in enumerate(spec.rows_values):
+                    if rows[r] is None:
+                        self.spill.free_values(v)
+            msg = msg._replace(spec=with_values(spec, rows), values_bytes=sum(
+                v.nbytes for v in spec.rows_values if type(v) is not list))
+        return msg
+
+    def free_values(self, values) -> None:
+        """A row's values that will not be sent (its batch is dropped)."""
+        if self.spill is not None:
+            self.spill.free_values(values)
 
     def write_order(self, run: int, order: np.ndarray, offsets: np.ndarray | None) -> None:
         """The run's order (and a batch sampler's offsets), for the workers

@@ -6,40 +6,57 @@ NOTE [ Spilled messages ]
 The two rings (to_collator, to_main) have a fixed size, but what a message
 carries does not: a row's values can be a 100 MB string, a batch's spec
 the values of 1,024 rows, a SampleRow a whole sample.  So the rings carry
-only small records.  A message whose encoding is larger than SPILL_BYTES
-is written instead into its sender's region of the spill heap, and a
-Spilled record (region, pos, nbytes) travels through the ring in its place.
+only small records.  Anything larger than SPILL_BYTES is written instead
+into its sender's region of the spill heap as a *block*, and a Spilled
+record (region, pos, nbytes) travels in its place:
 
-  sender (worker i, or the collator)        its region: a log of R bytes      receiver
-  ──────────────────────────────────        ──────────────────────────────    ────────
-  pos = allocate(n)  (TAIL: what is free)   [ ... live blocks ... ]
-  write the encoding at pos % R
-  HEAD = pos + n  (store)
-  ring.put(Spilled(i, pos, n)) ─────────────────────────────────────────────► get(): decode the block
-                                                                               (a copy: owned),
-                                            TAIL = pos + n (release store) ◄── then free it
+  * a whole message (SpillWriter.encoded): its receiver decodes the block
+    when it takes the record from the ring, then frees it;
+  * a row's values (SpillWriter.values_ref, sent inside a RowValues): the
+    collator does not open the block.  It keeps the record, puts it into
+    the batch's spec, and main decodes it once, at receipt of the batch
+    (SpillHeap.resolve).  A batch the collator drops frees its rows'
+    blocks unopened (SpillHeap.free).  One copy into the heap, one copy
+    out, whatever the size: bytes and str leaves are stored raw (not
+    pickled) and come back as a new bytes or str.
 
-Each region has one writer (its sender) and one reader (the process the
-sender's ring leads to), and a reader takes a sender's records in the
-order they were sent (a ring keeps each producer's order), so a region is
-a byte log: positions only grow, and TAIL says that every block before it
-is free.  A block never wraps: one that would cross the end of the region
-starts the next lap.  When the log is empty (TAIL == HEAD) the next block
-starts the next lap, at offset 0, so the same pages are reused warm.  (A
-log kept busy by batches in flight rarely empties and writes on fresh
-pages: see the W13 row of docs/benchmarks.md.  Wrapping while blocks are
-live would need the writer to wait for the reader: not done yet.)
+  sender (a worker, or the collator)     its region                        reader
+  ──────────────────────────────────     ──────────────────────────────    ──────
+  off = allocate(n): free bytes,         [hdr|payload] [hdr|payload] ...
+    after freed blocks are reclaimed
+  write header (NBYTES, FREED=0) and payload
+  ring.put(Spilled(region, off, n)) ───────────────────────────────────►   decode the block
+                                          FREED = 1 (release store)   ◄──   (a copy: owned)
 
-Sizes: R is the machine's RAM, so a message is bounded by memory alone;
-the heap is mapped with no reservation, and only pages written are memory.
-When the log is empty, a region keeps RETAIN_BYTES (or twice the next
-block, if larger) faulted in; pages a rare huge message touched beyond
-that go back to the system.
+Each block has one reader (whoever ends up holding its record) and is
+freed by a flag in its own header, so blocks may be freed in any order
+(main frees a batch's rows when the batch arrives, the collator those of
+batches it drops).  Only the writer allocates: it keeps the region's live
+blocks in the order it wrote them and, before each allocation, reclaims
+the oldest ones whose FREED flag is set (a block freed early waits for
+the older ones: a batch waiting for a slow row holds back the reuse of
+what was written after its rows, as far as the batches in flight go).
+Space is found around *runs* of consecutive live blocks, so the writer
+never waits for a reader:
 
-HEAD and LAP (where the log last started afresh: everything before it is
-free) live in shared memory so that a worker started again under the same
-id (persistent_workers=False) continues the log after its predecessor's
-blocks, which the reader may not have taken yet.
+  * the next block follows the newest one while that stays within the
+    *window* (RETAIN_BYTES, or twice the bytes live with it, if more), so
+    a steady stream reuses the same warm pages;
+  * past the window it wraps to offset 0, if the oldest blocks have left
+    room there;
+  * else it goes after the newest block, or after every live block:
+    the region is as large as RAM, so only memory bounds a message.
+
+Pages a rare huge message touched beyond the window go back to the system
+once nothing live lies beyond it.  The heap is mapped with no
+reservation: only pages written are memory.
+
+FIRST and LAST (the oldest live block and the newest one) and each
+header's NEXT (the block written after it) live in shared memory so that
+a worker started again under the same id (persistent_workers=False)
+continues its predecessor's log, whose blocks the reader may not have
+taken yet.  (A worker that dies instead stops the loader, heap and all:
+a block it wrote but never sent cannot hold a region back for long.)
 
 Threads (worker_mode="thread") need none of this: their rings pass
 objects by reference.
@@ -48,6 +65,7 @@ objects by reference.
 from __future__ import annotations
 
 import pickle
+from collections import deque
 from typing import NamedTuple
 
 import numpy as np
@@ -59,16 +77,23 @@ from loader._layout import forked_class_reduce
 from loader._slabs import ram_bytes, whole_pages
 
 SPILL_BYTES = 64 << 10     # larger encodings go through the heap, not the ring
-RETAIN_BYTES = 64 << 20    # pages a region keeps faulted in between laps
+RETAIN_BYTES = 64 << 20    # the least of a region kept faulted in and reused
 _ALIGN = 64
-HEAD, LAP, TAIL = 0, 1, 8  # words of a region's header (the reader's on its own cache line)
-_HEADER_WORDS = 16
+# A block's header, in int64 words at its start (one cache line: the reader
+# writes FREED there once).
+NBYTES, FREED, NEXT = 0, 1, 2
+_HEADER_BYTES = 64
+# A region's words: its oldest live block and its newest (-1: none).
+FIRST, LAST = 0, 1
+_REGION_WORDS = 16
+# Kinds of raw leaves in a values block.
+_BYTES, _STR = 0, 1
 
 
 class Spilled(NamedTuple):
-    """A message that travels in its sender's region of the spill heap."""
+    """A message, or a row's values, in its sender's region of the spill heap."""
     region: int
-    pos: int
+    pos: int       # the block's offset in its region
     nbytes: int
 
 
@@ -84,30 +109,58 @@ class SpillHeap:
         self.region_bytes = whole_pages(region_bytes or ram_bytes())
         self.regions = regions
         self.data = shmq.shared_array(regions * self.region_bytes, np.uint8)
-        self.words = shmq.shared_array(regions * _HEADER_WORDS, np.int64)
+        self.data_words = self.data.view(np.int64)
+        self.words = shmq.shared_array(regions * _REGION_WORDS, np.int64)
+        self.words[:] = -1
 
     def region(self, i: int) -> np.ndarray:
         return self.data[i * self.region_bytes:(i + 1) * self.region_bytes]
 
-    def head(self, i: int) -> int:
-        return shmq.atomic_load(self.words, i * _HEADER_WORDS + HEAD)
+    def word(self, region: int, name: int) -> int:
+        """The index in self.words of a region's word."""
+        return region * _REGION_WORDS + name
 
-    def tail(self, i: int) -> int:
-        return shmq.atomic_load(self.words, i * _HEADER_WORDS + TAIL)
+    def header(self, region: int, pos: int, field: int) -> int:
+        """The index in self.data_words of a field of the block at pos."""
+        return (region * self.region_bytes + pos) // 8 + field
+
+    def block(self, ref: Spilled) -> np.ndarray:
+        start = ref.region * self.region_bytes + ref.pos
+        return self.data[start:start + ref.nbytes]
+
+    def free(self, ref: Spilled) -> None:
+        """The block is read: its writer may reuse it."""
+        # SYNC POINT: release store; the writer's acquire load of FREED
+        # (SpillWriter._reclaim) pairs with it.
+        shmq.atomic_store(self.data_words, self.header(ref.region, ref.pos, FREED), 1)
 
     def receive(self, msg):
         """msg itself, or the message a Spilled record stands for (its block
         decoded into owned objects, then freed)."""
         if type(msg) is not Spilled:
             return msg
-        start = msg.pos % self.region_bytes
-        block = self.region(msg.region)[start:start + msg.nbytes]
         try:
-            return _decode(block)
+            return _decode(self.block(msg))[0]
         finally:
-            # SYNC POINT: release store; the sender's acquire load of TAIL
-            # (SpillWriter.put) pairs with it: the block's bytes are read.
-            shmq.atomic_store(self.words, msg.region * _HEADER_WORDS + TAIL, msg.pos + msg.nbytes)
+            self.free(msg)
+
+    def free_values(self, ref) -> None:
+        """A row's values that will not be opened: their block, if any, is freed."""
+        if type(ref) is Spilled:
+            self.free(ref)
+
+    def values(self, ref) -> list:
+        """A row's values: ref itself (a list), or the values its block holds,
+        decoded (owned), the block then freed."""
+        if type(ref) is not Spilled:
+            return ref
+        try:
+            values, raw = _decode(self.block(ref))
+            for i, leaf in raw:
+                values[i] = leaf
+            return values
+        finally:
+            self.free(ref)
 
 
 class SpillWriter:
@@ -117,10 +170,21 @@ class SpillWriter:
         self.heap, self.region_id = heap, region
         self.region = heap.region(region)
         self.r = heap.region_bytes
+        self.blocks: deque = deque()  # (pos, nbytes) of live blocks, oldest first
+        self.runs: deque = deque()    # [start, end] of runs of consecutive blocks, oldest first
+        self.live = self.live_peak = 0
+        self.touched = 0              # the highest offset this process may have faulted in
         # after a predecessor's blocks, if any
-        self.head = heap.head(region)
-        self.lap = shmq.atomic_load(heap.words, region * _HEADER_WORDS + LAP)
-        self.touched = 0                # the highest offset this process wrote
+        pos, last = self._word(FIRST), self._word(LAST)
+        while pos >= 0:
+            self._track(pos, int(heap.data_words[heap.header(region, pos, NBYTES)]))
+            if pos == last:
+                break
+            pos = int(heap.data_words[heap.header(region, pos, NEXT)])
+        self.touched = max((end for _, end in self.runs), default=0)
+
+    def _word(self, name: int) -> int:
+        return shmq.atomic_load(self.heap.words, self.heap.word(self.region_id, name))
 
     def put(self, ring, msg, timeout=None) -> None:
         """Send msg through ring (a shmq.Queue), spilled if its encoding is
@@ -130,72 +194,149 @@ class SpillWriter:
     def encoded(self, msg) -> tuple[bytes, list]:
         """What to put into the ring for msg, encoded (Queue.put_encoded):
         msg itself when it is small, else a Spilled record of it, its block
-        written into the region.  Once spilled, the record must be sent:
-        the reader frees blocks in the order they were written."""
+        written into the region."""
         pickled, buffers = encode(msg, reduce=forked_class_reduce)
         size = len(pickled) + sum(b.raw().nbytes for b in buffers)
         if size <= SPILL_BYTES:
             return pickled, buffers
-        return encode(self._spill(pickled, [b.raw() for b in buffers]))
+        return encode(self._write(pickled, [b.raw() for b in buffers], []))
 
-    def _spill(self, pickled: bytes, views: list) -> Spilled:
-        header = np.empty(2 + 2 * len(views), np.int64)
-        offsets, end = [], _align(header.nbytes + len(pickled))
-        for v in views:
+    def values_ref(self, values: list):
+        """A row's values as a RowValues carries them: the list itself when
+        its bytes and str leaves are small, else a Spilled record of a block
+        holding them (bytes and str raw, the rest pickled)."""
+        raw = [(i, v) for i, v in enumerate(values) if type(v) is bytes or type(v) is str]
+        if sum(len(v) for _, v in raw) <= SPILL_BYTES:
+            return values  # (other large leaves spill with the whole message)
+        rest = list(values)
+        for i, _ in raw:
+            rest[i] = None
+        pickled, buffers = encode(rest, reduce=forked_class_reduce)
+        return self._write(pickled, [b.raw() for b in buffers], raw)
+
+    def _write(self, pickled: bytes, views: list, raw: list) -> Spilled:
+        """A block of: a header of sizes and offsets, the pickle, its
+        out-of-band buffers, and raw leaves [(index in the values, bytes
+        or str)]."""
+        raw = [(i, _STR, v.encode("utf-8", "surrogatepass")) if type(v) is str else (i, _BYTES, v)
+               for i, v in raw]
+        header = np.empty(3 + 2 * len(views) + 4 * len(raw), np.int64)
+        sizes = [len(pickled)] + [v.nbytes for v in views] + [len(data) for _, _, data in raw]
+        offsets, end = [], _align(_HEADER_BYTES + header.nbytes)
+        for n in sizes:
             offsets.append(end)
-            end = _align(end + v.nbytes)
-        header[0], header[1] = len(pickled), len(views)
-        header[2::2], header[3::2] = offsets, [v.nbytes for v in views]
+            end = _align(end + n)
+        header[:3] = len(pickled), len(views), len(raw)
+        k = 3 + 2 * len(views)
+        header[3:k:2], header[4:k:2] = offsets[1:1 + len(views)], sizes[1:1 + len(views)]
+        for j, (i, kind, data) in enumerate(raw):
+            header[k + 4 * j:k + 4 * j + 4] = offsets[1 + len(views) + j], len(data), i, kind
         pos = self._allocate(end)
-        block = self.region[pos % self.r:pos % self.r + end]
-        block[:header.nbytes] = header.view(np.uint8)
-        block[header.nbytes:header.nbytes + len(pickled)] = np.frombuffer(pickled, np.uint8)
-        for off, v in zip(offsets, views):
-            block[off:off + v.nbytes] = np.frombuffer(v, np.uint8)
-        self.head = pos + end
-        shmq.atomic_store(self.heap.words, self.region_id * _HEADER_WORDS + HEAD, self.head)
+        block = self.region[pos:pos + end]
+        block[_HEADER_BYTES:_HEADER_BYTES + header.nbytes] = header.view(np.uint8)
+        for off, n, data in zip(offsets, sizes, [pickled] + views + [data for _, _, data in raw]):
+            block[off:off + n] = np.frombuffer(data, np.uint8)
         return Spilled(self.region_id, pos, end)
 
     def _allocate(self, n: int) -> int:
-        """The position of a block of n bytes after the live ones."""
-        r, head = self.r, self.head
-        # SYNC POINT: acquire load; the reader's release store of TAIL
-        # (SpillHeap.receive) pairs with it.
-        tail = max(self.heap.tail(self.region_id), self.lap)
-        if n > r:
+        """The offset of a new block of n bytes, its header written (see the
+        NOTE for where it goes)."""
+        if n > self.r:
             raise MemoryError(f"a message of {n} bytes between the loader's processes is larger "
-                              f"than this machine's memory ({r} bytes)")
-        lap = -(-head // r) * r   # the next lap's start (head itself, on a lap boundary)
-        if tail >= head:  # empty: start a lap, on the pages used before
-            pos = self.lap = lap
-            shmq.atomic_store(self.heap.words, self.region_id * _HEADER_WORDS + LAP, pos)
-            # kept faulted in: RETAIN_BYTES, or twice this block if larger
-            self._give_back_beyond(max(RETAIN_BYTES, 2 * n))
+                              f"than this machine's memory ({self.r} bytes)")
+        self._reclaim()
+        window = max(RETAIN_BYTES, 2 * (self.live + n))
+        if not self.runs:
+            pos = 0
         else:
-            pos = head if head % r + n <= r else lap
-            if pos + n - tail > r:
-                raise MemoryError(
-                    f"messages of {head - tail} bytes sent to another of the loader's processes "
-                    f"are not taken yet, and {n} more do not fit in this machine's memory "
-                    f"({r} bytes); the receiving process is stuck or the batches are too large")
-        self.touched = max(self.touched, pos % r + n)
+            newest = self.runs[-1][1]
+            if newest + n <= window and self._fits(newest, n):
+                pos = newest
+            elif self._fits(0, n):
+                pos = 0
+            elif self._fits(newest, n):
+                pos = newest
+            else:
+                pos = max(end for _, end in self.runs)
+                if pos + n > self.r:
+                    raise MemoryError(
+                        f"messages of {self.live} bytes sent to another of the loader's processes "
+                        f"are not taken yet, and {n} more do not fit in this machine's memory "
+                        f"({self.r} bytes); the receiving process is stuck or the batches are "
+                        f"too large")
+        heap, words = self.heap, self.heap.data_words
+        words[heap.header(self.region_id, pos, NBYTES)] = n
+        words[heap.header(self.region_id, pos, FREED)] = 0
+        words[heap.header(self.region_id, pos, NEXT)] = -1
+        if self.blocks:
+            words[heap.header(self.region_id, self.blocks[-1][0], NEXT)] = pos
+        self._track(pos, n)
+        shmq.atomic_store(heap.words, heap.word(self.region_id, LAST), pos)
+        if len(self.blocks) == 1:
+            shmq.atomic_store(heap.words, heap.word(self.region_id, FIRST), pos)
+        self.touched = max(self.touched, pos + n)
+        if pos == 0:
+            self._give_back_beyond(window)
         return pos
 
+    def _track(self, pos: int, n: int) -> None:
+        self.blocks.append((pos, n))
+        if self.runs and self.runs[-1][1] == pos:
+            self.runs[-1][1] = pos + n
+        else:
+            self.runs.append([pos, pos + n])
+        self.live += n
+        self.live_peak = max(self.live_peak, self.live)
+
+    def _fits(self, pos: int, n: int) -> bool:
+        return pos + n <= self.r and all(end <= pos or start >= pos + n
+                                         for start, end in self.runs)
+
+    def _reclaim(self) -> None:
+        """Forget the oldest blocks whose reader has freed them."""
+        heap, region, moved = self.heap, self.region_id, False
+        # SYNC POINT: acquire load; the reader's release store of FREED
+        # (SpillHeap.free) pairs with it: the block's bytes are read.
+        while self.blocks and shmq.atomic_load(heap.data_words,
+                                               heap.header(region, self.blocks[0][0], FREED)):
+            _, n = self.blocks.popleft()
+            self.live -= n
+            run = self.runs[0]
+            run[0] += n
+            if run[0] == run[1]:
+                self.runs.popleft()
+            moved = True
+        if moved:
+            first = self.blocks[0][0] if self.blocks else -1
+            shmq.atomic_store(heap.words, heap.word(region, FIRST), first)
+
     def _give_back_beyond(self, window: int) -> None:
-        """The log is empty: pages past the window (a rare huge message's)
-        go back to the system."""
-        if self.touched > window:
-            shmq.discard_pages(self.region[window:self.touched])
-            self.touched = window
+        """Pages past the window that a rare huge message touched go back to
+        the system, once nothing live lies there."""
+        top = max(window, max((end for _, end in self.runs), default=0))
+        if self.touched > top:
+            start = whole_pages(top)
+            if start < self.touched:
+                shmq.discard_pages(self.region[start:self.touched])
+            self.touched = top
 
 
 def _decode(block: np.ndarray):
-    head = block[:16].view(np.int64)
-    pickle_bytes, nbuf = int(head[0]), int(head[1])
-    header = block[:16 * (1 + nbuf)].view(np.int64)
-    start = header.nbytes
+    """(the pickled object, [(index, raw leaf)]) of a block."""
+    counts = block[_HEADER_BYTES:_HEADER_BYTES + 24].view(np.int64)
+    pickle_bytes, nbuf, nraw = int(counts[0]), int(counts[1]), int(counts[2])
+    words = 3 + 2 * nbuf + 4 * nraw
+    header = block[_HEADER_BYTES:_HEADER_BYTES + 8 * words].view(np.int64)
+    start = _align(_HEADER_BYTES + 8 * words)
     stream = block[start:start + pickle_bytes]
+    k = 3 + 2 * nbuf
     # Out-of-band buffers (arrays) are copied out: the block is freed next.
     buffers = [bytearray(block[int(off):int(off) + int(n)])
-               for off, n in zip(header[2::2], header[3::2])]
-    return pickle.loads(memoryview(stream), buffers=buffers)
+               for off, n in zip(header[3:k:2], header[4:k:2])]
+    raw = []
+    for j in range(nraw):
+        off, n, i, kind = (int(x) for x in header[k + 4 * j:k + 4 * j + 4])
+        data = block[off:off + n]
+        raw.append((i, data.tobytes() if kind == _BYTES else
+                    str(memoryview(data), "utf-8", "surrogatepass")))
+    return pickle.loads(memoryview(stream), buffers=buffers), raw

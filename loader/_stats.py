@@ -94,6 +94,7 @@ class EpochClock:
         self.waits0 = self._waits()
         self.loop_wait_ns = 0
         self.bytes = 0
+        self.spilled_bytes = 0
 
     def _waits(self) -> list[int]:
         if self.words is None:
@@ -108,8 +109,9 @@ class EpochClock:
         out = {"seconds": wall / 1e9,
                "loop_wait_seconds": self.loop_wait_ns / 1e9,
                "loop_wait_share": min(self.loop_wait_ns / wall, 1.0),
-               "bytes": self.bytes,
-               "bytes_per_second": self.bytes * 1e9 / wall,
+               "bytes": self.bytes + self.spilled_bytes,
+               "bytes_per_second": (self.bytes + self.spilled_bytes) * 1e9 / wall,
+               "spilled_bytes": self.spilled_bytes,
                "workers_busy_share": None, "collator_busy_share": None,
                "peak_slab_bytes": peak_slab_bytes, "memory_cap_bytes": cap_bytes}
         if self.words is not None:

@@ -44,6 +44,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _DatasetKind
 
 from loader._errors import LoaderTimeout, WorkerError
+from loader._frozen_state import FrozenState
 from loader._loader import ShmLoader
 from loader._procs import wait_all
 from loader._trace import check_path
@@ -59,7 +60,7 @@ _accelerate_integration.install_when_imported()
 _T_co = TypeVar("_T_co", covariant=True)
 
 
-class DataLoader(_TorchDataLoader[_T_co]):
+class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
     """torch.utils.data.DataLoader's signature, defaults and batches, with
     ShmLoader's shared-memory workers underneath.  See the module docstring
     for what differs (nothing a training loop sees)."""
@@ -86,7 +87,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         # A copy (pickle, deepcopy: Lightning, spawn) gets the arguments, not
         # this process's workers or iterators: it starts its own when iterated.
         state = self.__dict__.copy()
-        state.update(_pool=None, _pool_user=None, _extra_pools=None, _iterator=None)
+        state.update(_pool=None, _pool_user=None, _extra_pools=None, _iterator=None,
+                     _frozen_state=None)
         return state
 
     def __setstate__(self, state):
@@ -158,6 +160,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         return found
 
     def __iter__(self):
+        self.thaw_state()  # a pass of its own, or a wrapper's (which freezes it again)
         if self.num_workers > 0:
             self.check_worker_number_rationality()  # torch warns at each iterator too
         if self.pin_memory and not torch.accelerator.is_available():
@@ -196,7 +199,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def state_dict(self) -> dict:
         """The position of the current epoch, to resume it exactly: see
         ShmLoader.state_dict.  With several live iterators, the state is
-        of the one the loader's own workers serve (the first)."""
+        of the one the loader's own workers serve (the first).  Behind a
+        wrapper that looks ahead: freeze_state() (_frozen_state.py)."""
+        frozen = self._frozen_state_copy()
+        if frozen is not None:
+            return frozen
         state = self._shm_loader().state_dict()
         order = self._pool.order
         if order is not None and order.sampler_epoch is not None and not state.get("complete"):
@@ -220,6 +227,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
                                  "with set_epoch (sampler_epoch), but this loader's sampler has "
                                  "none; load a state of a loader with the same sampler")
         shm.load_state_dict(state)
+        self._freeze_loaded(state if sampler_epoch is None else {**state,
+                                                                 "sampler_epoch": sampler_epoch})
         if self._pool.order is not None and not state.get("complete", True):
             self._pool.order.resuming = True
             self._pool.order.resume_epoch = sampler_epoch

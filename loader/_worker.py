@@ -179,6 +179,8 @@ class Channel:
         self.send(P.LayoutRequest(run, batch, row, sig, version, rows, batched))
 
     def row_values(self, run, batch, row, values_key, values):
+        if self.spill is not None:  # large bytes and str go to main by reference
+            values = self.spill.values_ref(values)
         self.send(P.RowValues(run, batch, row, values_key, values))
 
     def filled(self, run, batch):

@@ -88,6 +88,26 @@ def test_batches_of_256_raw_images_of_200_kb(workers, in_order):
             assert seen == list(range(n))
 
 
+def test_rows_of_bytes_go_to_main_by_reference_and_the_heap_stays_warm_and_small():
+    """Five epochs of 512 x 200 KB bytes (0.5 GB): main opens each row's
+    block once (stats' spilled_bytes counts them), and the heap's resident
+    pages stay within the regions' windows instead of growing with the
+    bytes sent."""
+    from test_loader_integrity import resident_bytes
+    from loader._spill import RETAIN_BYTES
+
+    n, size = 512, 200_000
+    with ShmLoader(Raw(n, size, text=False), batch_size=64, num_workers=2, timeout=60) as ld:
+        for _ in range(5):
+            check_raw(list(ld), n, size, text=False)
+            s = ld.stats()
+            assert n * size <= s["spilled_bytes"] <= n * (size + 512)
+            # and the slabs: 8 batches of 64 int64 labels and 64 row tags
+            assert s["bytes"] - s["spilled_bytes"] == 8 * (64 * 8 + 64 * 8)
+        heap = ld._shared.spill
+        assert resident_bytes(heap.data) <= 3 * RETAIN_BYTES  # two workers' windows, the collator's
+
+
 @more_workers_than_cores
 @pytest.mark.parametrize("workers", [1, 2, 8])
 def test_batches_of_64_texts_of_1_mb(workers):
@@ -142,7 +162,7 @@ def test_a_row_of_values_over_the_old_ring_size_in_thread_mode_too():
         assert check_raw(list(ld), n, size) == list(range(n))
 
 
-def test_the_spill_log_frees_in_order_rewinds_when_empty_and_gives_big_pages_back():
+def test_spill_blocks_free_in_any_order_reuse_warm_pages_and_give_big_pages_back():
     import shmq
     from loader._spill import RETAIN_BYTES, SpillHeap, SpillWriter, Spilled
 
@@ -153,12 +173,16 @@ def test_the_spill_log_frees_in_order_rewinds_when_empty_and_gives_big_pages_bac
         small, big = {"a": b"x" * 100_000}, "y" * (200 * MiB)
         w.put(ring, small)
         w.put(ring, small)
-        assert heap.head(1) > heap.tail(1) == 0           # two blocks live
-        assert heap.receive(ring.get()) == small and heap.tail(1) < heap.head(1)
-        assert heap.receive(ring.get()) == small and heap.tail(1) == heap.head(1)
-        w.put(ring, big)                                  # the log was empty: a new lap, offset 0
-        assert heap.head(1) % heap.region_bytes == ring_block(heap, 1)
-        assert heap.receive(ring.get()) == big and w.touched > RETAIN_BYTES
+        first, second = ring.get(), ring.get()
+        assert type(first) is Spilled and first.pos == 0 and second.pos == first.nbytes
+        assert heap.receive(second) == small          # freed out of order: both still held
+        w._reclaim()
+        assert [pos for pos, _ in w.blocks] == [0, first.nbytes]
+        assert heap.receive(first) == small
+        w.put(ring, big)                                  # the log was empty: offset 0 again
+        block = ring.get()
+        assert block.pos == 0 and len(w.blocks) == 1 and w.touched > RETAIN_BYTES
+        assert heap.receive(block) == big
         w.put(ring, 7)                                    # small: no block at all
         assert heap.receive(ring.get()) == 7 and w.touched > RETAIN_BYTES
         w.put(ring, small)                                # empty again: the big pages go back
@@ -169,21 +193,68 @@ def test_the_spill_log_frees_in_order_rewinds_when_empty_and_gives_big_pages_bac
         again = SpillWriter(heap, 1)
         again.put(ring, small)
         first, second = ring.get(), ring.get()
-        assert type(first) is Spilled and second.pos >= first.pos + first.nbytes
+        assert second.pos >= first.pos + first.nbytes
         assert heap.receive(first) == small and heap.receive(second) == small
         with pytest.raises(MemoryError, match="larger than this machine's memory"):
             again.put(ring, "z" * (600 * MiB))
-        assert ring.get_nowait.__self__ is ring  # the ring is still usable
-        again.put(ring, small)
+        again.put(ring, small)                            # the writer is still usable
         assert heap.receive(ring.get()) == small
     finally:
         ring.close()
 
 
-def ring_block(heap, region):
-    """The size of the region's only live block (head - tail)."""
-    return heap.head(region) - max(heap.tail(region), heap.head(region) // heap.region_bytes
-                                   * heap.region_bytes)
+def test_spill_blocks_freed_late_and_out_of_order_are_never_overwritten():
+    """Readers free blocks in any order, some late (a batch waiting for a
+    slow row holds its rows' blocks): the writer never waits, reuses the
+    window's pages once the late ones are freed, and every block reads
+    back exactly."""
+    from loader._spill import RETAIN_BYTES, SpillHeap, SpillWriter
+
+    heap = SpillHeap(1, region_bytes=1024 * MiB)
+    w = SpillWriter(heap, 0)
+    held_values = [b"H" * 300_000, "held \udc80 text", 5]
+    held = w.values_ref(held_values)
+    rng = np.random.default_rng(0)
+    live, tops = [], []
+    for i in range(4000):
+        data = bytes([i % 251]) * int(rng.integers(70_000, 400_000))
+        live.append((w.values_ref([data, i]), data, i))
+        if len(live) > 20:  # freed in any order among the 10 oldest
+            ref, data, j = live.pop(int(rng.integers(0, 10)))
+            assert heap.values(ref) == [data, j]
+        if i == 1000:       # the slow row's batch arrives at last
+            assert heap.values(held) == held_values
+            tops.append(w.touched)
+    for ref, data, j in live:
+        assert heap.values(ref) == [data, j]
+    w._reclaim()
+    assert w.live == 0 and not w.blocks
+    # while the slow block was held the log grew past the window; after it,
+    # it came back within the window, and never went beyond what was touched
+    assert tops[0] > RETAIN_BYTES
+    assert w.touched <= tops[0]
+    w.values_ref([b"x" * 100_000])  # empty: back at offset 0, the pages past the window given back
+    assert w.runs[0][0] == 0 and w.touched <= RETAIN_BYTES
+
+
+def test_a_rows_values_travel_raw_by_reference_and_come_back_exact():
+    from loader._spill import SPILL_BYTES, SpillHeap, SpillWriter, Spilled
+
+    class Tagged(bytes):
+        pass
+
+    heap = SpillHeap(1, region_bytes=64 * MiB)
+    w = SpillWriter(heap, 0)
+    small = [b"abc", "déf", None, 3.5]
+    assert w.values_ref(small) is small                     # small: the list itself
+    values = [b"\x00" * SPILL_BYTES, "ü\udc80" * SPILL_BYTES, Tagged(b"t" * 10), [1, "x"],
+              np.arange(5), ""]
+    ref = w.values_ref(values)
+    assert type(ref) is Spilled
+    out = heap.values(ref)
+    assert [type(v) for v in out] == [bytes, str, Tagged, list, np.ndarray, str]
+    assert out[:4] == values[:4] and out[5] == "" and np.array_equal(out[4], np.arange(5))
+    assert w.values_ref(values).pos == ref.pos             # the freed block is reused
 
 
 # --- items 2 and 3: kept memory -------------------------------------------------------------
@@ -213,6 +284,8 @@ def test_keeping_every_label_of_200000_samples_under_a_64_mib_cap(mode):
             assert float(x[0, 0, 0, 0]) == float(y[0])
             targets.append(y)
         evicted = ld._leases.evicted_slabs
+        assert ld.stats()["kept_slabs_moved_out"] == evicted > 0
+        assert ld.stats()["kept_bytes_moved_out"] == ld._leases.kept_bytes
         grown_anon = status_kib("RssAnon") - anon0
         grown_rss = status_kib("VmRSS") - rss0
     assert torch.equal(torch.cat(targets), torch.arange(n))

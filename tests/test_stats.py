@@ -73,6 +73,22 @@ def test_counts_bytes_and_pool_per_epoch():
     assert inline_stats["summary"].startswith("epoch 1: 200 batches, 20000 samples in ")
 
 
+@pytest.mark.parametrize("prefetch", [1, 3])
+@pytest.mark.parametrize("step", [0.0, 0.005])
+@pytest.mark.parametrize("in_order", [True, False])
+def test_the_pool_holds_prefetch_batches_and_the_held_one_across_epochs(prefetch, step, in_order):
+    """Slabs alive: `prefetch` loading ahead, one laid out ready for when the
+    limit rises, and the two the loop holds as next() hands out a batch
+    (the previous one is still bound to the loop's variable), also while
+    the next epoch's run starts ahead (it shares `prefetch` with the
+    epoch ending).  It was 2 x prefetch + 2 plus the next epoch's."""
+    with ShmLoader(Rows(12_800), batch_size=128, num_workers=2, prefetch=prefetch,
+                   in_order=in_order, timeout=60) as loader:
+        for s in epochs(loader, 4, step):
+            slab = slab_bytes(s["bytes"] // s["batches"])
+            assert s["peak_slab_bytes"] <= (prefetch + 3) * slab, (s["peak_slab_bytes"] / slab, s)
+
+
 def test_slow_dataset_shows_busy_workers_and_a_waiting_loop():
     # 2 workers sleeping 5 ms per sample: ~0.5 s an epoch, all of it loading
     with ShmLoader(Rows(200, sleep=0.005), batch_size=10, num_workers=2) as loader:

@@ -29,12 +29,9 @@ import sys
 import threading
 import warnings
 
+from loader.integrations import LoaderReplacedWarning
+
 __all__ = ["install", "LoaderReplacedWarning"]
-
-
-class LoaderReplacedWarning(UserWarning):
-    """accelerate rebuilt a loader.DataLoader as another class: its batches
-    do not come from ShmLoader's workers."""
 
 
 _lock = threading.RLock()  # the module-global swap below is process-wide
