@@ -28,6 +28,8 @@ from loader._slabs import Slab, SlabAllocator, slab_bytes
 from loader._stats import WaitClock
 from loader._progress import stream_skips
 from loader._table import CONFIRMED, REFUSED, count_of
+from loader._trace import POOL, ROLE_COLLATOR, RUN, now, tracer_of
+from loader._warmup import ArenaWarmer
 from loader._worker import exit_if_orphaned
 
 DRAIN_BATCH = 256  # messages handled between looks at runs, memory and the outbox
@@ -148,8 +150,10 @@ class Collator:
         self.cfg, self.shared = cfg, shared
         self.control, self.table, self.arena = shared.control, shared.table, shared.arena
         self.inbox, self.to_main = shared.to_collator, shared.to_main
+        # Slabs the warm-up covers: NOTE [ Warming the arena ] in _warm.pxi
         self.slabs = SlabAllocator(shared.arena, shared.released, shared.hazards,
                                    cfg.slabs_in_flight)
+        self.warmer = ArenaWarmer(shared.warm_fd, shared.arena.nbytes)
         self.passes: dict[int, _Pass] = {}
         self.known_run = 0
         self.joined: dict[int, int] = {}  # workers added while running -> their first run
@@ -164,6 +168,8 @@ class Collator:
         self.freed = False             # memory was reclaimed while checking whether to sleep
         self.pid = os.getpid()
         self.clock = WaitClock(shared.waited, len(shared.waited) - 1)  # NOTE [ Wait clocks ]
+        self.tracer = tracer_of(cfg.trace, ROLE_COLLATOR)  # NOTE [ Trace records ]
+        self.laid_out: dict = {}  # (run, batch) -> when first published, for the trace
 
     # --- loop ---------------------------------------------------------------------
 
@@ -179,9 +185,6 @@ class Collator:
                 if p.done:  # Done messages whose batches waited for memory
                     self._settle(p)
             if self._drain():
-                continue
-            if self.slabs.warming:
-                self.slabs.warm_up()  # idle time, not batch time; messages are checked between chunks
                 continue
             self._sleep()
 
@@ -278,6 +281,7 @@ class Collator:
             p = self.passes[self.known_run] = _Pass(self.known_run, self.control, self.cfg,
                                                     self.shared)
             p.expected |= {w for w, first in self.joined.items() if first <= p.run}
+            self.tracer.record(RUN, now(), 0, p.run, self.control.read(p.run, C.EPOCH))
             self._publish_ahead(p)
 
     def _pass(self, run: int) -> _Pass:
@@ -392,6 +396,7 @@ class Collator:
                 self._drop(p, b)
         self.waiting = [(r, i) for r, i in self.waiting if r != p.run]
         del self.passes[p.run]
+        self.tracer.run_ended(p.run, self.laid_out)
         self._send(P.RunEnded(p.run, p.sent, p.samples, p.rows_by_collator, p.relayouts,
                                p.peak_slab_bytes))
 
@@ -425,6 +430,8 @@ class Collator:
         if slab is not None:
             for p in self.passes.values():  # every run going on sees the pool's use
                 p.peak_slab_bytes = max(p.peak_slab_bytes, self.slabs.in_use)
+            self.tracer.record(POOL, now(), 0, self.slabs.in_use, self.slabs.capacity)
+            self.warmer.want(self.slabs.warm_target)
         return slab
 
     def _retry_waiting(self) -> None:
@@ -529,6 +536,7 @@ class Collator:
                            count)
         self.taken[self.table.entry(p.run, b.index)] = (p.run, b.index)
         b.published = True
+        self.tracer.batch_laid_out(p.run, b.index, self.laid_out)
         self.control.table_bell.ring()
 
     def _unpublish(self, p: _Pass, b: _Batch) -> None:
@@ -723,6 +731,7 @@ class Collator:
         b.values = {}
         self._send(P.BatchReady(run=p.run, batch=b.index, slab=b.slab, spec=spec,
                                 tags=b.layout.tags_offset, rows=rows))
+        self.tracer.batch_sent(p.run, b.index, rows, self.laid_out)
         p.sent += 1
         p.samples += rows if b.batched else 1
         if p.iterable:
@@ -739,6 +748,10 @@ class Collator:
 
 
 def collator_main(cfg: LoaderConfig, shared: SharedState) -> None:
-    Collator(cfg, shared).run()
+    collator = Collator(cfg, shared)
+    try:
+        collator.run()
+    finally:
+        collator.warmer.stop()
     shared.to_collator.close()
     shared.to_main.close()

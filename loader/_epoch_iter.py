@@ -16,6 +16,7 @@ from loader import _protocol as P
 from loader._errors import WorkerError
 from loader._layout import align
 from loader._stats import EpochClock
+from loader._trace import EPOCH, WAIT
 
 
 class _Epoch:
@@ -43,7 +44,9 @@ class _Epoch:
             return self._next()
         finally:
             if self.clock is not None:
-                self.clock.loop_wait_ns += time.perf_counter_ns() - t0
+                t1 = time.perf_counter_ns()
+                self.clock.loop_wait_ns += t1 - t0
+                self.loader._tracer.record(WAIT, t0, t1, self.epoch)
 
     def start(self) -> None:
         """Start the run now, not at the first next(): loader.DataLoader
@@ -109,6 +112,9 @@ class _Epoch:
         try:  # (a DataStallWarning may be an error: -W error)
             if self.run_ended is not None:
                 self.loader._record_stats(self.epoch, self.run_ended, self.clock)
+                self.loader._tracer.record(EPOCH, self.clock.t0, time.perf_counter_ns(),
+                                           self.epoch, self.run_ended.batches,
+                                           self.run_ended.samples, 1)
         finally:
             self.close()
         raise StopIteration
@@ -122,6 +128,9 @@ class _Epoch:
         self._closed = True
         if self.run is None:  # never started
             return
+        if not self.finished:  # ended early (break, del): the trace shows where
+            ld._tracer.record(EPOCH, self.clock.t0, time.perf_counter_ns(), self.epoch,
+                              getattr(self, "yielded", -1), -1, 0)
         if ld._current is self.run and not self.finished:
             for msg in self.pending.values():
                 ld._give_back(msg)

@@ -13,6 +13,7 @@ import numpy as np
 from loader import _fetch as F
 from loader import _order as O
 from loader._stats import EpochClock
+from loader._trace import EPOCH, WAIT
 from loader._layout import Layout, LayoutCache, materialize, signature_and_leaves, stack
 from loader._worker import SampleSeeder
 
@@ -87,12 +88,18 @@ class InlineEpoch:
         except StopIteration:
             clock, self.clock = self.clock, None
             if clock is not None:  # the first StopIteration: the epoch's end
-                clock.loop_wait_ns += time.perf_counter_ns() - t0
+                t1 = time.perf_counter_ns()
+                clock.loop_wait_ns += t1 - t0
+                tracer = self.loader._tracer
+                tracer.record(WAIT, t0, t1, self.epoch)
                 self.loader._record_stats(self.epoch, None, clock, self.batches, self.samples)
+                tracer.record(EPOCH, clock.t0, t1, self.epoch, self.batches, self.samples, 1)
             raise
         finally:
             if self.clock is not None:
-                self.clock.loop_wait_ns += time.perf_counter_ns() - t0
+                t1 = time.perf_counter_ns()
+                self.clock.loop_wait_ns += t1 - t0
+                self.loader._tracer.record(WAIT, t0, t1, self.epoch)
 
     def _next(self):
         if self.loader.iterable:

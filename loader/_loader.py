@@ -39,6 +39,7 @@ from loader._slabs import ram_bytes
 from loader._state import Expected, check_state
 from loader._stats import EpochClock, stall_advice, summary_line, warn_stalled
 from loader._threads import start_threads
+from loader._trace import ROLE_MAIN, TraceLog, tracer_of
 from loader._worker import worker_main
 
 __all__ = ["ShmLoader", "WorkerError", "LoaderTimeout", "LoaderStartError"]
@@ -154,6 +155,10 @@ class ShmLoader(FrozenState):
         the next this-many samples' batches.
     worker_mode: "process" (default, forked) or "thread" (for preprocessing
         that releases the GIL, or that cannot be forked).
+    trace: a path: close() writes a Chrome-trace / Perfetto JSON of the
+        run there (each sample's load and write, the batches, the loop's
+        waits in next(), epochs, the slab pool); open it in
+        https://ui.perfetto.dev.
 
     stats() says where the last epoch's time went; state_dict() and
     load_state_dict() resume mid-epoch; steps(n) runs n batches across
@@ -166,7 +171,7 @@ class ShmLoader(FrozenState):
                  persistent_workers=True, worker_init_fn=None, seed=None, generator=None,
                  reproducible=None, timeout=None, output="numpy", pin_memory=False,
                  memory_cap_bytes=None, distributed=False, shuffle_buffer=None,
-                 worker_mode="process", max_workers=None):
+                 worker_mode="process", max_workers=None, trace=None):
         if batch_size is not None:
             _positive_int("batch_size", batch_size)
         self.auto = num_workers == "auto"
@@ -217,6 +222,9 @@ class ShmLoader(FrozenState):
             if collate_fn is not None or batch_size is None:
                 raise ValueError("shuffle_buffer places samples in random rows of pending "
                                  "batches: it needs the default collate and a batch_size")
+        # a bad path fails here, not at close(); NOTE [ Trace records ] in _trace.py
+        self._trace = None if trace is None else TraceLog(trace)
+        self._tracer = tracer_of(self._trace, ROLE_MAIN)
         if self.iterable and (sampler is not None or batch_sampler is not None or shuffle):
             raise ValueError("an iterable dataset orders its own samples: sampler, batch_sampler "
                              "and shuffle apply to map-style datasets (with __getitem__) only")
@@ -371,7 +379,7 @@ class ShmLoader(FrozenState):
             threads=self._threads, max_workers=self.max_workers,
             whole_batches=self._torch_rules and not self.iterable,
             batched_fetch=self._batched_fetch(),
-            shuffle_buffer=self.shuffle_buffer)
+            shuffle_buffer=self.shuffle_buffer, trace=self._trace)
         try:
             shared = SharedState(cfg)
         except BaseException as e:
@@ -489,6 +497,8 @@ class ShmLoader(FrozenState):
             self._procs, self._shared = [], None  # a forked copy: its parent's processes
             return
         self._shutdown()
+        if self._trace is not None:  # every writer is gone now (NOTE [ Trace records ])
+            self._trace.write()
 
     def __enter__(self):
         return self
@@ -497,7 +507,10 @@ class ShmLoader(FrozenState):
         self.close()
 
     def __del__(self):
-        if getattr(self, "_shared", None) is not None and os.getpid() == self._owner_pid:
+        trace = getattr(self, "_trace", None)
+        unwritten = trace is not None and not trace.written  # (workers stopped after each epoch)
+        if (getattr(self, "_shared", None) is not None or unwritten) and \
+                os.getpid() == self._owner_pid:
             self.close()
 
     # --- receiving --------------------------------------------------------------------

@@ -117,6 +117,7 @@ cdef class Bell:
         return bool(ready())
 
 
+include "_warm.pxi"
 include "_rowwriter.pxi"
 include "_leases.pxi"
 

@@ -359,6 +359,7 @@ cdef class RowWriter:
     cdef int64_t *hazard
     cdef char *base
     cdef Py_ssize_t arena_bytes
+    cdef WarmChunks warm
 
     def __init__(self, table, cnp.ndarray arena not None, cnp.ndarray hazards not None,
                  int worker_id, channel, cnp.ndarray ctl=None, finished_words=(-1, -1)):
@@ -377,6 +378,7 @@ cdef class RowWriter:
         self.hazard = <int64_t *>cnp.PyArray_DATA(hazards) + worker_id
         self.base = <char *>cnp.PyArray_DATA(arena)
         self.arena_bytes = arena.nbytes
+        self.warm = WarmChunks(arena)
         self.plans = {}
         self.layouts = _layout.LayoutCache()
         self.last = None
@@ -464,6 +466,8 @@ cdef class RowWriter:
                 try:
                     if __atomic_load_n64(e + W_SEQ, __ATOMIC_ACQUIRE) != seq:
                         continue  # changed meanwhile: look again
+                    with nogil:  # page tables in bulk, once per chunk: NOTE [ Warming the arena ]
+                        self.warm.ensure(offset, nbytes)
                     values = plan.write(self.base + offset, row, pos)
                     if values:
                         self.channel.row_values(run, batch, row, plan.layout.values_key, values)

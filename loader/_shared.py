@@ -55,6 +55,7 @@ class LoaderConfig:
     max_workers: int = 0          # num_workers="auto": the most workers there can be (else 0)
     batched_fetch: bool = False   # one dataset.__getitems__ call per batch (NOTE [ Batched
                                   # fetch ] in _fetch.py)
+    trace: Any = None             # a TraceLog (trace=PATH): NOTE [ Trace records ] in _trace.py
 
     @property
     def per_batch(self) -> bool:
@@ -99,7 +100,7 @@ class LoaderConfig:
     @property
     def slabs_in_flight(self) -> int:
         """The slabs a steady loop keeps alive, which the collator faults in
-        ahead (SlabAllocator.warm_up): map-style, `prefetch` loading, one
+        ahead (NOTE [ Warming the arena ]): map-style, `prefetch` loading, one
         laid out past main's limit and two the loop holds as next() hands
         out a batch (runs started ahead share the prefetch); iterable, two
         runs' windows and those two."""
@@ -128,9 +129,11 @@ class SharedState:
         # The batch memory, in a memfd: main maps it again to view slabs, and
         # again after moving kept batches out of it (NOTE [ Kept batch memory ]).
         self.arena_fd = os.memfd_create("shmloader-arena", os.MFD_CLOEXEC)
+        self.warm_fd = -1  # the collator's, to allocate pages ahead (NOTE [ Warming the arena ])
         try:
             os.ftruncate(self.arena_fd, cfg.memory_cap_bytes)
             self.arena = arena_array(self.arena_fd, cfg.memory_cap_bytes)
+            self.warm_fd = os.dup(self.arena_fd)
         except BaseException:
             os.close(self.arena_fd)
             raise
@@ -231,6 +234,9 @@ class SharedState:
         if self.arena_fd >= 0:
             os.close(self.arena_fd)  # the mappings keep the memory while they are used
             self.arena_fd = -1
+        if self.warm_fd >= 0:
+            os.close(self.warm_fd)
+            self.warm_fd = -1
         for q in self.rings:
             q.close()
         for fd in self.order_fds + self.snapshot_fds:

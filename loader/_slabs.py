@@ -53,13 +53,10 @@ class SlabAllocator:
     Low offsets are preferred, so the pages in use stay few and warm: a
     slab freed by main is reused by the next batch of similar size."""
 
-    WARM_CHUNK = 32 << 20
-
     def __init__(self, arena: np.ndarray, released: np.ndarray, hazards: np.ndarray,
                  slabs_in_flight: int):
         self.arena, self.released, self.hazards = arena, released, hazards
         self.slabs_in_flight = slabs_in_flight
-        self.warm = 0        # arena[:warm] is faulted in
         self.largest = 0     # largest slab so far
         self.in_use = 0      # bytes of the slabs not free (live or in limbo), for stats()
         self.free = [(0, arena.nbytes)]        # sorted (offset, size)
@@ -91,7 +88,6 @@ class SlabAllocator:
             self._give_back(found, nbytes)
             return None
         self.largest = max(self.largest, nbytes)
-        self.warm = max(self.warm, found + nbytes)  # its first copy faults it in
         self.in_use += nbytes
         lease = self.free_leases.pop()
         self.generation[lease] += 1
@@ -109,22 +105,12 @@ class SlabAllocator:
         return None
 
     @property
-    def warming(self) -> bool:
-        return self.warm < self._warm_target()
-
-    def _warm_target(self) -> int:
-        # What one run keeps in flight, no more: a loader of tiny batches
-        # must not fault in (and hold) hundreds of megabytes.
+    def warm_target(self) -> int:
+        """The arena bytes worth faulting in ahead (NOTE [ Warming the
+        arena ] in _warm.pxi): what the pool keeps in flight, no more, so
+        that a loader of tiny batches does not fault in (and hold) hundreds
+        of megabytes, nor one of large batches pages it never uses."""
         return min(self.arena.nbytes, self.slabs_in_flight * self.largest)
-
-    def warm_up(self) -> None:
-        """Fault in the next chunk of the arena (called when the collator is
-        idle): fresh shared memory fills at ~1 GB/s, touched memory at
-        memory speed, so the first epoch should not pay for the faults."""
-        end = min(self._warm_target(), self.warm + self.WARM_CHUNK)
-        if end > self.warm:
-            shmq.prefault(self.arena[self.warm:end])
-            self.warm = end
 
     def reclaim(self) -> bool:
         """Free every slab main has released, and every retired slab no

@@ -159,10 +159,9 @@ def stall_advice(s: dict) -> str | None:
                        f"the time: they are the bottleneck. Use more workers "
                        f"(num_workers='auto' finds a count), or make dataset[i] cheaper.")
     if collator_busy:
-        return head + (f"The collator was busy {s['collator_busy_share']:.0%} of the time. In "
-                       f"a loader's first epochs it pre-faults the batch memory (fresh shared "
-                       f"memory fills at about 1 GB/s), which passes; if it lasts, use fewer, "
-                       f"larger batches.")
+        return head + (f"The collator was busy {s['collator_busy_share']:.0%} of the time: it "
+                       f"lays out and hands over every batch, so many small batches keep it "
+                       f"busy; use fewer, larger batches.")
     if s["peak_slab_bytes"] >= 0.9 * s["memory_cap_bytes"]:
         return head + (f"The slab pool was full ({_size(s['peak_slab_bytes'])} of "
                        f"memory_cap_bytes={_size(s['memory_cap_bytes'])}): raise "

@@ -18,6 +18,9 @@ What has no meaning here is accepted and documented:
   "forkserver" are accepted and fork is used.
 - pin_memory without an accelerator: a warning, as torch gives.
 
+One keyword torch does not have: trace=PATH, as ShmLoader's (a Perfetto
+trace of the loader's own workers, written when it is closed).
+
 Iterators are torch's: without persistent workers each iter() is its own
 pass with its own workers, so several may be live at once (a peek with
 next(iter(loader)) inside the loop, zip(loader, loader)); with persistent
@@ -44,6 +47,7 @@ from loader._errors import LoaderTimeout, WorkerError
 from loader._frozen_state import FrozenState
 from loader._loader import ShmLoader
 from loader._procs import wait_all
+from loader._trace import check_path
 from loader.integrations import accelerate as _accelerate_integration
 
 __all__ = ["DataLoader"]
@@ -65,8 +69,11 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
                  num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
-                 in_order=True):
+                 in_order=True, trace=None):
         self._user_collate_fn = collate_fn
+        self._trace = trace        # ShmLoader(trace=...): the loader's own workers' run
+        if trace is not None:
+            check_path(trace)      # a bad path fails here, as ShmLoader's does
         self._pool = None          # the loader's own ShmLoader: state_dict() is its
         self._pool_user = None     # (weakref) the iterator using it, without persistent workers
         self._extra_pools = weakref.WeakSet()  # ShmLoaders of further live iterators
@@ -99,7 +106,7 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
             self._pool = self._new_pool()
         return self._pool.shm
 
-    def _new_pool(self) -> _Pool:
+    def _new_pool(self, traced: bool = True) -> _Pool:
         kwargs = {}
         order = None
         custom = self._user_collate_fn not in (None, default_collate, default_convert)
@@ -127,7 +134,8 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
             persistent_workers=self.persistent_workers, worker_init_fn=self.worker_init_fn,
             generator=self.generator, reproducible=False,
             timeout=self.timeout if self.timeout > 0 else None,
-            output="keep" if custom else "torch", pin_memory=self.pin_memory, **kwargs)
+            output="keep" if custom else "torch", pin_memory=self.pin_memory,
+            trace=self._trace if traced else None, **kwargs)
         shm._torch_rules = True
         return _Pool(shm, order, pipe)
 
@@ -172,7 +180,7 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
             self._pool_user = weakref.ref(it)
             return it
         # another iterator is live: this one has its own workers, as in torch
-        pool = self._new_pool()
+        pool = self._new_pool(traced=False)  # the trace is of the loader's own workers
         self._extra_pools.add(pool.shm)
         return _Iterator(self, pool, owned=True)
 

@@ -24,6 +24,7 @@ from loader._progress import stream_skips
 from loader._shared import LoaderConfig, SharedState
 from loader._stats import WaitClock
 from loader._table import SEQ
+from loader._trace import LOAD, TracedWriter, now
 
 _worker_info = None              # a worker process's
 _thread_info = threading.local()  # a worker thread's (worker_mode="thread")
@@ -229,6 +230,13 @@ class Worker:
         self.broken = False    # worker_init_fn raised: load nothing more
         self.seeder = None     # reproducible=True: made at the start (a thread's own generators)
         self.autoscaled = bool(cfg.max_workers)  # num_workers="auto" (see _autoscale.py)
+        self.tracer = None
+        if cfg.trace is not None:  # NOTE [ Trace records ]: the hot paths, wrapped only if traced
+            self.tracer = cfg.trace.tracer(worker_id)
+            self._load = self.tracer.traced_load(self._load)
+            if cfg.collate_fn is not None:
+                self._collate = self.tracer.traced_collate(self._collate)
+            self.writer = TracedWriter(self.writer, self.tracer)
 
     def run(self) -> None:
         torch = sys.modules.get("torch")
@@ -462,12 +470,15 @@ class Worker:
         dataset = self.cfg.dataset
         if self.seeder is not None:
             F.seed_call(self.seeder, epoch, indices, start)
+        t0 = now()
         try:
             samples = F.checked(dataset, indices, dataset.__getitems__(indices))
         except Exception as e:
             self.channel.failed(run, batch, -1, -1, e,
                                 f"{F.where(dataset, indices)}, in worker {self.id}")
             return True
+        if self.tracer is not None:
+            self.tracer.record(LOAD, t0, now(), -1, start, len(samples), epoch)
         if self.cfg.per_batch:
             output = self._collate(run, batch, samples)
             return output is _FAILED or self._place_output(run, batch, output, batch)
@@ -540,9 +551,11 @@ class Worker:
             self.channel.failed(run, j0 * N + w if cfg.in_order else -1, -1, -1, e,
                                 f"in iter(dataset), in worker {w}")
             return ended
+        tracer = self.tracer
         while True:
             if self.seeder is not None:
                 self.seeder(epoch, w + 1, seq)
+            t0 = now() if tracer is not None else 0
             try:
                 sample = next(it)
             except StopIteration:
@@ -553,6 +566,8 @@ class Worker:
                                     f"while iterating the dataset, in worker {w}")
                 return ended
             seq += 1
+            if tracer is not None:  # the stream's sample number as its position
+                tracer.record(LOAD, t0, now(), -1, seq - 1, 1, epoch)
             if seq - 1 < done_below or seq - 1 in done_past:
                 continue  # read (and seeded) as before, so the stream goes on where it was
             if slots is None:

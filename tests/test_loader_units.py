@@ -81,12 +81,11 @@ def test_a_retired_slab_waits_for_every_hazard_naming_it():
 
 def test_warm_up_covers_the_slabs_in_flight_only():
     a, _, _ = allocator(64 << 20)
-    assert not a.warming                      # nothing known yet: nothing to fault in
+    assert a.warm_target == 0                 # nothing known yet: nothing to fault in
     a.allocate(1 << 20)
-    assert a.warming and a._warm_target() == 4 << 20
-    while a.warming:
-        a.warm_up()
-    assert a.warm == 4 << 20
+    assert a.warm_target == 4 << 20
+    a.allocate(3 << 20)
+    assert a.warm_target == 12 << 20          # the largest slab so far, times those in flight
 
 
 def test_leases_release_when_the_last_view_dies_and_discard_after_close():

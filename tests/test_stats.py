@@ -157,7 +157,7 @@ def _stalled(**over):
     # workers blocked sending to a saturated collator look busy: the collator is named
     ({"workers_busy_share": 0.97, "collator_busy_share": 0.95, "samples_written_by_collator": 60},
      "60 of 100 samples were written by it"),
-    ({"collator_busy_share": 0.95}, "pre-faults the batch memory"),
+    ({"collator_busy_share": 0.95}, "fewer, larger batches"),
     ({"peak_slab_bytes": 1 << 30}, "raise memory_cap_bytes"),
     ({}, "raise prefetch, or use persistent_workers=True"),
     ({"workers": 0, "workers_busy_share": None}, "num_workers=0 loads in the training process"),
