@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from loader._order import ComputedOrder
+
 # The derived_seeds stream of batch calls: apart from stream 0 (one sample
 # of a map-style dataset) and 1..W (worker w's stream of an iterable one).
 BATCH_STREAM = 1 << 63
@@ -58,7 +60,7 @@ def indices_of(order, start: int, stop: int) -> list:
     sampler's own index objects)."""
     if order is None:
         return list(range(start, stop))
-    if isinstance(order, np.ndarray):
+    if isinstance(order, (np.ndarray, ComputedOrder)):
         return order[start:stop].tolist()
     return list(order[start:stop])
 

@@ -119,6 +119,7 @@ cdef class Bell:
 
 include "_rowwriter.pxi"
 include "_leases.pxi"
+include "_permutation.pxi"
 
 
 cdef class RunCounters:
