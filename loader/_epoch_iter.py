@@ -186,7 +186,7 @@ class MapEpoch(_Epoch):
 
     def _advance(self) -> None:
         self.yielded += 1
-        self.control.set_limit(self.run.id, self.loader._limit(self.run, self.yielded))
+        self.control.set_limit(self.run.id, self.loader._open_limit(self.run, self.yielded))
 
     def _next_ready(self):
         """The next batch to hand out, if it is here (or raise its error:

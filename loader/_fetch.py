@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from loader._order import ComputedOrder
-
 # The derived_seeds stream of batch calls: apart from stream 0 (one sample
 # of a map-style dataset) and 1..W (worker w's stream of an iterable one).
 BATCH_STREAM = 1 << 63
@@ -60,9 +58,8 @@ def indices_of(order, start: int, stop: int) -> list:
     sampler's own index objects)."""
     if order is None:
         return list(range(start, stop))
-    if isinstance(order, (np.ndarray, ComputedOrder)):
-        return order[start:stop].tolist()
-    return list(order[start:stop])
+    chunk = order[start:stop]  # an array (written out, computed or streamed) or a list
+    return chunk.tolist() if isinstance(chunk, np.ndarray) else list(chunk)
 
 
 def describe(indices: list) -> str:

@@ -33,6 +33,7 @@ from loader._native import LeaseBook, derived_seeds
 from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import LoaderStartError, fork_children, start_error, wait_all
 from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
+from loader._sampler_feed import SamplerFeed, streamable
 from loader._shared import LoaderConfig, SharedState
 from loader._slabs import ram_bytes
 from loader._state import Expected, check_state
@@ -70,6 +71,7 @@ class _Plan(NamedTuple):
     progress: object           # MapProgress or StreamProgress of the run
     snapshot: object = None    # the dataset's snapshot of the epoch (FileDataset: its files)
     remaining: O.Remaining | None = None  # a resumed computed order: the positions left
+    feed: SamplerFeed | None = None  # a streamed sampler (NOTE [ Streamed samplers ])
 
 
 class _Run(NamedTuple):
@@ -658,15 +660,21 @@ class ShmLoader:
             return _Plan(epoch, -1, -1 if shipped is None else len(shipped), -1, -1,
                          O.ORDER_RANGE if shipped is None else O.ORDER_SHIPPED, 0, shipped, None,
                          base_seed, rng, progress)
-        shipped = offsets = None
+        shipped = offsets = stream = None
+        if self.sampler is not None and not self._torch_rules:
+            streamed, stream = streamable(self.sampler)
+            if not streamed:  # drawn whole, from what streamable() started
+                stream = list(stream) if stream is not None else None
         if self.batch_sampler is not None:
             batches = [np.asarray(list(b), np.int64).reshape(-1) for b in self.batch_sampler]
             shipped = np.concatenate(batches) if batches else np.zeros(0, np.int64)
             offsets = np.zeros(len(batches) + 1, np.int64)
             np.cumsum([len(b) for b in batches], out=offsets[1:])
             kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
+        elif self.sampler is not None and not isinstance(stream, (list, type(None))):
+            kind, order_seed, size = O.ORDER_SHIPPED, 0, len(self.sampler)  # streamed
         elif self.sampler is not None:
-            items = list(self.sampler)
+            items = stream if stream is not None else list(self.sampler)
             if all(isinstance(i, (int, np.integer)) for i in items):
                 shipped, kind = np.asarray(items, np.int64).reshape(-1), O.ORDER_SHIPPED
             else:  # indices of other kinds (lists, keys): dataset[...] gets them as they are
@@ -721,8 +729,14 @@ class ShmLoader:
                 kind = O.ORDER_OBJECTS if isinstance(shipped, list) else O.ORDER_SHIPPED
                 order_seed, size = 0, remaining.count
             # else a computed order stays computed: the workers get the few
-            # numbers of `remaining` (NOTE [ The seeded order ])
+            # numbers of `remaining` (NOTE [ The seeded order ]); a streamed
+            # sampler skips the delivered positions as it is pulled
             kept = remaining.count
+            if kind == O.ORDER_SHIPPED and shipped is None:
+                size = kept
+        feed = None
+        if kind == O.ORDER_SHIPPED and shipped is None:
+            feed = SamplerFeed(stream, self._sampler_name(), len(self.sampler), kept, remaining)
         nbatches = len(offsets) - 1 if offsets is not None else (
             kept if self.batch_size is None else -(-kept // self.batch_size))
         per_batch = self.collate_fn is not None or self.batch_size is None  # tags are units
@@ -733,7 +747,8 @@ class ShmLoader:
                                remaining, O.Batches(kept, self._rows, offsets), per_batch)
         return _Plan(epoch, size, kept, units, nbatches, kind, order_seed, shipped, offsets,
                      base_seed, rng, progress,
-                     remaining=remaining if kind in (O.ORDER_RANGE, O.ORDER_PERMUTATION) else None)
+                     remaining=remaining if kind in (O.ORDER_RANGE, O.ORDER_PERMUTATION) else None,
+                     feed=feed)
 
     def _limit(self, run: _Run, yielded: int) -> int:
         """Units workers may load once `yielded` batches were yielded: those
@@ -745,6 +760,18 @@ class ShmLoader:
         if run.plan.units == run.plan.nbatches:  # workers claim whole batches
             return upto
         return run.batches.span(upto - 1)[1] if upto > 0 else 0
+
+    def _open_limit(self, run: _Run, yielded: int) -> int:
+        """_limit(), once a streamed sampler has written the indices of
+        every position below it (NOTE [ Streamed samplers ])."""
+        limit = self._limit(run, yielded)
+        feed = run.plan.feed
+        if feed is not None and run.batches is not None:
+            upto = limit if run.plan.units != run.plan.nbatches else (
+                run.batches.span(limit - 1)[1] if limit > 0 else 0)
+            feed.feed(upto)
+            feed.release_below(run.plan.progress.run_prefix())
+        return limit
 
     def _start_run(self, epoch, resume: dict | None = None, snapshot=None) -> _Run:
         """Start a pass over the data for `epoch` (see NOTE [ Runs ])."""
@@ -759,6 +786,8 @@ class ShmLoader:
             self._shared.write_order(run_id, plan.shipped, plan.offsets)
         elif plan.remaining is not None:
             self._shared.write_order(run_id, plan.remaining.words(), None)
+        elif plan.feed is not None:
+            plan.feed.attach(self._shared.order_fd(run_id))
         if plan.snapshot is not None:
             self._shared.write_snapshot(run_id, plan.snapshot)
         batches = None if self.iterable else O.Batches(plan.kept, self._rows, plan.offsets)
@@ -768,7 +797,7 @@ class ShmLoader:
         self._inboxes[run_id] = collections.deque()
         self._shared.control.start_run(
             run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
-            plan.order_seed, int(plan.offsets is not None), plan.base_seed, self._limit(run, 0),
+            plan.order_seed, int(plan.offsets is not None), plan.base_seed, self._open_limit(run, 0),
             int(plan.snapshot is not None), int(plan.remaining is not None))
         return run
 
@@ -935,6 +964,8 @@ class ShmLoader:
                    None)
         if run is None or run.batches is None or not 0 <= pos < run.plan.kept:
             return None
+        if run.plan.feed is not None:
+            return run.plan.feed.index(pos)
         return O.index_getter(self._order_of(run.plan))(pos)
 
     def _order_of(self, plan: _Plan):
@@ -942,6 +973,8 @@ class ShmLoader:
         computed order, or None (the position is the index)."""
         if plan.shipped is not None:
             return plan.shipped
+        if plan.feed is not None:
+            return plan.feed
         return O.computed_order(plan.order_kind, plan.size, plan.order_seed, plan.epoch,
                                 self._rank, self._world, plan.kept, plan.remaining)
 

@@ -91,6 +91,14 @@ class Remaining:
         seg = int(np.searchsorted(self.cum, r, side="right")) - 1
         return int(self.starts[seg]) + r - int(self.cum[seg])
 
+    def run_position(self, p: int) -> int:
+        """How many of the remaining positions are below the epoch's p."""
+        seg = int(np.searchsorted(self.starts, p, side="right")) - 1
+        if seg < 0:
+            return 0
+        return int(self.cum[seg]) + min(p - int(self.starts[seg]),
+                                        int(self.cum[seg + 1] - self.cum[seg]))
+
     def words(self) -> np.ndarray:
         """As the run's order file holds it, for the workers."""
         flat = [v for ab in self.ranges for v in ab]

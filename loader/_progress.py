@@ -133,6 +133,12 @@ class MapProgress:
     def complete(self) -> bool:
         return self.done.prefix >= self.kept
 
+    def run_prefix(self) -> int:
+        """Run positions below this are all delivered."""
+        if self.remaining is None:
+            return self.done.prefix
+        return self.remaining.run_position(self.done.prefix)
+
     def state(self) -> dict:
         prefix, ranges = self.done.state()
         return {"positions": self.kept, "done_prefix": prefix, "done_ranges": ranges}

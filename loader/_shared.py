@@ -187,6 +187,11 @@ class SharedState:
         out = _map_words(self.order_fds[run % 2], n, "order")
         return (out[:kept], out[kept:]) if with_offsets else (out, None)
 
+    def order_fd(self, run: int) -> int:
+        """The run's order file, for a streamed sampler's feed (NOTE
+        [ Streamed samplers ] in _sampler_feed.py)."""
+        return self.order_fds[run % 2]
+
     def read_words(self, run: int) -> np.ndarray:
         """All the int64 words of the run's order file (a resumed run's
         Remaining: a few numbers), as a private copy."""

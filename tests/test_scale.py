@@ -350,3 +350,83 @@ def test_2e9_samples_start_at_once_in_bounded_memory_and_resume():
     assert got["grown_kb"] < 100 * 1024, got
     assert got["state_bytes"] < 1024, got
     assert got["head_ok"] and got["resumed_ok"], got
+
+
+# --- samplers, streamed ------------------------------------------------------------
+
+class Strided:
+    """A sampler of `n` indices (i * 7919 mod n, a permutation when n is
+    prime to 7919), yielded one by one as a generator: list() of it would
+    take minutes and gigabytes at a billion."""
+
+    def __init__(self, n, lie=0):
+        self.n, self.lie = n, lie
+
+    def __len__(self):
+        return self.n + self.lie
+
+    def __iter__(self):
+        n = self.n
+        return ((i * 7919) % n for i in range(n))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_billion_index_sampler_starts_at_once_and_resumes(workers, in_order):
+    """sampler= of 1,000,000,000 indices is pulled a window ahead of the
+    workers (NOTE [ Streamed samplers ]): 300 batches of 4,096 come at
+    once and are exactly the sampler's first 1,228,800 indices (in order;
+    first-ready: the same set); the order file holds only the window; a
+    state resumes with exactly the next batches."""
+    import time
+
+    n, B, k = 1_000_000_000, 4096, 300
+    expect = (np.arange(k * B, dtype=np.int64) * 7919) % n
+    kw = dict(batch_size=B, sampler=Strided(n), num_workers=workers, in_order=in_order)
+    t0 = time.perf_counter()
+    with ShmLoader(Ids(n), **kw) as ld:
+        it = iter(ld)
+        first = next(it).copy()
+        took = time.perf_counter() - t0
+        got = np.concatenate([first] + [next(it).copy() for _ in range(k - 1)])
+        if workers:
+            run = ld._current
+            allocated = os.fstat(ld._shared.order_fd(run.id)).st_blocks * 512
+            assert allocated < 3 << 20, allocated  # the window, not 8 bytes x 1.2M delivered
+        state = ld.state_dict()
+        after = np.concatenate([next(it).copy() for _ in range(3)])
+    assert took < 5, took
+    if in_order:
+        assert np.array_equal(got, expect)
+    else:
+        assert np.array_equal(np.sort(got), np.sort(expect))
+    assert len(pickle.dumps(state)) < 1024
+    with ShmLoader(Ids(n), **kw) as ld:
+        ld.load_state_dict(state)
+        it = iter(ld)
+        resumed = np.concatenate([next(it).copy() for _ in range(3)])
+    if in_order:
+        assert np.array_equal(resumed, after)
+        assert np.array_equal(resumed, (np.arange(k * B, (k + 3) * B) * 7919) % n)
+    else:  # neither run delivers what was delivered before the state
+        assert not set(resumed.tolist()) & set(got.tolist())
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_streamed_sampler_gives_every_index_of_whole_epochs(workers):
+    """100,003 indices in batches of 1,000, two epochs: exactly the
+    sampler's sequence each epoch (the sampler is pulled again)."""
+    n = 100_003
+    got = _epochs(n, batch_size=1000, sampler=Strided(n), num_workers=workers)
+    expect = (np.arange(n) * 7919) % n
+    for e in range(2):
+        assert np.array_equal(np.concatenate(got[e]), expect)
+
+
+def test_a_sampler_shorter_than_its_len_is_a_clear_error():
+    with ShmLoader(Ids(1000), batch_size=100, sampler=Strided(1000, lie=500),
+                   num_workers=2) as ld:
+        with pytest.raises(ValueError) as raised:
+            list(ld)
+    text = str(raised.value)
+    assert "ended after 1000 indices" in text and "len() is 1500" in text
