@@ -10,7 +10,9 @@ fresh process per (loader, size), so that each peak is its own:
 - peak memory: the most PSS (proportional set size: shared pages count
   once) of the loader's processes together, sampled every 20 ms, less the
   main process's PSS before the loader was made.
-Loaders: ShmLoader(seed=) (the seeded order, computed per index),
+Loaders: ShmLoader(seed=) (the seeded order, computed per index; seed=
+also seeds the generators before every sample, reproducible=True, which
+the -norepro row leaves out),
 ShmLoader(generator=) (torch's randperm, written out once), ShmLoader with
 a custom lazy sampler (streamed), PyTorch's DataLoader (shuffle=True), and
 Grain's DataLoader (IndexSampler: a lazy index_shuffle).  A size a loader
@@ -33,11 +35,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from report import machine  # noqa: E402
 
-LOADERS = ["shm-seed", "shm-generator", "shm-sampler", "torch", "grain"]
+LOADERS = ["shm-seed", "shm-seed-norepro", "shm-generator", "shm-sampler", "torch", "grain"]
 
 # bytes per sample a loader needs up front, to skip sizes beyond RAM: the
 # written-out orders (torch: randperm, then a list of Python ints in main)
-_BYTES_PER_SAMPLE = {"shm-seed": 0, "shm-generator": 16, "shm-sampler": 0, "torch": 48,
+_BYTES_PER_SAMPLE = {"shm-seed": 0, "shm-seed-norepro": 0, "shm-generator": 16, "shm-sampler": 0, "torch": 48,
                      "grain": 0}
 
 def _pss_kb(pid: int) -> int:
@@ -91,8 +93,11 @@ class Lazy:
 def _make(which: str, n: int, B: int):
     from loader import ShmLoader
 
-    if which == "shm-seed":
+    if which == "shm-seed":  # seed= also seeds every sample (reproducible=True): ~7 us each
         return ShmLoader(Tiny(n), batch_size=B, shuffle=True, seed=1, num_workers=2)
+    if which == "shm-seed-norepro":  # the seeded order alone, as the other rows load
+        return ShmLoader(Tiny(n), batch_size=B, shuffle=True, seed=1, num_workers=2,
+                         reproducible=False)
     if which == "shm-generator":
         import torch
         return ShmLoader(Tiny(n), batch_size=B, shuffle=True, num_workers=2,
