@@ -743,6 +743,11 @@ class ShmLoader:
         claims_batches = per_batch or (
             (self._torch_rules or self._batched_fetch()) and self.num_workers > 0)
         units = nbatches if claims_batches else kept
+        if units >= 1 << C.RUN_SHIFT:  # the cursor counts a run's units in 32 bits
+            raise ValueError(f"an epoch of {kept:,} samples is {units:,} units for the workers "
+                             f"to claim, and a run holds fewer than 2**32: pass a larger "
+                             f"batch_size with a collate_fn (workers then claim whole batches), "
+                             f"or split the dataset")
         progress = MapProgress(kept if resume is None else resume["map"]["positions"], done,
                                remaining, O.Batches(kept, self._rows, offsets), per_batch)
         return _Plan(epoch, size, kept, units, nbatches, kind, order_seed, shipped, offsets,

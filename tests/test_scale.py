@@ -430,3 +430,20 @@ def test_a_sampler_shorter_than_its_len_is_a_clear_error():
             list(ld)
     text = str(raised.value)
     assert "ended after 1000 indices" in text and "len() is 1500" in text
+
+
+def test_more_than_2_32_units_is_a_clear_error_and_whole_batches_go_past_it():
+    """A run's cursor counts units in 32 bits: 5,000,000,000 samples claimed
+    one by one is a ValueError saying so and what to do; claimed as whole
+    batches (a collate_fn) the epoch starts, in the seeded order."""
+    from loader._order import ORDER_PERMUTATION, computed_order
+
+    n = 5_000_000_000
+    with ShmLoader(Ids(n), batch_size=512, shuffle=True, seed=1, num_workers=2) as ld:
+        with pytest.raises(ValueError) as raised:
+            next(iter(ld))
+        assert "2**32" in str(raised.value) and "collate_fn" in str(raised.value)
+    with ShmLoader(Ids(n), batch_size=512, shuffle=True, seed=1, num_workers=2,
+                   collate_fn=np.array) as ld:
+        first = next(iter(ld))
+    assert np.array_equal(first, computed_order(ORDER_PERMUTATION, n, 1, 1, 0, 1, n)[0:512])
