@@ -55,9 +55,10 @@ def _tree(pid: int) -> list[int]:
     while todo:
         p = todo.pop()
         out.append(p)
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo += [int(c) for c in f.read().split()]
+        try:  # every thread's children (Grain starts its workers from a thread)
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
         except OSError:
             pass
     return out
@@ -114,7 +115,7 @@ def _make(which: str, n: int, B: int):
                               operations=[pygrain.Batch(batch_size=B)])
 
 
-def child(which: str, n: int, B: int, nb: int) -> None:
+def child(which: str, n: int, B: int, nb: int, result: str) -> None:
     """One measurement, in a process of its own; prints one JSON line."""
     import threading
     import time
@@ -141,8 +142,9 @@ def child(which: str, n: int, B: int, nb: int) -> None:
     t2 = time.perf_counter()
     stop.set()
     peak[0] = max(peak[0], sum(_pss_kb(p) for p in _tree(os.getpid())))
-    print(json.dumps({"first_batch_s": t1 - t0, "batches_per_s": nb / (t2 - t1),
-                      "peak_mb": (peak[0] - base) / 1024}), flush=True)
+    with open(result, "w") as f:
+        f.write(json.dumps({"first_batch_s": t1 - t0, "batches_per_s": nb / (t2 - t1),
+                            "peak_mb": (peak[0] - base) / 1024}))
     os._exit(0)  # no teardown in the figures (nor Grain's warnings at exit)
 
 
@@ -160,16 +162,32 @@ def run_one(which: str, n: int, batch: int, batches: int, timeout: float) -> dic
             import grain.python  # noqa: F401
         except ImportError:
             return {"skipped": "not installed"}
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", which, str(n), str(batch),
-           str(batches)]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    import signal
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", which, str(n), str(batch),
+               str(batches), result.name]
+        # a session of its own: workers a peer leaves behind (Grain's, after
+        # os._exit) are ended with it, and never hold a pipe this waits on
+        child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)
+        try:
+            child.wait(timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        child.wait()
+        text = result.read().strip()
+    if timed_out:
         return {"skipped": f"no first batch and {batches} more within {timeout:.0f} s"}
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode != 0 or not lines:
-        return {"skipped": f"failed: {out.stderr.strip().splitlines()[-1:]}"}
-    return json.loads(lines[-1])
+    if not text:
+        return {"skipped": f"failed (exit {child.returncode})"}
+    return json.loads(text)
 
 
 def per_index_ns() -> dict:
@@ -198,7 +216,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         which, n, B, nb = argv[1], *(int(v) for v in argv[2:5])
-        return child(which, n, B, nb)
+        return child(which, n, B, nb, argv[5])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1e6,1e8,2e9")
     ap.add_argument("--batch", type=int, default=256)
