@@ -39,8 +39,8 @@ LOADERS = ["shm-seed", "shm-seed-norepro", "shm-generator", "shm-sampler", "torc
 
 # bytes per sample a loader needs up front, to skip sizes beyond RAM: the
 # written-out orders (torch: randperm, then a list of Python ints in main)
-_BYTES_PER_SAMPLE = {"shm-seed": 0, "shm-seed-norepro": 0, "shm-generator": 16, "shm-sampler": 0, "torch": 48,
-                     "grain": 0}
+_BYTES_PER_SAMPLE = {"shm-seed": 0, "shm-seed-norepro": 0, "shm-generator": 16,
+                     "shm-sampler": 0, "torch": 48, "grain": 0}
 
 def _pss_kb(pid: int) -> int:
     try:

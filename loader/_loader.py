@@ -802,7 +802,8 @@ class ShmLoader:
         self._inboxes[run_id] = collections.deque()
         self._shared.control.start_run(
             run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
-            plan.order_seed, int(plan.offsets is not None), plan.base_seed, self._open_limit(run, 0),
+            plan.order_seed, int(plan.offsets is not None), plan.base_seed,
+            self._open_limit(run, 0),
             int(plan.snapshot is not None), int(plan.remaining is not None))
         return run
 

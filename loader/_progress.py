@@ -9,12 +9,15 @@ yields exactly the rest of that epoch, then the following epochs as an
 uninterrupted run would:
 
 - map-style datasets: the epoch's positions (in this rank's order) that
-  were delivered, as a prefix length and the few delivered past it (in
-  first-ready mode a batch may be delivered before an earlier one).  Main
+  were delivered, as a prefix length and the few ranges delivered past it
+  (in first-ready mode a batch may be delivered before an earlier one):
+  O(batches in flight) in size, a few hundred bytes at any dataset size.  Main
   learns a first-ready batch's positions from the tags its writers put in
   the slab (see _layout.Layout).  A resumed epoch is a run over the
-  remaining positions, their order written out for the workers: in order,
-  its batches are the original ones from the first not delivered.
+  remaining positions: a computed order ships only the prefix and ranges
+  (_order.Remaining), a streamed sampler skips what was delivered, an
+  order written out is written out again without it; in order, its
+  batches are the original ones from the first not delivered.
 - iterable datasets: per worker, how many samples of its stream were
   delivered.  A worker fills its batches one after another and main hands
   them out in that order, so what it delivered is always a prefix of its
