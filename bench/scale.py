@@ -145,7 +145,9 @@ def child(which: str, n: int, B: int, nb: int, result: str) -> None:
     with open(result, "w") as f:
         f.write(json.dumps({"first_batch_s": t1 - t0, "batches_per_s": nb / (t2 - t1),
                             "peak_mb": (peak[0] - base) / 1024}))
-    os._exit(0)  # no teardown in the figures (nor Grain's warnings at exit)
+    if which != "grain":
+        os._exit(0)  # no teardown in the figures
+    # Grain: a normal exit, so that its workers and their shared memory go
 
 
 def ram_bytes() -> int:
@@ -164,6 +166,7 @@ def run_one(which: str, n: int, batch: int, batches: int, timeout: float) -> dic
             return {"skipped": "not installed"}
     import signal
     import tempfile
+    import time
 
     with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", which, str(n), str(batch),
@@ -177,10 +180,16 @@ def run_one(which: str, n: int, batch: int, batches: int, timeout: float) -> dic
             timed_out = False
         except subprocess.TimeoutExpired:
             timed_out = True
-        try:
-            os.killpg(child.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        # SIGTERM first: a peer's workers die, and the multiprocessing
+        # resource tracker they leave then unlinks their /dev/shm entries
+        # (psm_*, sem.mp-*) as it sees them go; SIGKILL only what is left
+        for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 0.0)):
+            try:
+                os.killpg(child.pid, sig)
+            except ProcessLookupError:
+                break
+            if grace:
+                time.sleep(grace)
         child.wait()
         text = result.read().strip()
     if timed_out:
