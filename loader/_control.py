@@ -13,7 +13,7 @@ blocks on a send, whatever the children are doing.
 
   ctl[LATEST_RUN] ──► run block (run % 2): ID EPOCH SIZE KEPT UNITS NBATCHES ORDER ORDER_SEED
                                              SHIPPED BASE_SEED SNAPSHOT CURSOR LIMIT ARRIVED
-                                             FINISHED
+                                             FINISHED RESUMED
 
 - SIZE: the dataset's length, from which a computed order is made (or
   the shipped order's length); KEPT: positions of this rank's order it
@@ -26,10 +26,16 @@ blocks on a send, whatever the children are doing.
   (rounded up), unless a batch sampler made them (see SHIPPED).
 - ORDER: how a worker finds the dataset index of a position without being
   sent anything (_order.py): RANGE (i), PERMUTATION (the same seeded
-  permutation, from (ORDER_SEED, EPOCH), computed by every worker and, with
-  distributed=True, cut into this rank's share), or SHIPPED: main wrote
-  the order into the run's order file (a user sampler, a torch.Generator's
-  shuffle, the rest of a resumed epoch).
+  permutation, from (ORDER_SEED, EPOCH), computed by every worker per
+  position and, with distributed=True, cut into this rank's share: NOTE
+  [ The seeded order ]), or SHIPPED: main wrote the order into the run's
+  order file (a user sampler, a torch.Generator's shuffle, the rest of a
+  resumed epoch of those); the workers map the file, so the order is in
+  memory once whatever the number of workers.
+- RESUMED: 1 when a computed order (RANGE, PERMUTATION) is the rest of a
+  resumed epoch: the order file holds the few numbers of _order.Remaining
+  (the epoch's kept positions, the prefix delivered and the ranges
+  delivered past it), and KEPT counts the positions left.
 - SHIPPED: 1 when the order file also holds batch offsets (a batch
   sampler's batches, of any sizes): batch k covers positions
   [offsets[k], offsets[k + 1]).
@@ -88,7 +94,7 @@ MEMORY_WAIT = 4     # 1 while a batch waits for slab memory (NOTE [ Kept batch m
 RUN_BASE = 8
 RUN_WORDS = 16
 (ID, EPOCH, SIZE, KEPT, UNITS, NBATCHES, ORDER, ORDER_SEED, SHIPPED, BASE_SEED, SNAPSHOT,
- CURSOR, LIMIT, ARRIVED, FINISHED) = range(15)
+ CURSOR, LIMIT, ARRIVED, FINISHED, RESUMED) = range(16)
 CTL_WORDS = RUN_BASE + 2 * RUN_WORDS
 RUN_SHIFT = 32      # units per run < 2**32
 
@@ -131,7 +137,7 @@ class Control:
 
     def start_run(self, run: int, epoch: int, size: int, kept: int, units: int, nbatches: int,
                   order: int, order_seed: int, shipped: int, base_seed: int, limit,
-                  snapshot: int = 0) -> None:
+                  snapshot: int = 0, resumed: int = 0) -> None:
         """Fill the run's block, then publish it.  The block's previous run
         (run - 2) must have ended: see NOTE [ Runs ].  For an iterable
         dataset, `limit` is each worker's (a list)."""
@@ -141,6 +147,7 @@ class Control:
                              (UNITS, units), (NBATCHES, nbatches), (ORDER, order),
                              (ORDER_SEED, order_seed), (SHIPPED, shipped),
                              (BASE_SEED, base_seed), (SNAPSHOT, snapshot), (FINISHED, 0),
+                             (RESUMED, resumed),
                              (LIMIT, -1 if per_worker else limit),
                              (ARRIVED, tagged(run))):
             c[word(run, which)] = value

@@ -203,9 +203,9 @@ class MapEpoch(_Epoch):
     def _advance(self) -> None:
         self.yielded += 1
         ld = self.loader
-        self.control.set_limit(self.run.id, ld._limit(self.run, self.yielded))
+        self.control.set_limit(self.run.id, ld._open_limit(self.run, self.yielded))
         if ld._ahead is not None and ld._current is self.run:
-            self.control.set_limit(ld._ahead.id, ld._limit(ld._ahead, self._left()))
+            self.control.set_limit(ld._ahead.id, ld._open_limit(ld._ahead, self._left()))
 
     def _next_ready(self):
         """The next batch to hand out, if it is here (or raise its error:

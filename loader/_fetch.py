@@ -58,9 +58,8 @@ def indices_of(order, start: int, stop: int) -> list:
     sampler's own index objects)."""
     if order is None:
         return list(range(start, stop))
-    if isinstance(order, np.ndarray):
-        return order[start:stop].tolist()
-    return list(order[start:stop])
+    chunk = order[start:stop]  # an array (written out, computed or streamed) or a list
+    return chunk.tolist() if isinstance(chunk, np.ndarray) else list(chunk)
 
 
 def describe(indices: list) -> str:

@@ -64,11 +64,7 @@ class InlineEpoch:
             self.stream = iter(ld.dataset)
             self.seq, self.ended = 0, False
             return
-        order = plan.shipped
-        if order is None:
-            order = O.rank_order(plan.order_kind, plan.size, plan.order_seed, self.epoch,
-                                 ld._rank, ld._world)
-            order = None if order is None else order[:plan.kept]
+        order = ld._order_of(plan)
         self.geometry = self.progress.batches = O.Batches(plan.kept, ld._rows, plan.offsets)
         self.index_of = O.index_getter(order)
         self.order = order

@@ -34,6 +34,7 @@ from loader._native import LeaseBook, derived_seeds
 from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import LoaderStartError, fork_children, start_error, wait_all
 from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
+from loader._sampler_feed import SamplerFeed, streamable
 from loader._shared import LoaderConfig, SharedState
 from loader._slabs import ram_bytes
 from loader._state import Expected, check_state
@@ -71,6 +72,8 @@ class _Plan(NamedTuple):
     rng: dict                  # generator states at the epoch's start (state_dict)
     progress: object           # MapProgress or StreamProgress of the run
     snapshot: object = None    # the dataset's snapshot of the epoch (FileDataset: its files)
+    remaining: O.Remaining | None = None  # a resumed computed order: the positions left
+    feed: SamplerFeed | None = None  # a streamed sampler (NOTE [ Streamed samplers ])
 
 
 class _Run(NamedTuple):
@@ -685,33 +688,42 @@ class ShmLoader(FrozenState):
             return _Plan(epoch, -1, -1 if shipped is None else len(shipped), -1, -1,
                          O.ORDER_RANGE if shipped is None else O.ORDER_SHIPPED, 0, shipped, None,
                          base_seed, rng, progress)
-        shipped = offsets = None
+        shipped = offsets = stream = None
+        if self.sampler is not None and not self._torch_rules:
+            streamed, stream = streamable(self.sampler)
+            if not streamed:  # drawn whole, from what streamable() started
+                stream = list(stream) if stream is not None else None
         if self.batch_sampler is not None:
             batches = [np.asarray(list(b), np.int64).reshape(-1) for b in self.batch_sampler]
             shipped = np.concatenate(batches) if batches else np.zeros(0, np.int64)
             offsets = np.zeros(len(batches) + 1, np.int64)
             np.cumsum([len(b) for b in batches], out=offsets[1:])
             kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
+        elif self.sampler is not None and not isinstance(stream, (list, type(None))):
+            kind, order_seed, size = O.ORDER_SHIPPED, 0, len(self.sampler)  # streamed
         elif self.sampler is not None:
-            items = list(self.sampler)
+            items = stream if stream is not None else list(self.sampler)
             if all(isinstance(i, (int, np.integer)) for i in items):
                 shipped, kind = np.asarray(items, np.int64).reshape(-1), O.ORDER_SHIPPED
             else:  # indices of other kinds (lists, keys): dataset[...] gets them as they are
                 shipped, kind = items, O.ORDER_OBJECTS
             order_seed, size = 0, len(shipped)
         elif self.shuffle and self.generator is not None:
-            from torch.utils.data import RandomSampler
+            import torch
 
-            # torch's own sampler: exactly the order torch gives for this generator
+            # torch's RandomSampler(generator=...) yields randperm(n) of its
+            # generator (and draws the next randperm only once exhausted,
+            # which this loader, like np.fromiter of it, never asks for):
+            # the same draw, in one call, with no Python int per index
             n = self._dataset_len()
-            shipped = np.fromiter(RandomSampler(range(n), generator=self.generator), np.int64, n)
+            shipped = torch.randperm(n, generator=self.generator).numpy()
             shipped = O.shard(shipped, self._rank, self._world)
             kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
         else:
             # computed by the workers from the dataset's length (SIZE), then
             # cut into this rank's share
             kind = O.ORDER_PERMUTATION if self.shuffle else O.ORDER_RANGE
-            order_seed = self.seed if self.shuffle else 0
+            order_seed = O.order_seed_word(self.seed) if self.shuffle else 0
             size = self._dataset_len()
         share = size if kind in (O.ORDER_SHIPPED, O.ORDER_OBJECTS) else O.shard_size(
             size, self._world)
@@ -722,38 +734,54 @@ class ShmLoader(FrozenState):
                                                                    self.drop_last)
             if shipped is not None:
                 shipped = shipped[:kept]
-        done = remap = None
+        done = remaining = None
         if resume is not None:  # the epoch's remaining positions, in its order
             done = MapProgress.done_of(resume["map"])
-            if len(done) != kept:
-                raise ValueError(f"this state is of an epoch of {len(done)} samples, but the "
+            positions = resume["map"]["positions"]
+            if positions != kept:
+                raise ValueError(f"this state is of an epoch of {positions} samples, but the "
                                  f"loader's epoch {epoch} has {kept}: load it into a loader of "
                                  f"the same dataset, sampler and batching")
-            full = shipped if shipped is not None else O.rank_order(
-                kind, size, order_seed, epoch, self._rank, self._world)
-            remap = np.flatnonzero(~done)
-            if isinstance(full, list):
-                shipped = [full[i] for i in remap]
-            else:
-                shipped = (remap if full is None else full[:kept][remap]).astype(np.int64)
-                kind = O.ORDER_SHIPPED
-            if offsets is not None:  # each batch keeps its remaining positions
-                counts = np.diff(np.searchsorted(remap, offsets))
-                counts = counts[counts > 0]
-                offsets = np.zeros(len(counts) + 1, np.int64)
-                np.cumsum(counts, out=offsets[1:])
-            order_seed, kept = 0, len(remap)
-            size = kept
+            remaining = O.Remaining(kept, *done.state())
+            if shipped is not None:  # written out anyway: write out what is left of it
+                remap = remaining.original(np.arange(remaining.count, dtype=np.int64))
+                if isinstance(shipped, list):
+                    shipped = [shipped[i] for i in remap]
+                else:
+                    shipped = np.ascontiguousarray(shipped[:kept][remap], np.int64)
+                if offsets is not None:  # each batch keeps its remaining positions
+                    counts = np.diff(np.searchsorted(remap, offsets))
+                    counts = counts[counts > 0]
+                    offsets = np.zeros(len(counts) + 1, np.int64)
+                    np.cumsum(counts, out=offsets[1:])
+                kind = O.ORDER_OBJECTS if isinstance(shipped, list) else O.ORDER_SHIPPED
+                order_seed, size = 0, remaining.count
+            # else a computed order stays computed: the workers get the few
+            # numbers of `remaining` (NOTE [ The seeded order ]); a streamed
+            # sampler skips the delivered positions as it is pulled
+            kept = remaining.count
+            if kind == O.ORDER_SHIPPED and shipped is None:
+                size = kept
+        feed = None
+        if kind == O.ORDER_SHIPPED and shipped is None:
+            feed = SamplerFeed(stream, self._sampler_name(), len(self.sampler), kept, remaining)
         nbatches = len(offsets) - 1 if offsets is not None else (
             kept if self.batch_size is None else -(-kept // self.batch_size))
         per_batch = self.collate_fn is not None or self.batch_size is None  # tags are units
         claims_batches = per_batch or (
             (self._torch_rules or self._batched_fetch()) and self.num_workers > 0)
         units = nbatches if claims_batches else kept
-        progress = MapProgress(len(done) if done is not None else kept, done, remap,
-                               O.Batches(kept, self._rows, offsets), per_batch)
+        if units >= 1 << C.RUN_SHIFT:  # the cursor counts a run's units in 32 bits
+            raise ValueError(f"an epoch of {kept:,} samples is {units:,} units for the workers "
+                             f"to claim, and a run holds fewer than 2**32: pass a larger "
+                             f"batch_size with a collate_fn (workers then claim whole batches), "
+                             f"or split the dataset")
+        progress = MapProgress(kept if resume is None else resume["map"]["positions"], done,
+                               remaining, O.Batches(kept, self._rows, offsets), per_batch)
         return _Plan(epoch, size, kept, units, nbatches, kind, order_seed, shipped, offsets,
-                     base_seed, rng, progress)
+                     base_seed, rng, progress,
+                     remaining=remaining if kind in (O.ORDER_RANGE, O.ORDER_PERMUTATION) else None,
+                     feed=feed)
 
     def _limit(self, run: _Run, yielded: int) -> int:
         """Units workers may load once `yielded` batches were yielded: those
@@ -768,6 +796,18 @@ class ShmLoader(FrozenState):
             return upto
         return run.batches.span(upto - 1)[1] if upto > 0 else 0
 
+    def _open_limit(self, run: _Run, yielded: int) -> int:
+        """_limit(), once a streamed sampler has written the indices of
+        every position below it (NOTE [ Streamed samplers ])."""
+        limit = self._limit(run, yielded)
+        feed = run.plan.feed
+        if feed is not None and run.batches is not None:
+            upto = limit if run.plan.units != run.plan.nbatches else (
+                run.batches.span(limit - 1)[1] if limit > 0 else 0)
+            feed.feed(upto)
+            feed.release_below(run.plan.progress.run_prefix())
+        return limit
+
     def _start_run(self, epoch, resume: dict | None = None, snapshot=None,
                    yielded: int = 0) -> _Run:
         """Start a pass over the data for `epoch` (see NOTE [ Runs ]);
@@ -781,6 +821,10 @@ class ShmLoader(FrozenState):
             self._shared.write_objects(run_id, plan.shipped)
         elif plan.shipped is not None:
             self._shared.write_order(run_id, plan.shipped, plan.offsets)
+        elif plan.remaining is not None:
+            self._shared.write_order(run_id, plan.remaining.words(), None)
+        elif plan.feed is not None:
+            plan.feed.attach(self._shared.order_fd(run_id))
         if plan.snapshot is not None:
             self._shared.write_snapshot(run_id, plan.snapshot)
         batches = None if self.iterable else O.Batches(plan.kept, self._rows, plan.offsets)
@@ -790,8 +834,9 @@ class ShmLoader(FrozenState):
         self._inboxes[run_id] = collections.deque()
         self._shared.control.start_run(
             run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
-            plan.order_seed, int(plan.offsets is not None), plan.base_seed, self._limit(run, yielded),
-            int(plan.snapshot is not None))
+            plan.order_seed, int(plan.offsets is not None), plan.base_seed,
+            self._open_limit(run, yielded),
+            int(plan.snapshot is not None), int(plan.remaining is not None))
         return run
 
     def _end(self, run: _Run | None) -> None:
@@ -958,10 +1003,19 @@ class ShmLoader(FrozenState):
                    None)
         if run is None or run.batches is None or not 0 <= pos < run.plan.kept:
             return None
-        plan = run.plan
-        order = plan.shipped if plan.shipped is not None else O.rank_order(
-            plan.order_kind, plan.size, plan.order_seed, plan.epoch, self._rank, self._world)
-        return O.index_getter(order)(pos)
+        if run.plan.feed is not None:
+            return run.plan.feed.index(pos)
+        return O.index_getter(self._order_of(run.plan))(pos)
+
+    def _order_of(self, plan: _Plan):
+        """The order of a map-style plan's run: its shipped indices, a
+        computed order, or None (the position is the index)."""
+        if plan.shipped is not None:
+            return plan.shipped
+        if plan.feed is not None:
+            return plan.feed
+        return O.computed_order(plan.order_kind, plan.size, plan.order_seed, plan.epoch,
+                                self._rank, self._world, plan.kept, plan.remaining)
 
     def _tags(self, msg: P.BatchReady) -> np.ndarray:
         """The tags the writers gave the batch's rows (see _layout.Layout)."""
@@ -1059,7 +1113,9 @@ class ShmLoader(FrozenState):
             seed=self.seed if self._seed_given else None, batch_size=self.batch_size,
             positions=self._epoch_positions(world), dataset_len=self._map_len(),
             sampler=self._sampler_name(),
-            rng_bytes={k: len(v) for k, v in self._rng_states().items()})
+            rng_bytes={k: len(v) for k, v in self._rng_states().items()},
+            seeded_shuffle=(self.shuffle and self.generator is None and self.sampler is None
+                            and self.batch_sampler is None and not self.iterable))
 
     def _batch(self, msg: P.BatchReady):
         s = msg.slab

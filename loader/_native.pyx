@@ -120,6 +120,7 @@ cdef class Bell:
 include "_warm.pxi"
 include "_rowwriter.pxi"
 include "_leases.pxi"
+include "_permutation.pxi"
 
 
 cdef class RunCounters:

@@ -2,19 +2,170 @@
 order, and how its positions fall into batches.  Main and every worker
 compute the same thing from the same few numbers (NOTE [ Runs ] in
 _control.py); only an order main cannot describe that way (a user's
-sampler or batch sampler, a torch.Generator's shuffle, a resumed pass) is
-written out for the workers.
+sampler or batch sampler, a torch.Generator's shuffle) is written out for
+the workers.
+
+NOTE [ The seeded order ]
+=========================
+
+With shuffle=True and no generator, an epoch's order is a seeded bijection
+of [0, n) computed per position, never materialised (SeededOrder in
+_permutation.pxi):
+
+  position p of rank r ──► full position q = (r + p * world) mod n
+                       ──► index = F(q), F: a 6-round Feistel network over
+                           [0, 2**bits) (the least power of two >= n, at
+                           least 4), keyed by (seed, epoch), walked again
+                           while its output is >= n (cycle-walking)
+
+- every index exactly once per epoch: F is a bijection of [0, 2**bits),
+  and cycle-walking restricts it to a bijection of [0, n);
+- another order per epoch and per seed: the round keys are a splitmix64
+  stream started from (seed, epoch);
+- the same order whatever the number of workers, in order or first-ready:
+  every process computes F itself, from SIZE, ORDER_SEED and EPOCH;
+- distributed=True: rank r takes every world-th position from r, wrapped
+  round past n, exactly as torch's DistributedSampler cuts and pads
+  (drop_last=False): shards disjoint but for the padding, and equal;
+- cost: O(1) to plan an epoch whatever n is, ~30-60 ns per index
+  (bench/scale.py), so a worker computes each index as it claims it.
+
+The order of a seed differs from the one before state format 2 (numpy's
+default_rng([seed, epoch]).permutation(n)), so a state of an epoch in
+progress of that format is refused (see _state.py).
+
+A resumed epoch (NOTE [ Resuming an epoch ] in _progress.py) runs over the
+positions not yet delivered: they are [prefix, kept) less a few ranges, so
+Remaining maps a position of the resumed run to the epoch's own by a
+search over those ranges, and the run ships only those few numbers.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from loader._native import SeededOrder
+
 # How a run's order is described (its ORDER word): computed (RANGE,
 # PERMUTATION), or written out by main as int64 indices (SHIPPED) or as
 # pickled index objects (OBJECTS: a sampler's indices that are not ints,
 # which torch passes to dataset[...] as they are)
 ORDER_RANGE, ORDER_PERMUTATION, ORDER_SHIPPED, ORDER_OBJECTS = 0, 1, 2, 3
+
+_U64 = (1 << 64) - 1
+
+
+def order_seed_word(seed: int) -> int:
+    """The seed as the int64 word of the run block (ORDER_SEED); every
+    process reads the network's key material back as its 64 bits."""
+    s = seed & _U64
+    return s - (1 << 64) if s >= 1 << 63 else s
+
+
+class Remaining:
+    """The positions of an epoch not yet delivered, in order: [prefix,
+    kept) less the done ranges (sorted, disjoint, past the prefix).
+    Position r of the resumed run is original(r) of the epoch."""
+
+    __slots__ = ("kept", "prefix", "ranges", "starts", "cum", "count")
+
+    def __init__(self, kept: int, prefix: int, ranges: list):
+        self.kept, self.prefix, self.ranges = kept, prefix, [(int(a), int(b)) for a, b in ranges]
+        # the free segments between the done ranges, and where each starts in the run
+        starts = [prefix] + [b for _, b in self.ranges]
+        ends = [a for a, _ in self.ranges] + [kept]
+        lengths = [e - s for s, e in zip(starts, ends)]
+        keep = [i for i, n in enumerate(lengths) if n > 0]
+        self.starts = np.asarray([starts[i] for i in keep], np.int64)
+        self.cum = np.zeros(len(keep) + 1, np.int64)
+        np.cumsum([lengths[i] for i in keep], out=self.cum[1:])
+        self.count = int(self.cum[-1])
+
+    def original(self, run_positions: np.ndarray) -> np.ndarray:
+        """The epoch's positions of these positions of the resumed run."""
+        run_positions = np.asarray(run_positions, np.int64)
+        seg = np.searchsorted(self.cum, run_positions, side="right") - 1
+        return self.starts[seg] + (run_positions - self.cum[seg])
+
+    def original_one(self, r: int) -> int:
+        seg = int(np.searchsorted(self.cum, r, side="right")) - 1
+        return int(self.starts[seg]) + r - int(self.cum[seg])
+
+    def run_position(self, p: int) -> int:
+        """How many of the remaining positions are below the epoch's p."""
+        seg = int(np.searchsorted(self.starts, p, side="right")) - 1
+        if seg < 0:
+            return 0
+        return int(self.cum[seg]) + min(p - int(self.starts[seg]),
+                                        int(self.cum[seg + 1] - self.cum[seg]))
+
+    def words(self) -> np.ndarray:
+        """As the run's order file holds it, for the workers."""
+        flat = [v for ab in self.ranges for v in ab]
+        return np.asarray([self.kept, self.prefix, len(self.ranges)] + flat, np.int64)
+
+    @classmethod
+    def from_words(cls, words: np.ndarray) -> "Remaining":
+        kept, prefix, n = (int(v) for v in words[:3])
+        flat = words[3:3 + 2 * n].tolist()
+        return cls(kept, prefix, list(zip(flat[0::2], flat[1::2])))
+
+
+class ComputedOrder:
+    """A rank's computed order of an epoch (RANGE or PERMUTATION), `kept`
+    positions long, or the part of it a resumed run goes over: position ->
+    dataset index by formula (NOTE [ The seeded order ])."""
+
+    __slots__ = ("seeded", "kept", "remaining")
+
+    def __init__(self, seeded: SeededOrder, kept: int, remaining: Remaining | None = None):
+        self.seeded, self.kept, self.remaining = seeded, kept, remaining
+
+    def __len__(self) -> int:
+        return self.kept
+
+    def index(self, pos: int) -> int:
+        if self.remaining is not None:
+            pos = self.remaining.original_one(pos)
+        return self.seeded.at(pos)
+
+    def take(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.ascontiguousarray(positions, np.int64)
+        if self.remaining is not None:
+            positions = self.remaining.original(positions)
+        out = np.empty(len(positions), np.int64)
+        self.seeded.take(out, positions)
+        return out
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.kept)
+            if step == 1 and self.remaining is None:
+                out = np.empty(max(stop - start, 0), np.int64)
+                self.seeded.fill(out, start)
+                return out
+            return self.take(np.arange(start, stop, step, dtype=np.int64))
+        if not 0 <= key < self.kept:
+            raise IndexError(f"position {key} of an order of {self.kept}")
+        return self.index(int(key))
+
+
+def computed_order(kind: int, size: int, seed: int, epoch: int, rank: int, world: int,
+                   kept: int, remaining: Remaining | None = None) -> ComputedOrder | None:
+    """A computed order of `size` dataset indices, this rank's share of it
+    (None: 0, 1, 2... of the whole dataset, nothing to compute)."""
+    if kind == ORDER_RANGE and world == 1 and remaining is None:
+        return None
+    seeded = SeededOrder(size, seed & _U64, epoch & _U64, kind == ORDER_PERMUTATION, rank, world)
+    return ComputedOrder(seeded, kept if remaining is None else remaining.count, remaining)
+
+
+def epoch_order(n: int, seed: int, epoch: int, rank: int = 0, world: int = 1) -> np.ndarray:
+    """The whole order ShmLoader(shuffle=True, seed=seed) gives rank
+    `rank` in `epoch` (1 for the first), written out: for tests and for
+    users who want to see it; the loader itself never builds it."""
+    order = computed_order(ORDER_PERMUTATION, n, seed, epoch, rank, world, shard_size(n, world))
+    return order[0:len(order)]
 
 
 def index_getter(order):
@@ -23,19 +174,17 @@ def index_getter(order):
         return lambda pos: pos
     if isinstance(order, np.ndarray):
         return order.item
+    if isinstance(order, ComputedOrder):
+        return order.seeded.at if order.remaining is None else order.index
     return order.__getitem__
 
 
-def permutation(size: int, seed: int, epoch: int) -> np.ndarray:
-    """The shuffled order of an epoch: the same in every process."""
-    return np.random.default_rng([seed, epoch]).permutation(size)
-
-
 def shard(indices: np.ndarray, rank: int, world: int) -> np.ndarray:
-    """This rank's share of an epoch's order, as torch's DistributedSampler
-    cuts it (drop_last=False): the order is padded by repeating its start
-    until every rank gets the same count, then rank r takes every
-    world-th index from position r."""
+    """This rank's share of an epoch's order written out, as torch's
+    DistributedSampler cuts it (drop_last=False): the order is padded by
+    repeating its start until every rank gets the same count, then rank r
+    takes every world-th index from position r (SeededOrder does the same
+    by formula)."""
     if world == 1:
         return indices
     n = len(indices)
@@ -44,21 +193,6 @@ def shard(indices: np.ndarray, rank: int, world: int) -> np.ndarray:
         reps = -(-(total - n) // max(n, 1))
         indices = np.concatenate([indices] + [indices] * reps)[:total] if n else indices
     return indices[rank:total:world]
-
-
-def full_order(kind: int, size: int, seed: int, epoch: int) -> np.ndarray | None:
-    """The order of all `size` dataset indices (None: 0, 1, 2...)."""
-    if kind == ORDER_PERMUTATION:
-        return permutation(size, seed, epoch)
-    return None
-
-
-def rank_order(kind: int, size: int, seed: int, epoch: int, rank: int, world: int):
-    """This rank's order (None: 0, 1, 2... of the whole dataset)."""
-    order = full_order(kind, size, seed, epoch)
-    if world == 1:
-        return order
-    return shard(np.arange(size) if order is None else order, rank, world)
 
 
 def shard_size(size: int, world: int) -> int:

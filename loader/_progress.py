@@ -9,12 +9,15 @@ yields exactly the rest of that epoch, then the following epochs as an
 uninterrupted run would:
 
 - map-style datasets: the epoch's positions (in this rank's order) that
-  were delivered, as a prefix length and the few delivered past it (in
-  first-ready mode a batch may be delivered before an earlier one).  Main
+  were delivered, as a prefix length and the few ranges delivered past it
+  (in first-ready mode a batch may be delivered before an earlier one):
+  O(batches in flight) in size, a few hundred bytes at any dataset size.  Main
   learns a first-ready batch's positions from the tags its writers put in
   the slab (see _layout.Layout).  A resumed epoch is a run over the
-  remaining positions, their order written out for the workers: in order,
-  its batches are the original ones from the first not delivered.
+  remaining positions: a computed order ships only the prefix and ranges
+  (_order.Remaining), a streamed sampler skips what was delivered, an
+  order written out is written out again without it; in order, its
+  batches are the original ones from the first not delivered.
 - iterable datasets: per worker, how many samples of its stream were
   delivered.  A worker fills its batches one after another and main hands
   them out in that order, so what it delivered is always a prefix of its
@@ -40,39 +43,80 @@ gone, which no loader can restore without pausing its workers.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
-STATE_FORMAT = "shmloader-state-1"
+# 2: done ranges instead of positions, and the seeded order of NOTE [ The
+# seeded order ] (_order.py); 1 is read as long as its order is the same
+STATE_FORMAT = "shmloader-state-2"
+STATE_FORMATS_READ = ("shmloader-state-1", STATE_FORMAT)
+
+
+class DonePositions:
+    """Positions of an epoch delivered: all below `prefix`, and the few
+    ranges [a, b) past it (sorted, disjoint, not touching the prefix or
+    each other).  In order, batches are delivered one after another and
+    only the prefix moves; first-ready, a batch can come before earlier
+    ones, so a few ranges stay open until those arrive.  O(batches in
+    flight) in size, whatever the epoch's length."""
+
+    __slots__ = ("prefix", "ranges")
+
+    def __init__(self, prefix: int = 0, ranges: list | None = None):
+        self.prefix = prefix
+        self.ranges: list[list[int]] = [list(r) for r in ranges or ()]
+
+    def mark(self, positions: np.ndarray) -> None:
+        if not len(positions):
+            return
+        p = np.unique(positions)
+        breaks = np.flatnonzero(np.diff(p) != 1) + 1
+        starts = p[np.concatenate(([0], breaks))]
+        stops = p[np.concatenate((breaks - 1, [len(p) - 1]))] + 1
+        for a, b in zip(starts.tolist(), stops.tolist()):
+            self._add(a, b)
+
+    def _add(self, a: int, b: int) -> None:
+        if b <= self.prefix:
+            return
+        a = max(a, self.prefix)
+        rs = self.ranges
+        i = bisect.bisect_left(rs, [a, a])
+        if i > 0 and rs[i - 1][1] >= a:  # joins the range before
+            i -= 1
+            a = rs[i][0]
+        j = i
+        while j < len(rs) and rs[j][0] <= b:  # swallows the ranges it reaches
+            b = max(b, rs[j][1])
+            j += 1
+        rs[i:j] = [[a, b]]
+        if rs[0][0] <= self.prefix:
+            self.prefix = rs.pop(0)[1]
+
+    def state(self) -> tuple[int, list]:
+        return self.prefix, [list(r) for r in self.ranges]
 
 
 class MapProgress:
     """The positions (of the epoch's full order for this rank) handed out.
-    remap: the original position of each position of the run (a resumed
-    run goes over the remaining positions only); None: the identity."""
+    remaining: how a resumed run's positions map to the epoch's (it goes
+    over the positions not delivered before); None: the identity."""
 
-    def __init__(self, kept: int, done: np.ndarray | None = None, remap=None, batches=None,
-                 tags_are_units: bool = False):
+    def __init__(self, kept: int, done: DonePositions | None = None, remaining=None,
+                 batches=None, tags_are_units: bool = False):
         self.kept = kept
-        self.done = np.zeros(kept, bool) if done is None else done
-        self.remap = remap
+        self.done = done if done is not None else DonePositions()
+        self.remaining = remaining
         self.batches = batches            # the run's geometry: batch -> positions
         self.tags_are_units = tags_are_units  # a collated batch's tag is its unit
-        self.prefix = 0                   # done[:prefix] are all True
-        self.high = 0                     # nothing at or past it is done
-        self._advance()
-
-    def _advance(self) -> None:
-        d = self.done
-        if self.high < self.prefix:
-            self.high = self.prefix
-        while self.prefix < self.kept and d[self.prefix]:
-            self.prefix += 1
-        nz = np.flatnonzero(d[self.prefix:])
-        self.high = self.prefix + (int(nz[-1]) + 1 if len(nz) else 0)
 
     def mark_batch(self, batch: int) -> None:
         """In order: the run's batch `batch` was handed out."""
         start, stop = self.batches.span(batch)
+        if self.remaining is None:
+            self.done._add(start, stop)  # the common case: one range, no array
+            return
         self._mark(np.arange(start, stop))
 
     def mark_tags(self, tags: np.ndarray) -> None:
@@ -86,27 +130,30 @@ class MapProgress:
         self._mark(positions)
 
     def _mark(self, run_positions: np.ndarray) -> None:
-        original = run_positions if self.remap is None else self.remap[run_positions]
-        self.done[original] = True
-        if len(original):
-            self.high = max(self.high, int(original.max()) + 1)
-            if self.done[self.prefix:self.prefix + 1].all():
-                while self.prefix < self.kept and self.done[self.prefix]:
-                    self.prefix += 1
+        self.done.mark(run_positions if self.remaining is None
+                       else self.remaining.original(run_positions))
 
     def complete(self) -> bool:
-        return self.prefix >= self.kept
+        return self.done.prefix >= self.kept
+
+    def run_prefix(self) -> int:
+        """Run positions below this are all delivered."""
+        if self.remaining is None:
+            return self.done.prefix
+        return self.remaining.run_position(self.done.prefix)
 
     def state(self) -> dict:
-        extra = np.flatnonzero(self.done[self.prefix:self.high]) + self.prefix
-        return {"positions": self.kept, "done_prefix": self.prefix,
-                "done_extra": [int(p) for p in extra]}
+        prefix, ranges = self.done.state()
+        return {"positions": self.kept, "done_prefix": prefix, "done_ranges": ranges}
 
     @staticmethod
-    def done_of(state: dict) -> np.ndarray:
-        done = np.zeros(state["positions"], bool)
-        done[:state["done_prefix"]] = True
-        done[np.asarray(state["done_extra"], np.int64)] = True
+    def done_of(state: dict) -> DonePositions:
+        """What a state's "map" says was delivered (format 1 listed the
+        positions past the prefix one by one: see _state.py)."""
+        if "done_ranges" in state:
+            return DonePositions(state["done_prefix"], state["done_ranges"])
+        done = DonePositions(state["done_prefix"])
+        done.mark(np.asarray(state["done_extra"], np.int64))
         return done
 
 

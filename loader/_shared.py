@@ -4,6 +4,7 @@ memory main creates before it forks."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
 from dataclasses import dataclass
@@ -205,16 +206,35 @@ class SharedState:
     def write_order(self, run: int, order: np.ndarray, offsets: np.ndarray | None) -> None:
         """The run's order (and a batch sampler's offsets), for the workers
         and the collator: see SHIPPED in NOTE [ Runs ]."""
-        parts = [order] if offsets is None else [order, offsets]
-        _write(self.order_fds[run % 2],
-               memoryview(np.concatenate([np.asarray(p, np.int64) for p in parts])).cast("B"))
+        parts = [np.ascontiguousarray(p, np.int64) for p in
+                 ([order] if offsets is None else [order, offsets])]
+        fd = self.order_fds[run % 2]
+        os.ftruncate(fd, sum(p.nbytes for p in parts))
+        at = 0
+        for p in parts:  # no concatenated copy: an order can be most of RAM
+            _write(fd, memoryview(p).cast("B"), at)
+            at += p.nbytes
 
     def read_order(self, run: int, kept: int, nbatches: int, with_offsets: bool):
-        """(order, offsets or None) as write_order wrote them."""
+        """(order, offsets or None) as write_order wrote them: views of the
+        file mapped read-only, so every process shares its pages (a
+        torch.Generator's order of 2e9 indices is 16 GB once, not once per
+        worker).  The file is written again only for run + 2, which starts
+        once every process is done with this run (NOTE [ Runs ])."""
         n = kept + (nbatches + 1 if with_offsets else 0)
-        out = np.empty(n, np.int64)
-        _read(self.order_fds[run % 2], memoryview(out).cast("B"), "order")
+        out = _map_words(self.order_fds[run % 2], n, "order")
         return (out[:kept], out[kept:]) if with_offsets else (out, None)
+
+    def order_fd(self, run: int) -> int:
+        """The run's order file, for a streamed sampler's feed (NOTE
+        [ Streamed samplers ] in _sampler_feed.py)."""
+        return self.order_fds[run % 2]
+
+    def read_words(self, run: int) -> np.ndarray:
+        """All the int64 words of the run's order file (a resumed run's
+        Remaining: a few numbers), as a private copy."""
+        fd = self.order_fds[run % 2]
+        return _map_words(fd, os.fstat(fd).st_size // 8, "order").copy()
 
     def write_snapshot(self, run: int, snapshot) -> None:
         """The dataset's snapshot of the run's epoch (see SNAPSHOT in NOTE [ Runs ])."""
@@ -257,11 +277,24 @@ def _read_pickle(fd: int, what: str):
     return pickle.loads(data)
 
 
-def _write(fd: int, data: memoryview) -> None:
-    os.ftruncate(fd, len(data))
+def _write(fd: int, data: memoryview, at: int | None = None) -> None:
+    """data into the file at `at`; at None: the file is data alone."""
+    if at is None:
+        os.ftruncate(fd, len(data))
+        at = 0
     done = 0
     while done < len(data):
-        done += os.pwrite(fd, data[done:], done)
+        done += os.pwrite(fd, data[done:], at + done)
+
+
+def _map_words(fd: int, n: int, what: str) -> np.ndarray:
+    """The first n int64 words of the file, mapped read-only and shared."""
+    size = os.fstat(fd).st_size
+    if size < 8 * n:
+        raise RuntimeError(f"the run's {what} file holds {size} bytes, not {8 * n}")
+    if n == 0:
+        return np.zeros(0, np.int64)
+    return np.frombuffer(mmap.mmap(fd, 8 * n, mmap.MAP_SHARED, mmap.PROT_READ), np.int64)
 
 
 def _read(fd: int, buf: memoryview, what: str, offset: int = 0) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from loader._progress import STATE_FORMAT
+from loader._progress import STATE_FORMAT, STATE_FORMATS_READ
 
 _RNG_KEYS = ("generator", "global", "sampler")
 
@@ -29,6 +29,8 @@ class Expected(NamedTuple):
     dataset_len: int | None
     sampler: str | None           # the type name of its sampler or batch sampler
     rng_bytes: dict               # generator key -> the size of its state, in bytes
+    seeded_shuffle: bool = False  # its order is the seeded permutation (NOTE [ The seeded
+                                  # order ] in _order.py)
 
 
 def _fail(field: str, got, expected: str, remedy: str = "") -> ValueError:
@@ -72,8 +74,8 @@ def check_state(state, exp: Expected) -> None:
     if not isinstance(state, dict):
         raise ValueError(f"load_state_dict: not a ShmLoader state: a {type(state).__name__}, "
                          f"not the dict state_dict() returns ({_FOREIGN})")
-    if state.get("format") != STATE_FORMAT:
-        raise _fail("format", state.get("format"), f"this loader reads {STATE_FORMAT!r}: "
+    if state.get("format") not in STATE_FORMATS_READ:
+        raise _fail("format", state.get("format"), f"this loader reads {STATE_FORMATS_READ}: "
                     f"not a ShmLoader state", _FOREIGN)
     for field in ("epoch", "seed", "rank", "world", "workers", "iterable", "complete", "rng",
                   "base_seed"):
@@ -92,6 +94,13 @@ def check_state(state, exp: Expected) -> None:
     if complete:
         return  # the next epoch starts afresh: nothing of an epoch to check
     _check_rng(state, exp)
+    if state["format"] != STATE_FORMAT and exp.seeded_shuffle:
+        raise _fail("format", state["format"], f"an epoch of seed={state['seed']} in progress in "
+                    f"this format was shuffled by numpy's permutation, and this loader's "
+                    f"shuffle is the seeded order of {STATE_FORMAT!r}: the rest of that epoch "
+                    f"cannot be told apart from what was delivered",
+                    "resume from a state taken at an epoch's end (complete=True), or finish "
+                    "the epoch with the version that wrote the state")
     if exp.iterable:
         _check_stream(state, exp)
     else:
@@ -149,7 +158,24 @@ def _check_map(state: dict, exp: Expected) -> None:
         raise _fail("map.positions", positions, f"an epoch of this loader has {exp.positions} "
                     f"(its dataset length, sampler, batch size, drop_last and ranks)", _FOREIGN)
     prefix = _int(progress, "done_prefix", 0, positions - 1, name="map.done_prefix")
-    _positions("map.done_extra", progress.get("done_extra"), prefix + 1, positions)
+    if state["format"] == STATE_FORMAT:
+        _ranges("map.done_ranges", progress.get("done_ranges"), prefix + 1, positions)
+    else:
+        _positions("map.done_extra", progress.get("done_extra"), prefix + 1, positions)
+
+
+def _ranges(field: str, values, low: int, high: int) -> None:
+    """A list of [start, stop) pairs, increasing, apart, within [low, high]."""
+    if not isinstance(values, list):
+        raise _fail(field, values, "it must be a list of [start, stop) ranges", _FOREIGN)
+    last = low - 1
+    for r in values:
+        ok = (isinstance(r, (list, tuple)) and len(r) == 2
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in r))
+        if not ok or not last < r[0] < r[1] <= high:
+            raise _fail(field, values, f"it must hold increasing, separate [start, stop) ranges "
+                        f"within [{low}, {high}]; {r!r} is not one", _FOREIGN)
+        last = r[1]
 
 
 def _check_stream(state: dict, exp: Expected) -> None:

@@ -316,10 +316,11 @@ class Worker:
             order, offsets = self.shared.read_order(run, kept, c.read(run, C.NBATCHES),
                                                     bool(c.read(run, C.SHIPPED)))
         else:
-            order = O.rank_order(kind, c.read(run, C.SIZE), c.read(run, C.ORDER_SEED),
-                                 c.read(run, C.EPOCH), cfg.rank, cfg.world)
-            if order is not None:
-                order = order[:kept]
+            remaining = None
+            if c.read(run, C.RESUMED):
+                remaining = O.Remaining.from_words(self.shared.read_words(run))
+            order = O.computed_order(kind, c.read(run, C.SIZE), c.read(run, C.ORDER_SEED),
+                                     c.read(run, C.EPOCH), cfg.rank, cfg.world, kept, remaining)
         return order, O.Batches(kept, cfg.rows_per_batch, offsets)
 
     def _wait_to_load(self, run: int, unit: int) -> bool:

@@ -16,6 +16,7 @@ import pytest
 from conftest import descendants, wait_until
 from loader import ShmLoader, WorkerError
 from loader._layout import Layout, signature
+from loader._order import epoch_order
 from loader._slabs import slab_bytes as pool_bytes
 
 pytestmark = pytest.mark.timeout(120)
@@ -77,7 +78,7 @@ def test_300k_samples_over_several_epochs_with_a_slow_step(in_order):
             orders.append(got)
         assert not np.array_equal(orders[0], orders[1])  # a new shuffle each epoch
         if in_order:
-            ref = np.random.default_rng([11, 1]).permutation(n)
+            ref = epoch_order(n, seed=11, epoch=1)  # NOTE [ The seeded order ]
             np.testing.assert_array_equal(orders[0], ref)
 
 

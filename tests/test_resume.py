@@ -274,9 +274,17 @@ _DROP = object()
 BAD_MAP_STATES = [
     ("truncated", ("epoch",), _DROP, "'epoch'", "no field"),
     ("not a dict", ("map",), [3, 4], "'map'", "[3, 4]"),
-    ("negative extra", ("map", "done_extra"), [-1], "'map.done_extra'", "-1"),
-    ("extra past the epoch", ("map", "done_extra"), [10 ** 6], "'map.done_extra'", "1000000"),
-    ("extras out of order", ("map", "done_extra"), [29, 20], "'map.done_extra'", "20"),
+    ("negative range", ("map", "done_ranges"), [[-1, 2]], "'map.done_ranges'", "-1"),
+    ("range past the epoch", ("map", "done_ranges"), [[20, 10 ** 6]], "'map.done_ranges'",
+     "1000000"),
+    ("ranges out of order", ("map", "done_ranges"), [[25, 27], [20, 22]], "'map.done_ranges'",
+     "[20, 22]"),
+    ("ranges touching", ("map", "done_ranges"), [[20, 22], [22, 24]], "'map.done_ranges'",
+     "[22, 24]"),
+    ("empty range", ("map", "done_ranges"), [[20, 20]], "'map.done_ranges'", "[20, 20]"),
+    ("a range not a pair", ("map", "done_ranges"), [[20, 21, 22]], "'map.done_ranges'",
+     "[20, 21, 22]"),
+    ("ranges a dict", ("map", "done_ranges"), {"20": 21}, "'map.done_ranges'", "'20'"),
     ("prefix past the epoch", ("map", "done_prefix"), 31, "'map.done_prefix'", "31"),
     ("prefix a float", ("map", "done_prefix"), 2.0, "'map.done_prefix'", "2.0"),
     ("huge prefix", ("map", "done_prefix"), 1 << 70, "'map.done_prefix'", str(1 << 70)),
@@ -291,7 +299,7 @@ BAD_MAP_STATES = [
      "no such generator"),
     ("a base seed of 80 bits", ("base_seed",), 1 << 80, "'base_seed'", str(1 << 80)),
     ("complete not a bool", ("complete",), "no", "'complete'", "'no'"),
-    ("another format", ("format",), "shmloader-state-0", "'format'", "shmloader-state-1"),
+    ("another format", ("format",), "shmloader-state-0", "'format'", "shmloader-state-2"),
 ]
 
 

@@ -1,0 +1,177 @@
+"""A user's sampler, pulled a bounded window ahead of the workers.
+
+NOTE [ Streamed samplers ]
+==========================
+
+torch's DataLoader pulls its sampler lazily, a prefetch ahead of the
+batches it returns; `list(sampler)` up front would make a sampler of a
+billion indices cost minutes and gigabytes before the first batch.  So a
+ShmLoader(sampler=...) whose sampler has a len() is pulled as the run's
+LIMIT moves (NOTE [ Runs ]):
+
+  main: _open_limit(run, yielded) ─► feed.feed(positions below the new LIMIT)
+        ─► pwrite those indices into the run's order file (sized len(sampler)
+           * 8 bytes up front, sparse) ─► store LIMIT (release)
+  worker: claims a position below LIMIT (acquire) ─► reads its index from the
+          order file, mapped read-only (_shared.read_order)
+
+The file's pages below what the training loop has received are punched
+out (fallocate PUNCH_HOLE), so the memory in use is the window ahead,
+whatever the sampler's length.  A resumed epoch pulls the sampler again
+from its start and skips the positions already delivered (_order.Remaining),
+as torch would have to.  With num_workers=0 the feed keeps the window in a
+private array instead.
+
+Samplers without len(), whose indices are not ints (ORDER_OBJECTS), batch
+samplers, and loader.DataLoader's (which draws the order as torch does:
+NOTE [ Drawing the order as torch does ]) are still drawn whole.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+
+import numpy as np
+
+_CHUNK = 1 << 16        # indices pulled from the sampler per np.fromiter call
+_PUNCH_BYTES = 1 << 20  # punch holes in steps of this much (fewer syscalls)
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _punch(fd: int, start: int, stop: int) -> None:
+    """Give the pages of bytes [start, stop) of fd back (they read as 0)."""
+    rc = _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                         ctypes.c_long(start), ctypes.c_long(stop - start))
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot free the pages of a streamed sampler's order file: "
+                           f"{os.strerror(err)}")
+
+
+def streamable(sampler) -> tuple[bool, object]:
+    """(True, an iterator of the sampler's indices) if it can be streamed:
+    it has a len() and its first index is an int; else (False, None) and
+    the sampler was not iterated."""
+    try:
+        len(sampler)
+    except TypeError:
+        return False, None
+    it = iter(sampler)
+    first = next(it, None)
+    if first is None:
+        return True, iter(())
+    if not isinstance(first, (int, np.integer)) or isinstance(first, bool):
+        return False, itertools.chain([first], it)
+    return True, itertools.chain([first], it)
+
+
+class SamplerFeed:
+    """Run positions -> dataset indices, pulled from the sampler on
+    demand.  `remaining` (a resumed run): run position r is the epoch's
+    position remaining.original(r)."""
+
+    def __init__(self, it, name: str, length: int, kept: int, remaining=None):
+        self.it, self.name, self.length = it, name, length
+        self.kept, self.remaining = kept, remaining
+        self.pulled = 0          # sampler indices consumed (the epoch's positions)
+        self.fed = 0             # run positions resolved
+        self.fd = None           # the run's order file (workers), or None (num_workers=0)
+        self.punched = 0         # bytes of the file given back
+        self.window = np.zeros(0, np.int64)  # num_workers=0: run positions [low, fed)
+        self.low = 0
+
+    def attach(self, fd: int) -> None:
+        """Workers read the run's order from fd: size it (sparse)."""
+        self.fd = fd
+        os.ftruncate(fd, 0)  # the previous run's pages go
+        os.ftruncate(fd, 8 * self.kept)
+
+    def _pull(self, count: int) -> np.ndarray:
+        """The sampler's next `count` indices."""
+        try:
+            got = np.fromiter(itertools.islice(self.it, count), np.int64)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise TypeError(f"the sampler {self.name} yielded an index that is not an int "
+                            f"near its position {self.pulled} ({e}): a sampler whose first index "
+                            f"is an int is streamed, and must yield ints throughout") from None
+        if len(got) < count:
+            raise ValueError(f"the sampler {self.name} ended after {self.pulled + len(got)} "
+                             f"indices, but its len() is {self.length}: make len() say how many "
+                             f"indices it yields")
+        self.pulled += count
+        return got
+
+    def _skip(self, count: int) -> None:
+        while count > 0:
+            step = min(count, _CHUNK)
+            self._pull(step)
+            count -= step
+
+    def _resolve(self, start: int, stop: int) -> np.ndarray:
+        """The indices of run positions [start, stop) (start == self.fed)."""
+        if self.remaining is None:
+            return self._pull(stop - start)
+        originals = self.remaining.original(np.arange(start, stop, dtype=np.int64))
+        parts = []
+        breaks = np.flatnonzero(np.diff(originals) != 1) + 1
+        for a, b in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [len(originals)]))):
+            self._skip(int(originals[a]) - self.pulled)
+            parts.append(self._pull(int(b - a)))
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def feed(self, upto: int) -> None:
+        """Run positions below `upto` have their index (in the file)."""
+        upto = min(upto, self.kept)
+        while self.fed < upto:
+            stop = min(upto, self.fed + _CHUNK)
+            got = self._resolve(self.fed, stop)
+            if self.fd is not None:
+                data, at = memoryview(got).cast("B"), 8 * self.fed
+                done = 0
+                while done < len(data):
+                    done += os.pwrite(self.fd, data[done:], at + done)
+            else:
+                self.window = np.concatenate([self.window, got])
+            self.fed = stop
+
+    def release_below(self, pos: int) -> None:
+        """Run positions below pos are delivered: their indices are not
+        read again (num_workers=0: nor kept)."""
+        if self.fd is None:
+            drop = min(pos, self.fed) - self.low
+            if drop > 0:
+                self.window = self.window[drop:].copy()
+                self.low += drop
+            return
+        end = (8 * min(pos, self.fed)) // _PUNCH_BYTES * _PUNCH_BYTES
+        if end > self.punched:
+            _punch(self.fd, self.punched, end)
+            self.punched = end
+
+    def index(self, pos: int) -> int | None:
+        """The dataset index at run position pos, if still known."""
+        if not 0 <= pos < self.fed:
+            return None
+        if self.fd is None:
+            return int(self.window[pos - self.low]) if pos >= self.low else None
+        if 8 * pos < self.punched:
+            return None
+        return int.from_bytes(os.pread(self.fd, 8, 8 * pos), "little", signed=True)
+
+    def __getitem__(self, key):
+        """num_workers=0: an index, or a slice of them (fed on demand)."""
+        if isinstance(key, slice):  # positions are read in increasing order: drop the past
+            self.release_below(key.start)
+            self._feed_ahead(key.stop)
+            return self.window[key.start - self.low:key.stop - self.low]
+        if key - self.low >= 2 * _CHUNK:
+            self.release_below(key)
+        self._feed_ahead(key + 1)
+        return int(self.window[key - self.low])
+
+    def _feed_ahead(self, upto: int) -> None:
+        if upto > self.fed:  # a chunk at a time: one np.fromiter call per chunk
+            self.feed(max(upto, self.fed + _CHUNK))
