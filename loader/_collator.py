@@ -130,14 +130,18 @@ class _Pass:
                         if j not in self.above[w]:
                             yield j * self.workers + w
             return
-        yield from range(self.lo, min(self.sent + window, self.nbatches,
-                                      self.loadable_batches() + 1))
+        loadable = self.loadable_batches()
+        if loadable == 0:  # (a run started ahead whose turn has not come)
+            return
+        yield from range(self.lo, min(self.sent + window, self.nbatches, loadable + 1))
 
     def loadable_batches(self) -> int:
         """Batches below main's LIMIT, which workers may load now.  One past
         them is laid out too, ready when the limit rises; a slab for any
         further would only wait, so the pool holds at most `prefetch` + 1
-        batches beyond those the training loop holds."""
+        batches beyond those the training loop holds.  None while LIMIT is
+        0: a slab laid out ahead that no worker may fill would keep memory
+        an older run waits for."""
         # SYNC POINT: acquire load; main's store of LIMIT (Control.set_limit) pairs with it.
         limit = shmq.atomic_load(self.control.ctl, C.word(self.run, C.LIMIT))
         if self.claims_batches or limit <= 0:
@@ -549,8 +553,8 @@ class Collator:
     def _publish_ahead(self, p: _Pass) -> None:
         """Lay out the next batches with the latest layout, so workers can
         write their rows without asking (NOTE [ Direct row writes ])."""
-        if self.guess is None or p.ended:
-            return
+        if self.guess is None or p.ended or any(r < p.run for r, _ in self.waiting):
+            return  # (an older run's batches waiting for memory come first)
         for index in p.ahead(self.cfg.publish_window):
             if index in p.open or index in p.finished:
                 continue
