@@ -7,8 +7,8 @@ NOTE [ ShmLoader processes and shutdown ]
   main ─────────────────────────────────────────────────────────────────────┐
    ▲                                                                        ▼
    │ BatchReady / StreamEnded / RunEnded / Failed         worker 0..N-1: claim a unit, load it,
-   │ / MemoryWait (to_main: SPSC)                         write its row (NOTE [ Direct row
-   │                                                      writes ], _table.py)
+   │ / MemoryWait (to_main: SPSC)                         write its row (NOTE [ Direct row writes ]
+   │                                                      in _table.py)
   collator ◄── LayoutRequest / RowValues / Filled / SampleRow / Failed / Done / Joined ─┘
                (to_collator: MPSC)
    └── lays out slabs in the shared arena and publishes them in the batch table

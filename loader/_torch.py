@@ -208,7 +208,7 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
         order = self._pool.order
         if order is not None and order.sampler_epoch is not None and not state.get("complete"):
             # the epoch's order came from a sampler's set_epoch (DistributedSampler):
-            # NOTE [ The sampler's epoch in a state ]
+            # see NOTE [ The sampler's epoch in a state ]
             state["sampler_epoch"] = order.sampler_epoch
         return state
 

@@ -187,8 +187,8 @@ def read_creator(bytes header):
     return h.creator_pid, h.creator_starttime, (h.creator_pidns if h.version >= 2 else 0)
 
 
-# --- test-only kill points (see RELIABILITY.md: "kill points compiled into
-# the C core").  Set by SHMQ_KILL_POINT=<point>:<n> at import, or by
+# --- test-only kill points (R1 in docs/reliability.md; tests/test_multiprocess.py
+# uses them).  Set by SHMQ_KILL_POINT=<point>:<n> at import, or by
 # _set_kill_point() in a forked child; the n-th put that reaches the point
 # SIGKILLs its own process there.
 cdef int KILL_NONE = 0, KILL_AFTER_CLAIM = 1, KILL_MID_COPY = 2, KILL_BEFORE_PUBLISH = 3
