@@ -69,8 +69,8 @@ the workers still going, as PyTorch does.
 
 The next epoch's run starts as soon as every unit of the current one is
 claimed (run ahead), so two runs can be live; a third waits until the
-older has ended, i.e. until main has received its End (every worker has
-said Done for it), so a block is never reused under a worker.
+older has ended, i.e. until main has received its RunEnded (every worker
+has said Done for it), so a block is never reused under a worker.
 
 Bells are eventcounts (shmq_sync.h) on int32 words: whoever changes what a
 sleeper waits for rings the bell after the change, and a sleeper re-checks
