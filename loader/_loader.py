@@ -7,7 +7,6 @@ from __future__ import annotations
 import atexit
 import collections
 import os
-import secrets
 import signal
 import sys
 import time
@@ -22,7 +21,8 @@ from loader import _control as C
 from loader import _fetch as F
 from loader import _order as O
 from loader import _protocol as P
-from loader._autoscale import Autoscaler, cpu_count, default_max_workers
+from loader._arguments import check_arguments, positive_int
+from loader._autoscale import Autoscaler
 from loader._collator import collator_main
 from loader._epoch_iter import MapEpoch, StreamEpoch
 from loader._errors import LoaderTimeout, WorkerError
@@ -36,7 +36,6 @@ from loader._procs import LoaderStartError, fork_children, start_error, wait_all
 from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
 from loader._sampler_feed import SamplerFeed, streamable
 from loader._shared import LoaderConfig, SharedState
-from loader._slabs import ram_bytes
 from loader._state import Expected, check_state
 from loader._stats import EpochClock, stall_advice, summary_line, warn_stalled
 from loader._threads import start_threads
@@ -80,25 +79,6 @@ class _Run(NamedTuple):
     id: int
     plan: _Plan
     batches: O.Batches | None  # None for an iterable dataset
-
-
-def _default_memory_cap() -> int:
-    return max(1 << 30, ram_bytes() // 4)
-
-
-def _positive_int(name, value, minimum=1):
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-def is_iterable_dataset(dataset) -> bool:
-    """As PyTorch decides: a torch IterableDataset is iterable (even with
-    __len__); any other object is iterable when it has __iter__ and no
-    __getitem__."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(dataset, torch.utils.data.IterableDataset):
-        return True
-    return hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")
 
 
 def distributed_rank() -> tuple[int, int]:
@@ -175,87 +155,28 @@ class ShmLoader(FrozenState):
                  reproducible=None, timeout=None, output="numpy", pin_memory=False,
                  memory_cap_bytes=None, distributed=False, shuffle_buffer=None,
                  worker_mode="process", max_workers=None, trace=None):
-        if batch_size is not None:
-            _positive_int("batch_size", batch_size)
-        self.auto = num_workers == "auto"
-        if self.auto:
-            max_workers = default_max_workers() if max_workers is None else max_workers
-            _positive_int("max_workers", max_workers)
-            num_workers = min(cpu_count(), max_workers)  # where the pool starts (_autoscale.py)
-        elif max_workers is not None:
-            raise ValueError("max_workers caps num_workers='auto'; with a fixed num_workers, "
-                             "leave it out")
-        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
-            raise ValueError(f"num_workers must be an int >= 0 (0 loads in the main process) or "
-                             f"'auto', got {num_workers!r}")
-        self.max_workers = max_workers or 0
-        if worker_mode not in ("process", "thread"):
-            raise ValueError(f"worker_mode must be 'process' or 'thread', got {worker_mode!r}")
-        if output not in ("numpy", "torch", "keep"):
-            raise ValueError(f"output must be 'numpy', 'torch' or 'keep' (each leaf as the "
-                             f"dataset or collate_fn gave it), got {output!r}")
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-        if prefetch is not None:
-            _positive_int("prefetch", prefetch)
-        if memory_cap_bytes is not None:
-            _positive_int("memory_cap_bytes", memory_cap_bytes, 4096)
-        if collate_fn is not None and not callable(collate_fn):
-            raise TypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
-        if sampler is not None and shuffle:
-            raise ValueError("sampler and shuffle=True are exclusive: shuffle inside the sampler")
-        if batch_sampler is not None and (batch_size != 1 or shuffle or sampler is not None
-                                          or drop_last):
-            raise ValueError("batch_sampler makes the batches: it is exclusive with batch_size, "
-                             "shuffle, sampler and drop_last")
-        if generator is not None:
-            torch = sys.modules.get("torch")
-            if torch is None or not isinstance(generator, torch.Generator):
-                raise TypeError(f"generator must be a torch.Generator, got "
-                                f"{type(generator).__name__}")
-        self.iterable = is_iterable_dataset(dataset)
-        if self.auto and self.iterable:
-            raise ValueError("num_workers='auto' needs a map-style dataset: an iterable dataset "
-                             "is split into one stream per worker, so its workers are fixed")
-        if shuffle_buffer is not None:
-            _positive_int("shuffle_buffer", shuffle_buffer)
-            if not self.iterable:
-                raise ValueError("shuffle_buffer shuffles a stream (an iterable dataset); a "
-                                 "map-style dataset is shuffled by shuffle=True")
-            if collate_fn is not None or batch_size is None:
-                raise ValueError("shuffle_buffer places samples in random rows of pending "
-                                 "batches: it needs the default collate and a batch_size")
+        args = check_arguments(
+            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+            drop_last, in_order, prefetch, persistent_workers, worker_init_fn, seed, generator,
+            reproducible, timeout, output, pin_memory, memory_cap_bytes, distributed,
+            shuffle_buffer, worker_mode, max_workers, trace)
+        self.dataset, self.batch_size, self.shuffle = args.dataset, args.batch_size, args.shuffle
+        self.sampler, self.batch_sampler = args.sampler, args.batch_sampler
+        self.num_workers, self.auto, self.max_workers = (args.num_workers, args.auto,
+                                                         args.max_workers)
+        self.collate_fn, self.drop_last, self.in_order = (args.collate_fn, args.drop_last,
+                                                          args.in_order)
+        self.prefetch, self.persistent_workers = args.prefetch, args.persistent_workers
+        self.worker_init_fn, self.timeout = args.worker_init_fn, args.timeout
+        self.seed, self._seed_given = args.seed, args.seed_given
+        self.reproducible, self.generator = args.reproducible, args.generator
+        self.output, self.pin_memory = args.output, args.pin_memory
+        self.memory_cap_bytes, self.distributed = args.memory_cap_bytes, args.distributed
+        self.shuffle_buffer, self.worker_mode = args.shuffle_buffer, args.worker_mode
+        self.iterable = args.iterable
         # a bad path fails here, not at close(); NOTE [ Trace records ] in _trace.py
         self._trace = None if trace is None else TraceLog(trace)
         self._tracer = tracer_of(self._trace, ROLE_MAIN)
-        if self.iterable and (sampler is not None or batch_sampler is not None or shuffle):
-            raise ValueError("an iterable dataset orders its own samples: sampler, batch_sampler "
-                             "and shuffle apply to map-style datasets (with __getitem__) only")
-        if not isinstance(distributed, bool):
-            ok = (isinstance(distributed, tuple) and len(distributed) == 2
-                  and all(isinstance(v, int) for v in distributed)
-                  and 0 <= distributed[0] < distributed[1])
-            if not ok:
-                raise ValueError(f"distributed must be True, False or (rank, world_size) with "
-                                 f"0 <= rank < world_size, got {distributed!r}")
-        if distributed and (sampler is not None or batch_sampler is not None):
-            raise ValueError("distributed=True shards the loader's own order across ranks; with "
-                             "a sampler, shard in the sampler (torch's DistributedSampler)")
-        self.dataset, self.batch_size, self.shuffle = dataset, batch_size, shuffle
-        self.sampler, self.batch_sampler = sampler, batch_sampler
-        self.num_workers, self.collate_fn, self.drop_last, self.in_order = (
-            num_workers, collate_fn, drop_last, in_order)
-        self.prefetch = prefetch if prefetch is not None else 3
-        self.persistent_workers, self.worker_init_fn, self.timeout = (
-            persistent_workers, worker_init_fn, timeout)
-        self.output, self.pin_memory, self.distributed = output, pin_memory, distributed
-        self.generator = generator
-        self.shuffle_buffer = shuffle_buffer or 0
-        self.worker_mode = worker_mode
-        self._seed_given = seed is not None  # else a resumed state brings its own
-        self.seed = seed if seed is not None else secrets.randbits(63)
-        self.reproducible = (seed is not None) if reproducible is None else bool(reproducible)
-        self.memory_cap_bytes = memory_cap_bytes or _default_memory_cap()
         self._torch_rules = False  # DataLoader: torch's seeding and collate structure
         self._epoch = 0          # epochs started by iter(): they pick the order and the seeds
         self._runs = 0           # runs started (see NOTE [ Runs ])
@@ -912,7 +833,7 @@ class ShmLoader(FrozenState):
         where the last call stopped, mid-epoch included; state_dict() and
         load_state_dict() work between and within calls."""
         if n is not None:
-            _positive_int("n", n, 0)
+            positive_int("n", n, 0)
         count = 0
         while n is None or count < n:
             current = self._steps_epoch
