@@ -85,7 +85,7 @@ class Autoscaler:
     def _counts(self) -> tuple[int, int, int]:
         """(ns the active workers waited, machine idle ticks, total ticks), so far."""
         ld = self.loader
-        waited = ld._shared.waited
+        waited = ld._session.shared.waited
         return (sum(waited_ns(waited, i) for i in range(self.active)),
                 *_machine_cpu())
 

@@ -28,7 +28,7 @@ class _Epoch:
         self.run = self.progress = None  # started by the first next(), as a generator would
         self.clock = None         # made with the run
         self.called = 0           # when the latest next() began
-        self.control = loader._shared.control
+        self.control = loader._session.shared.control
         self.pending: dict = {}   # batch -> BatchReady received, not yet handed out
         self.errors: dict = {}    # batch -> Failed, raised when its turn comes (in order)
         self.ended = False        # RunEnded received
@@ -61,7 +61,7 @@ class _Epoch:
         ld = self.loader
         self.run = ld._run_for(self.epoch, self.resume)
         self.progress = ld._track(self.run.plan)
-        self.clock = EpochClock(ld._shared.waited, self.called)
+        self.clock = EpochClock(ld._session.shared.waited, self.called)
         self.run_ended = None     # its RunEnded, for stats() at the epoch's end
         self._started()
 
@@ -86,7 +86,7 @@ class _Epoch:
     def _receive(self):
         ld = self.loader
         deadline = None if ld.timeout is None else time.monotonic() + ld.timeout
-        scaler = getattr(ld, "_autoscaler", None)
+        scaler = ld._autoscaler
         if scaler is None:
             return ld._next_of(self.run.id, deadline)
         t0 = time.perf_counter()  # the training loop waits for data from here (_autoscale.py)
@@ -96,12 +96,12 @@ class _Epoch:
             scaler.waited_for(time.perf_counter() - t0)
 
     def _hand_out(self, msg: P.BatchReady):
-        scaler = getattr(self.loader, "_autoscaler", None)
+        scaler = self.loader._autoscaler
         if scaler is not None:
             scaler.batch_handed_out()
         self.clock.bytes += align(msg.tags + 8 * msg.rows)  # the batch, not its whole pages
         self.clock.spilled_bytes += msg.values_bytes
-        return self.loader._batch(msg)
+        return self.loader._session.batch(msg)
 
     def _run_ended(self, msg: P.RunEnded) -> None:
         self.ended = True
@@ -133,7 +133,7 @@ class _Epoch:
                               getattr(self, "yielded", -1), -1, 0)
         if ld._current is self.run and not self.finished:
             for msg in self.pending.values():
-                ld._give_back(msg)
+                ld._session.give_back(msg)
             self.pending.clear()
             ld._end(self.run)
             ld._current = None
@@ -226,7 +226,7 @@ class MapEpoch(_Epoch):
         if ld.in_order:
             self.progress.mark_batch(msg.batch)
         else:
-            self.progress.mark_tags(ld._tags(msg))
+            self.progress.mark_tags(ld._session.tags(msg))
         self._advance()
         return batch
 
@@ -300,8 +300,8 @@ class StreamEpoch(_Epoch):
             self.next_id += 1
         worker = key % self.workers
         self.control.raise_worker_limit(self.run.id, worker)
-        if ld._cfg.per_batch:
+        if ld._session.cfg.per_batch:
             self.progress.mark_batch(worker)
         else:
-            self.progress.mark_tags(worker, ld._tags(msg))
+            self.progress.mark_tags(worker, ld._session.tags(msg))
         return batch

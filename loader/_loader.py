@@ -7,7 +7,6 @@ from __future__ import annotations
 import atexit
 import collections
 import os
-import signal
 import sys
 import time
 import warnings
@@ -16,31 +15,27 @@ from typing import NamedTuple
 
 import numpy as np
 
-import shmq
 from loader import _control as C
 from loader import _fetch as F
 from loader import _order as O
 from loader import _protocol as P
 from loader._arguments import check_arguments, positive_int
 from loader._autoscale import Autoscaler
-from loader._collator import collator_main
 from loader._epoch_iter import MapEpoch, StreamEpoch
 from loader._errors import LoaderTimeout, WorkerError
 from loader._frozen_state import FrozenState
 from loader._epochs import EpochInfo
 from loader._inline import InlineEpoch
-from loader._layout import materialize
-from loader._native import LeaseBook, derived_seeds
-from loader._pinning import PinnedChunks, cuda_available
-from loader._procs import LoaderStartError, fork_children, start_error, wait_all
+from loader._native import derived_seeds
+from loader._pinning import cuda_available
+from loader._procs import LoaderStartError
 from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
 from loader._sampler_feed import SamplerFeed, streamable
-from loader._shared import LoaderConfig, SharedState
+from loader._session import Session
+from loader._shared import LoaderConfig
 from loader._state import Expected, check_state
 from loader._stats import EpochClock, stall_advice, summary_line, warn_stalled
-from loader._threads import start_threads
 from loader._trace import ROLE_MAIN, TraceLog, tracer_of
-from loader._worker import worker_main
 
 __all__ = ["ShmLoader", "WorkerError", "LoaderTimeout", "LoaderStartError"]
 
@@ -185,9 +180,8 @@ class ShmLoader(FrozenState):
         self._inboxes: dict[int, collections.deque] = {}  # messages of the runs main reads
         self._unended: set[int] = set()                     # runs whose RunEnded has not come
         self._owner_pid = os.getpid()
-        self._procs: list = []
-        self._shared = None
-        self._pinned = None
+        self._session = None     # the processes and shared memory, once started (_session.py)
+        self._autoscaler = None  # num_workers="auto": its decisions (_autoscale.py)
         self._drawn_base_seed = None  # torch's rules: drawn once with persistent workers
         self._early_base_seed = None  # torch's rules: drawn by iter(), taken by the epoch's plan
         self._resume = None           # a state to resume at the next iter()
@@ -261,15 +255,15 @@ class ShmLoader(FrozenState):
         out = dict(self._stats)
         out["workers"] = self._workers_loading()
         out["kept_slabs_moved_out"], out["kept_bytes_moved_out"] = self._kept_moved_out()
-        scaler = getattr(self, "_autoscaler", None)
-        if scaler is not None:
-            out["worker_counts"] = list(scaler.history)
+        if self._autoscaler is not None:
+            out["worker_counts"] = list(self._autoscaler.history)
         return out
 
     def _kept_moved_out(self) -> tuple[int, int]:
         slabs, nbytes = self._moved_out
-        if self._shared is not None:  # the pool's book now
-            slabs, nbytes = slabs + self._leases.evicted_slabs, nbytes + self._leases.kept_bytes
+        if self._session is not None:  # the pool's book now
+            now = self._session.kept_moved_out()
+            slabs, nbytes = slabs + now[0], nbytes + now[1]
         return slabs, nbytes
 
     # --- processes ----------------------------------------------------------------------
@@ -304,111 +298,29 @@ class ShmLoader(FrozenState):
             whole_batches=self._torch_rules and not self.iterable,
             batched_fetch=self._batched_fetch(),
             shuffle_buffer=self.shuffle_buffer, trace=self._trace)
-        try:
-            shared = SharedState(cfg)
-        except BaseException as e:
-            raise start_error(e, "create its shared memory") from e
-        try:
-            leases = LeaseBook(shared.take_arena_fd(), shared.arena.nbytes, shared.released,
-                               shared.control.collator_bell)
-        except BaseException as e:
-            shared.close()
-            raise start_error(e, "create its shared memory") from e
-        try:
-            specs = [(f"worker {i}", worker_main, (cfg, shared, i)) for i in range(self.num_workers)]
-            specs.append(("the collator", collator_main, (cfg, shared)))
-            self._procs = (start_threads(specs) if self._threads
-                           else fork_children(specs, advise=not self._torch_rules))
-        except BaseException:
-            shared.close()
-            raise
-        self._cfg, self._shared = cfg, shared
+        self._session = Session(cfg, timeout=self.timeout, torch_rules=self._torch_rules,
+                                pin_memory=self.pin_memory, output=self.output)
         if self.auto:
-            shared.control.set_active(self.num_workers)
+            self._session.shared.control.set_active(self.num_workers)
             self._autoscaler = Autoscaler(self, self.num_workers, self.max_workers)
-        self._leases = leases
-        self._pinned = self._pin_chunks()
-        self._next_child_check = 0.0
-
-    def _pin_chunks(self) -> PinnedChunks | None:
-        """pin_memory: the chunks of the mapping new batches are viewed in."""
-        if not (self.pin_memory and cuda_available()):
-            return None
-        return PinnedChunks(self._leases.address, self._shared.arena.nbytes)
-
-    def _worker_children(self) -> list:
-        """The worker processes (or threads) of the pool, without the
-        collator (loader.DataLoader's iterator shows them as `_workers`)."""
-        return [c for c in self._procs if c.role != "the collator"]
 
     def _set_active_workers(self, active: int) -> None:
-        """num_workers="auto": let `active` workers claim units, starting
-        workers the pool never had (they join the run in progress)."""
-        workers = self._worker_children()
-        if active > len(workers):
-            first_run = self._current.id if self._current is not None else max(self._runs, 1)
-            specs = [(f"worker {i}", worker_main, (self._cfg, self._shared, i, first_run))
-                     for i in range(len(workers), active)]
-            started = start_threads(specs) if self._threads else fork_children(specs)
-            self._procs[len(workers):len(workers)] = started  # before the collator
-            self.num_workers = active
-        self._shared.control.set_active(active)
-
-    def _check_children(self):
-        dead = [c for c in self._procs if c.exitcode is not None]
-        if dead:
-            raise WorkerError("\n".join(self._death_report(c) for c in dead))
-
-    def _death_report(self, child) -> str:
-        words = child.last_words()
-        text = f"ShmLoader: {child.role} (pid {child.pid}) {child.how_it_ended()}"
-        code = child.exitcode
-        if self._torch_rules and code is not None and child.role != "the collator":
-            # torch's own words first, for code that matches them
-            if code < 0:
-                torch_text = (f"DataLoader worker (pid {child.pid}) is killed by signal: "
-                              f"{signal.strsignal(-code)}.")
-            else:
-                torch_text = f"DataLoader worker (pid(s) {child.pid}) exited unexpectedly."
-            text = f"{torch_text} {text}"
-        return f"{text}; it wrote:\n{words}" if words else text
-
-    def _report_dead_children(self, cause: BaseException):
-        """to_main's producer is gone: report how the children ended (they
-        may still be dying: wait a little for their exit status)."""
-        wait_all(self._procs, 1.0)
-        self._check_children()
-        raise WorkerError(f"ShmLoader: the collator's ring to main ended ({cause}) while every "
-                          f"process is still running") from cause
+        """num_workers="auto": let `active` workers claim units (_autoscale.py)."""
+        first_run = self._current.id if self._current is not None else max(self._runs, 1)
+        self.num_workers = self._session.add_workers(active, first_run)
 
     def _shutdown(self):
-        """See NOTE [ ShmLoader processes and shutdown ] in _protocol.py.
-        Interrupted (a Ctrl-C while it waits for the children), it is done
-        by the next call: close() again, __del__ or interpreter exit."""
-        shared = self._shared
-        if shared is None:
+        """Stop the session (NOTE [ ShmLoader processes and shutdown ] in
+        _protocol.py).  Interrupted (a Ctrl-C while it waits for the
+        children), it is done by the next call: close() again, __del__ or
+        interpreter exit."""
+        session = self._session
+        if session is None:
             return
-        if self._procs:
-            control = shared.control
-            for run in (self._runs - 1, self._runs):
-                if run > 0:
-                    control.end_run(run)
-            control.stop()
-            if not wait_all(self._procs, P.JOIN_TIMEOUT_S):
-                for c in self._procs:
-                    c.kill()
-                wait_all(self._procs, P.JOIN_TIMEOUT_S)
-            for c in self._procs:
-                c.exitcode  # reaped
-                c.close()
-            self._procs = []
-        shared.close()
-        if self._pinned is not None:
-            self._pinned.close()
-            self._pinned = None
-        self._moved_out = self._kept_moved_out()
-        self._leases.close()  # the arena's pages no batch you hold uses go back now
-        self._shared = None
+        session.stop(self._runs)
+        moved = session.kept_moved_out()
+        self._moved_out = (self._moved_out[0] + moved[0], self._moved_out[1] + moved[1])
+        self._session = None
         self._inboxes.clear()
         self._unended.clear()
         self._current = self._ahead = None
@@ -418,7 +330,7 @@ class ShmLoader(FrozenState):
         Safe to call again, e.g. after a Ctrl-C interrupted it."""
         self._closed = True
         if os.getpid() != self._owner_pid:
-            self._procs, self._shared = [], None  # a forked copy: its parent's processes
+            self._session = None  # a forked copy: its parent's processes
             return
         self._shutdown()
         if self._trace is not None:  # every writer is gone now (NOTE [ Trace records ])
@@ -433,63 +345,15 @@ class ShmLoader(FrozenState):
     def __del__(self):
         trace = getattr(self, "_trace", None)
         unwritten = trace is not None and not trace.written  # (workers stopped after each epoch)
-        if (getattr(self, "_shared", None) is not None or unwritten) and \
+        if (getattr(self, "_session", None) is not None or unwritten) and \
                 os.getpid() == self._owner_pid:
             self.close()
 
     # --- receiving --------------------------------------------------------------------
 
-    def _receive(self, deadline=None):
-        """The next message from the collator.  Waits in bounded slices,
-        checking the children and the deadline (the loader's timeout)."""
-        control = self._shared.control
-        while True:
-            if shmq.atomic_load(control.ctl, C.MEMORY_WAIT):
-                self._move_kept_out(partial_only=False)  # NOTE [ Kept batch memory ]
-            try:
-                msg = self._shared.receive(self._shared.to_main.get(timeout=P.WAIT_SLICE_S))
-            except shmq.Empty:
-                self._check_children()
-                if deadline is not None and time.monotonic() > deadline:
-                    torch_text = (f"DataLoader timed out after {self.timeout} seconds. "
-                                  if self._torch_rules else "")
-                    raise LoaderTimeout(
-                        f"{torch_text}ShmLoader: no batch within timeout={self.timeout}s; a "
-                        f"worker may be stuck in dataset[...]. Their stacks:\n"
-                        f"{self._worker_stacks()}") from None
-                continue
-            except (shmq.PeerLost, shmq.Closed) as e:
-                self._report_dead_children(e)
-            if shmq.atomic_load(control.ctl, C.OUTBOX):
-                control.collator_bell.ring()  # it has messages our full ring could not take
-            now = time.monotonic()
-            if now >= self._next_child_check:
-                # Batches may never stop coming while a worker is dead (in
-                # first-ready mode the others fill them): look anyway.
-                self._next_child_check = now + P.WAIT_SLICE_S
-                self._check_children()
-            return msg
-
     @property
     def _threads(self) -> bool:
         return self.worker_mode == "thread"
-
-    def _worker_stacks(self) -> str:
-        """Each worker's Python stacks, written by faulthandler on SIGUSR1
-        (it works even while the worker is stuck inside a C call)."""
-        workers = self._worker_children()
-        if self._threads:
-            return "\n".join(f"--- {c.role} (thread {c.pid}) ---\n{c.stacks()}" for c in workers)
-        for c in workers:
-            c.report.seek(0)
-            c.report.truncate()
-            try:
-                os.kill(c.pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.3)  # faulthandler writes from a signal handler; give it a moment
-        return "\n".join(f"--- {c.role} (pid {c.pid}) ---\n{c.last_words() or '(no answer)'}"
-                         for c in workers)
 
     def _route(self, msg) -> None:
         """File a message under its run: the runs main still reads get it;
@@ -507,12 +371,12 @@ class ShmLoader(FrozenState):
         if inbox is not None:
             inbox.append(msg)
         elif kind is P.BatchReady:
-            self._give_back(msg)
+            self._session.give_back(msg)
 
     def _next_of(self, run: int, deadline):
         inbox = self._inboxes[run]
         while not inbox:
-            self._route(self._receive(deadline))
+            self._route(self._session.receive(deadline))
         return inbox.popleft()
 
     # --- planning a pass ------------------------------------------------------------
@@ -710,7 +574,7 @@ class ShmLoader(FrozenState):
         started ahead shares `prefetch` with the epoch still running: it is
         given a negative `yielded`, minus the batches that epoch has left."""
         if run.batches is None:  # each stream's next batches (a resumed one starts further)
-            ahead = self._cfg.worker_prefetch + self._cfg.shuffle_batches
+            ahead = self._session.cfg.worker_prefetch + self._session.cfg.shuffle_batches
             return [j + ahead for j in run.plan.progress.first_batches()]
         upto = max(min(yielded + self.prefetch, run.plan.nbatches), 0)
         if run.plan.units == run.plan.nbatches:  # workers claim whole batches
@@ -736,24 +600,24 @@ class ShmLoader(FrozenState):
         run_id = self._runs + 1
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while run_id - 2 in self._unended:  # its block is about to be reused
-            self._route(self._receive(deadline))
+            self._route(self._session.receive(deadline))
         plan = self._plan(epoch, resume, snapshot)
         if isinstance(plan.shipped, list):
-            self._shared.write_objects(run_id, plan.shipped)
+            self._session.shared.write_objects(run_id, plan.shipped)
         elif plan.shipped is not None:
-            self._shared.write_order(run_id, plan.shipped, plan.offsets)
+            self._session.shared.write_order(run_id, plan.shipped, plan.offsets)
         elif plan.remaining is not None:
-            self._shared.write_order(run_id, plan.remaining.words(), None)
+            self._session.shared.write_order(run_id, plan.remaining.words(), None)
         elif plan.feed is not None:
-            plan.feed.attach(self._shared.order_fd(run_id))
+            plan.feed.attach(self._session.shared.order_fd(run_id))
         if plan.snapshot is not None:
-            self._shared.write_snapshot(run_id, plan.snapshot)
+            self._session.shared.write_snapshot(run_id, plan.snapshot)
         batches = None if self.iterable else O.Batches(plan.kept, self._rows, plan.offsets)
         run = _Run(run_id, plan, batches)
         self._runs = run_id
         self._unended.add(run_id)
         self._inboxes[run_id] = collections.deque()
-        self._shared.control.start_run(
+        self._session.shared.control.start_run(
             run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
             plan.order_seed, int(plan.offsets is not None), plan.base_seed,
             self._open_limit(run, yielded),
@@ -765,15 +629,10 @@ class ShmLoader(FrozenState):
         batches are released as they come."""
         if run is None:
             return
-        self._shared.control.end_run(run.id)
+        self._session.shared.control.end_run(run.id)
         for msg in self._inboxes.pop(run.id, ()):
             if type(msg) is P.BatchReady:
-                self._give_back(msg)
-
-    def _give_back(self, msg: P.BatchReady) -> None:
-        """A batch nobody will see: its slab is free at once."""
-        shmq.atomic_store(self._shared.released, msg.slab.lease, msg.slab.generation)
-        self._shared.control.collator_bell.ring()
+                self._session.give_back(msg)
 
     def _runs_ahead(self) -> bool:
         """Can the next epoch start before this one ends?  Not when the
@@ -806,7 +665,7 @@ class ShmLoader(FrozenState):
             raise ValueError("this ShmLoader is closed; create a new one")
         self._check_owner()
         self.thaw_state()  # a pass of its own, or a wrapper's (which freezes it again)
-        if self._shared is None:  # (re)starting: the ranks are taken now (torchrun may have
+        if self._session is None:  # (re)starting: the ranks are taken now (torchrun may have
             self._rank, self._world = self._ranks()  # initialised its process group since)
         resume, self._resume = self._resume, None
         if resume is not None:
@@ -821,7 +680,7 @@ class ShmLoader(FrozenState):
                           UserWarning, stacklevel=2)
         if self.num_workers == 0:
             return InlineEpoch(self, self._epoch, resume)
-        if self._shared is None:
+        if self._session is None:
             self._start()
         return (StreamEpoch if self.iterable else MapEpoch)(self, self._epoch, resume)
 
@@ -854,7 +713,7 @@ class ShmLoader(FrozenState):
                                  "to step through")
 
     def _workers_loading(self) -> int:
-        scaler = getattr(self, "_autoscaler", None)
+        scaler = self._autoscaler
         return scaler.active if scaler is not None else self.num_workers
 
     def _record_stats(self, epoch: int, msg: P.RunEnded | None, clock: EpochClock,
@@ -938,11 +797,6 @@ class ShmLoader(FrozenState):
         return O.computed_order(plan.order_kind, plan.size, plan.order_seed, plan.epoch,
                                 self._rank, self._world, plan.kept, plan.remaining)
 
-    def _tags(self, msg: P.BatchReady) -> np.ndarray:
-        """The tags the writers gave the batch's rows (see _layout.Layout)."""
-        off = msg.slab.offset + msg.tags
-        return self._shared.arena[off:off + 8 * msg.rows].view(np.int64).copy()
-
     # --- resuming ---------------------------------------------------------------------
 
     def _track(self, plan: _Plan):
@@ -988,7 +842,7 @@ class ShmLoader(FrozenState):
         self._check_owner()
         check_state(state, self._expected_state())  # before anything changes (_state.py)
         self._freeze_loaded(state)
-        if self._shared is not None:
+        if self._session is not None:
             self._end(self._current)
             self._end(self._ahead)
             if state["seed"] != self.seed:
@@ -1037,30 +891,6 @@ class ShmLoader(FrozenState):
             rng_bytes={k: len(v) for k, v in self._rng_states().items()},
             seeded_shuffle=(self.shuffle and self.generator is None and self.sampler is None
                             and self.batch_sampler is None and not self.iterable))
-
-    def _batch(self, msg: P.BatchReady):
-        s = msg.slab
-        if self._pinned is not None:
-            self._pinned.pin(s.offset, s.nbytes)
-        slab = self._leases.view(s.lease, s.generation, s.offset, s.nbytes)
-        batch = materialize(msg.spec, slab, self.output, self._torch_rules)
-        if self._leases.dropped_bytes * 4 >= self._shared.arena.nbytes:
-            # Slabs mostly dropped (targets.append(y)) hold a quarter of the
-            # pool: give them back before the pool runs short.
-            self._move_kept_out(partial_only=True)
-        return batch
-
-    def _move_kept_out(self, partial_only: bool) -> int:
-        """Move the parts of batches the training loop still holds out of
-        the pool, at the same addresses, and let the collator reuse their
-        slabs: see NOTE [ Kept batch memory ] in _leases.pxi.  Returns the
-        slabs given back."""
-        slabs, _ = self._leases.evict(partial_only)
-        if slabs and self._pinned is not None:  # new batches are viewed in a new mapping
-            self._pinned.close()
-            self._pinned = self._pin_chunks()
-        return slabs
-
 
 def _close_all():
     for loader in list(_live_loaders):

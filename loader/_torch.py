@@ -458,7 +458,7 @@ class _Iterator:
     def _workers(self) -> list:
         """The worker processes, as torch's iterator lists them (pid,
         is_alive(), join(), exitcode)."""
-        return [_WorkerProcess(c) for c in self._pool.shm._worker_children()]
+        return [_WorkerProcess(c) for c in self._pool.shm._session.worker_children()]
 
     def __next__(self):
         if self.finished:

@@ -161,7 +161,7 @@ ACCELERATE_PREPARE = """
     for x, y in prepared:
         seen += x.tolist()
         if len(seen) == 32:  # (the shard reads one batch ahead: at the last, they are gone)
-            workers = {c.pid for c in inner._shm._worker_children()}
+            workers = {c.pid for c in inner._shm._session.worker_children()}
     assert len(workers) == 2, workers
     assert sorted(seen) == list(range(256)), seen
     print("OK", type(prepared).__name__)

@@ -358,7 +358,7 @@ def test_pin_memory_with_cuda_gives_pinned_batches_without_a_copy():
     batches = [b[0] for b in loader]
     assert all(b.is_pinned() for b in batches)
     assert torch.equal(torch.cat(batches), torch.arange(64.0).reshape(16, 4))
-    arena = loader._shm._shared.arena
+    arena = loader._shm._session.shared.arena
     assert arena.ctypes.data <= batches[0].data_ptr() < arena.ctypes.data + arena.nbytes
     loader.close()
 
@@ -367,7 +367,7 @@ def test_dataloader_workers_leave_with_the_loader():
     loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, num_workers=2,
                         persistent_workers=True)
     assert len(list(loader)) == 4
-    pids = [c.pid for c in loader._shm._procs]
+    pids = [c.pid for c in loader._shm._session.procs]
     assert all(os.path.exists(f"/proc/{p}") for p in pids)
     loader.close()
-    assert loader._shm._procs == []
+    assert loader._shm._session is None

@@ -106,7 +106,7 @@ def test_worker_sigkilled_inside_load_state_dict(seed, monkeypatch):
 
     def end_and_kill(self, run):
         if not killed:
-            victim = self._worker_children()[0]
+            victim = self._session.worker_children()[0]
             os.kill(victim.pid, signal.SIGKILL)
             killed.append(victim.pid)
             assert _dead(victim.pid)  # dead before load_state_dict goes on
@@ -124,9 +124,9 @@ def test_worker_sigkilled_inside_load_state_dict(seed, monkeypatch):
         assert killed
         t0 = time.monotonic()
         if seed is None:  # the state's seed: new workers
-            assert loader._shared is None
+            assert loader._session is None
             rest = _indices(list(loader))
-            assert killed[0] not in [c.pid for c in loader._worker_children()]
+            assert killed[0] not in [c.pid for c in loader._session.worker_children()]
             assert head + rest == whole
         else:  # the same workers: the death is reported, and again, never a hang
             for _ in range(2):

@@ -15,6 +15,7 @@ import pytest
 
 import loader as loader_module
 from loader import DataLoader, ShmLoader, WorkerError
+from loader._session import Session
 
 torch = pytest.importorskip("torch")
 
@@ -104,7 +105,7 @@ def test_rows_of_bytes_go_to_main_by_reference_and_the_heap_stays_warm_and_small
             assert n * size <= s["spilled_bytes"] <= n * (size + 512)
             # and the slabs: 8 batches of 64 int64 labels and 64 row tags
             assert s["bytes"] - s["spilled_bytes"] == 8 * (64 * 8 + 64 * 8)
-        heap = ld._shared.spill
+        heap = ld._session.shared.spill
         assert resident_bytes(heap.data) <= 3 * RETAIN_BYTES  # two workers' windows, the collator's
 
 
@@ -283,9 +284,9 @@ def test_keeping_every_label_of_200000_samples_under_a_64_mib_cap(mode):
         for x, y in ld:
             assert float(x[0, 0, 0, 0]) == float(y[0])
             targets.append(y)
-        evicted = ld._leases.evicted_slabs
+        evicted = ld._session.leases.evicted_slabs
         assert ld.stats()["kept_slabs_moved_out"] == evicted > 0
-        assert ld.stats()["kept_bytes_moved_out"] == ld._leases.kept_bytes
+        assert ld.stats()["kept_bytes_moved_out"] == ld._session.leases.kept_bytes
         grown_anon = status_kib("RssAnon") - anon0
         grown_rss = status_kib("VmRSS") - rss0
     assert torch.equal(torch.cat(targets), torch.arange(n))
@@ -303,7 +304,7 @@ def test_keeping_whole_batches_past_the_cap_keeps_their_values():
         for epoch in range(2):
             for batch in ld:
                 outputs.append(batch)
-        assert ld._leases.evicted_slabs > 0
+        assert ld._session.leases.evicted_slabs > 0
     assert len(outputs) == 80
     for k, (x, y) in enumerate(outputs):
         ids = torch.arange(bs * (k % 40), bs * (k % 40 + 1))
@@ -332,7 +333,7 @@ def test_views_of_views_stay_unchanged_after_their_slab_is_reused():
             else:
                 kept.append(("T", k, x[2].T))
             kept.append(("label", k, torch.from_numpy(y)[-5:]))
-        assert ld._leases.evicted_slabs > 0
+        assert ld._session.leases.evicted_slabs > 0
     base = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
     for what, k, v in kept:
         first = 50 * k
@@ -353,7 +354,7 @@ def test_a_loop_that_keeps_nothing_never_copies():
         for _ in range(3):
             for x, y in ld:
                 assert float(x[-1, 0, 0, 0]) == float(y[-1])
-        assert ld._leases.evicted_slabs == 0 and ld._leases.kept_bytes == 0
+        assert ld._session.leases.evicted_slabs == 0 and ld._session.leases.kept_bytes == 0
 
 
 def test_repro_keep_labels_in_its_own_form():
@@ -378,17 +379,17 @@ def test_a_child_killed_while_kept_batches_move_out(victim, monkeypatch):
     """The collator or a worker dies just as main moves kept batches out of
     the pool: what the user holds stays intact, the death is reported as
     any death is, and nothing leaks."""
-    real = ShmLoader._move_kept_out
+    real = Session.move_kept_out
     killed = []
 
     def move_and_kill(self, partial_only):
-        if not killed and self._leases.held:  # kept batches about to move
-            child = next(c for c in self._procs if c.role == victim)
+        if not killed and self.leases.held:  # kept batches about to move
+            child = next(c for c in self.procs if c.role == victim)
             os.kill(child.pid, signal.SIGKILL)
             killed.append(child.pid)
         return real(self, partial_only)
 
-    monkeypatch.setattr(ShmLoader, "_move_kept_out", move_and_kill)
+    monkeypatch.setattr(Session, "move_kept_out", move_and_kill)
     kept = []
     with ShmLoader(Images(4000), batch_size=100, num_workers=2, output="torch",
                    memory_cap_bytes=4 * MiB, timeout=30) as ld:

@@ -412,7 +412,7 @@ def test_collator_killed_is_reported():
     with ShmLoader(Numbers(10_000), batch_size=4, num_workers=2) as loader:
         it = iter(loader)
         next(it)
-        os.kill(loader._procs[-1].pid, signal.SIGKILL)
+        os.kill(loader._session.procs[-1].pid, signal.SIGKILL)
         with pytest.raises(WorkerError, match="collator .* signal SIGKILL"):
             for _ in it:
                 pass
@@ -439,7 +439,7 @@ def test_break_then_next_epoch_is_clean():
 def test_del_and_garbage_collection_stop_the_children():
     loader = ShmLoader(Numbers(1000), batch_size=10, num_workers=2)
     next(iter(loader))
-    pids = [p.pid for p in loader._procs]
+    pids = [p.pid for p in loader._session.procs]
     assert set(pids) <= set(descendants())
     del loader
     gc.collect()
@@ -487,7 +487,7 @@ CHILD = textwrap.dedent("""
     loader = ShmLoader(Forever(), batch_size=4, num_workers=2)
     it = iter(loader)
     next(it)
-    print(" ".join(str(p.pid) for p in loader._procs), flush=True)
+    print(" ".join(str(p.pid) for p in loader._session.procs), flush=True)
     try:
         time.sleep(600) if sys.argv[1] == "sleep" else [None for _ in it]
     except KeyboardInterrupt:

@@ -100,9 +100,9 @@ def test_persistent_workers_false_restarts_the_processes_every_epoch():
             batches = []
             for b in loader:
                 batches.append(b.copy())
-                pids.append(tuple(p.pid for p in loader._procs))
+                pids.append(tuple(p.pid for p in loader._session.procs))
             check_epoch(batches, 50, 8)
-            assert loader._procs == []  # stopped at the end of the epoch
+            assert loader._session is None  # stopped at the end of the epoch
         assert len(set(pids)) == 3
 
 
@@ -147,7 +147,7 @@ def test_batches_kept_past_the_cap_move_out_of_the_pool_without_a_wait():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             held = list(loader)
-        assert loader._leases.evicted_slabs >= len(held) - 3
+        assert loader._session.leases.evicted_slabs >= len(held) - 3
         assert len(held) == 64 // B
         for k, b in enumerate(held):
             np.testing.assert_array_equal(b[:, 0, 0], np.arange(4 * k, 4 * k + 4))
@@ -209,7 +209,7 @@ def test_a_loader_first_iterated_in_a_thread_that_ends_keeps_its_workers():
         t.join()
     np.testing.assert_array_equal(out[0][:, 0], np.arange(16))
     time.sleep(0.3)  # the kernel has sent the parent-death signal by now
-    assert all(p.exitcode is None for p in loader._procs)
+    assert all(p.exitcode is None for p in loader._session.procs)
     for _ in range(2):
         check_epoch(list(loader), 256, 16)
     # and a background thread iterating every epoch (a prefetching wrapper)
@@ -241,7 +241,7 @@ def test_idle_processes_sleep_instead_of_polling():
         it = iter(loader)
         next(it)
         time.sleep(1.0)  # everything loaded that may be: all sleep now
-        pids = [p.pid for p in loader._procs]
+        pids = [p.pid for p in loader._session.procs]
         before = [voluntary_switches(pid) for pid in pids]
         time.sleep(2.0)
         woke = [voluntary_switches(pid) - b for pid, b in zip(pids, before)]
@@ -292,7 +292,7 @@ def test_a_collator_crash_reaches_main_with_its_traceback():
 def test_workers_and_collator_are_reaped_at_close():
     loader = ShmLoader(Pairs(100), batch_size=10, num_workers=3)
     check_epoch(list(loader), 100, 10)
-    pids = {p.pid for p in loader._procs}
+    pids = {p.pid for p in loader._session.procs}
     assert pids <= set(descendants())
     loader.close()
     assert not pids & set(descendants())  # not even zombies

@@ -279,7 +279,7 @@ def test_close_gives_the_memory_back_except_what_you_hold():
         for b in loader:
             pass
     kept = b
-    arena = loader._shared.arena
+    arena = loader._session.shared.arena
     assert resident_bytes(arena) >= 4 * (16 << 20)  # the batches in flight were faulted in
     later = ShmLoader(Blocks16(), batch_size=1, num_workers=2)  # its children map the arena too
     next(iter(later))
@@ -305,4 +305,4 @@ def test_a_loader_of_tiny_batches_stays_small():
             assert sum(len(b) for b in loader) == 1000
         # the old loader faulted in 256 MiB; writers populate the pages of the
         # 2 MiB chunk a slab lies in (NOTE [ Warming the arena ])
-        assert resident_bytes(loader._shared.arena) <= 2 << 20
+        assert resident_bytes(loader._session.shared.arena) <= 2 << 20

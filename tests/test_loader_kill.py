@@ -62,7 +62,7 @@ MAIN = textwrap.dedent("""
             return np.full(4, i, np.int64)
 
     def report(loader):
-        print("pids", *[p.pid for p in loader._procs], flush=True)
+        print("pids", *[p.pid for p in loader._session.procs], flush=True)
 
     def check(b, first, n, bs):
         assert b[:, 0].tolist() == list(range(first, min(n, first + bs))), (first, b[:, 0])
@@ -236,7 +236,7 @@ START_LOOP = textwrap.dedent("""
         while True:
             with ShmLoader(DS(), batch_size=8, num_workers=8) as loader:
                 it = iter(loader)
-                print("pids", *[p.pid for p in loader._procs], flush=True)
+                print("pids", *[p.pid for p in loader._session.procs], flush=True)
                 assert sum(len(b) for b in it) == 64
             n += 1
             print("epoch", n, flush=True)
@@ -303,8 +303,8 @@ def _epochs(loader, n, batch_size, first=None):
 
 
 def _victims(loader, which: str):
-    workers = [c for c in loader._procs if c.role != "the collator"]
-    collator = [c for c in loader._procs if c.role == "the collator"]
+    workers = [c for c in loader._session.procs if c.role != "the collator"]
+    collator = [c for c in loader._session.procs if c.role == "the collator"]
     return {"one worker": workers[1:2], "all workers": workers, "the collator": collator,
             "everything": workers + collator}[which]
 
@@ -360,7 +360,7 @@ def test_child_killed_at_a_random_moment_raises_worker_error(which, how, moment,
             for _ in range(rng.randrange(30)):
                 next(batches)
             victims = _victims(loader, which)
-            others = [c.pid for c in loader._procs if c not in victims]
+            others = [c.pid for c in loader._session.procs if c not in victims]
 
             def kill():
                 for c in victims:
@@ -388,7 +388,7 @@ def test_child_killed_at_a_random_moment_raises_worker_error(which, how, moment,
             else:
                 assert named, (rep, text)
             assert all(f"(pid {pid}) was killed" not in text for pid in others), text
-            pids = [c.pid for c in loader._procs]
+            pids = [c.pid for c in loader._session.procs]
             loader.close()
             assert not set(pids) & set(descendants())  # every child reaped
             assert not shm_entries_of({os.getpid(), *pids})
@@ -411,7 +411,7 @@ def test_close_right_after_a_child_died_and_before_main_noticed():
     loader = ShmLoader(Numbers(1000), batch_size=8, num_workers=2)
     it = iter(loader)
     next(it)
-    pids = [c.pid for c in loader._procs]
+    pids = [c.pid for c in loader._session.procs]
     os.kill(pids[0], signal.SIGKILL)
     os.kill(pids[-1], signal.SIGKILL)
     t0 = time.monotonic()
@@ -432,7 +432,7 @@ def test_an_iterator_of_a_closed_loader_says_it_is_closed():
     loader = ShmLoader(Numbers(1000), batch_size=8, num_workers=2)
     it = iter(loader)
     next(it)
-    os.kill(loader._procs[0].pid, signal.SIGKILL)
+    os.kill(loader._session.procs[0].pid, signal.SIGKILL)
     loader.close()
     with pytest.raises(ValueError, match="closed"):
         next(it)
@@ -453,7 +453,7 @@ def test_first_ready_mode_reports_a_dead_worker_within_two_seconds():
         it = iter(loader)
         next(it)
         time.sleep(1.0)  # the 64 batches are loaded
-        victim = loader._procs[0]
+        victim = loader._session.procs[0]
         os.kill(victim.pid, signal.SIGKILL)
         assert wait_until(lambda: _is_dead(victim.pid), 5)
         t0 = time.monotonic()
@@ -524,7 +524,7 @@ FORKS = textwrap.dedent("""
         children[how] = [said, os.waitstatus_to_exitcode(status)]
         batches.append(next(it)[:, 0].tolist())  # the epoch goes on between forks
     time.sleep(0.3)  # anything the children broke has happened by now
-    codes = [p.exitcode for p in loader._procs]
+    codes = [p.exitcode for p in loader._session.procs]
     batches += [b[:, 0].tolist() for b in it]
     second = [b[:, 0].tolist() for b in loader]
     loader.close()

@@ -301,7 +301,7 @@ _HUGE = textwrap.dedent("""
             return next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
 
     def tree_kb(ld):
-        kids = [c.pid for c in ld._procs]
+        kids = [c.pid for c in ld._session.procs]
         return rss_kb(os.getpid()) + sum(rss_kb(p) for p in kids)
 
     class Tiny:
@@ -319,7 +319,7 @@ _HUGE = textwrap.dedent("""
         state = ld.state_dict()
         after = [next(it).copy() for _ in range(2)]
         grown = tree_kb(ld) - base * 3   # main and two forks of it
-        collator = rss_kb(ld._procs[-1].pid)
+        collator = rss_kb(ld._session.procs[-1].pid)
     with ShmLoader(Tiny(), **kw) as ld:
         ld.load_state_dict(state)
         it = iter(ld)
@@ -391,7 +391,7 @@ def test_a_billion_index_sampler_starts_at_once_and_resumes(workers, in_order):
         got = np.concatenate([first] + [next(it).copy() for _ in range(k - 1)])
         if workers:
             run = ld._current
-            allocated = os.fstat(ld._shared.order_fd(run.id)).st_blocks * 512
+            allocated = os.fstat(ld._session.shared.order_fd(run.id)).st_blocks * 512
             assert allocated < 3 << 20, allocated  # the window, not 8 bytes x 1.2M delivered
         state = ld.state_dict()
         after = np.concatenate([next(it).copy() for _ in range(3)])

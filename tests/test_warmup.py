@@ -87,7 +87,7 @@ def test_pages_are_resident_ahead_of_the_writers():
         first = next(it)
         assert np.array_equal(first[:, 0], np.arange(rows))
         # the loader's own children (an earlier test's may still be exiting)
-        children = [c for c in descendants(os.getpid()) if c in {p.pid for p in ld._procs}]
+        children = [c for c in descendants(os.getpid()) if c in {p.pid for p in ld._session.procs}]
         assert len(children) == 3
         # the collator's thread allocates the slabs in flight ahead of need,
         # far more than the batches written so far
