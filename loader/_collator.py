@@ -272,9 +272,11 @@ class Collator:
             shmq.atomic_store(self.control.ctl, C.OUTBOX, 0)
         return moved
 
-    def _fail(self, run: int, batch: int, pos: int, exc: BaseException, note: str) -> None:
-        self._send(P.Failed(run, batch if self.cfg.in_order else -1, pos, -1, -1, self.pid,
-                            P.ErrorReport.of(exc, note)))
+    def _fail(self, exc: BaseException, note: str, *, run: int, batch: int | None,
+              pos: int | None) -> None:
+        self._send(P.Failed(run=run, batch=batch if self.cfg.in_order else None, pos=pos,
+                            index=None, worker=None, pid=self.pid,
+                            error=P.ErrorReport.of(exc, note)))
 
     # --- runs -----------------------------------------------------------------------
 
@@ -321,7 +323,7 @@ class Collator:
         (unless drop_last), free what it will never fill, and tell main
         which of its batches there are."""
         mine = sorted(mine, key=lambda b: b.index)
-        if done.last_batch == -2:
+        if done.last_batch == P.HOLES_TO_CLOSE:
             self._close_up(p, mine)
             mine = [b for b in mine if b.index in p.open]
         for b in mine:
@@ -401,8 +403,9 @@ class Collator:
         self.waiting = [(r, i) for r, i in self.waiting if r != p.run]
         del self.passes[p.run]
         self.tracer.run_ended(p.run, self.laid_out)
-        self._send(P.RunEnded(p.run, p.sent, p.samples, p.rows_by_collator, p.relayouts,
-                               p.peak_slab_bytes))
+        self._send(P.RunEnded(run=p.run, batches=p.sent, samples=p.samples,
+                              rows_by_collator=p.rows_by_collator, relayouts=p.relayouts,
+                              peak_slab_bytes=p.peak_slab_bytes))
 
     # --- layouts, slabs and the table --------------------------------------------------
 
@@ -411,7 +414,7 @@ class Collator:
         batch larger than the whole arena is refused at once."""
         nbytes = slab_bytes(nbytes)
         if nbytes > self.slabs.capacity:
-            self._refuse(p, b, -1, MemoryError(
+            self._refuse(p, b, None, MemoryError(
                 f"batch {b.index} needs {nbytes} bytes of slab memory but memory_cap_bytes is "
                 f"{self.slabs.capacity}: pass memory_cap_bytes >= {nbytes} (a few batches' worth "
                 f"lets loading run ahead), or use smaller batches"))
@@ -583,7 +586,7 @@ class Collator:
         if kind is P.Failed:
             self._send(msg)
             p = self.passes.get(msg.run)
-            if p is not None and msg.batch >= 0 and not p.iterable:
+            if p is not None and msg.batch is not None and not p.iterable:
                 self._give_up(p, msg.batch)  # main raises its error and goes on
             return
         if kind is P.Joined:  # num_workers="auto" added a worker: its Done counts too
@@ -617,8 +620,8 @@ class Collator:
             elif kind is P.SampleRow:
                 self._sample_row(p, msg)
         except Exception as e:
-            self._fail(p.run, msg.batch, getattr(msg, "pos", -1), e,
-                       f"in the collator, handling {kind.__name__}")
+            self._fail(e, f"in the collator, handling {kind.__name__}", run=p.run,
+                       batch=msg.batch, pos=getattr(msg, "pos", None))
 
     def _layout_request(self, p: _Pass, m: P.LayoutRequest) -> None:
         b = p.open.get(m.batch)
@@ -633,7 +636,7 @@ class Collator:
                 b.wanted = m.signature
                 self._lay_out(p, b, m.signature)
             return
-        if m.version < 0 or m.version != b.version or b.confirmed:
+        if m.version == P.NO_VERSION or m.version != b.version or b.confirmed:
             return  # the entry changed since the worker looked: it looks again
         self._lay_out(p, b, m.signature)
 
@@ -705,7 +708,7 @@ class Collator:
         self._publish(p, b, counted)
         return True
 
-    def _refuse(self, p: _Pass, b: _Batch, pos: int, exc: BaseException) -> None:
+    def _refuse(self, p: _Pass, b: _Batch, pos: int | None, exc: BaseException) -> None:
         """The batch cannot be made: every worker drops its row, and main
         raises when it reaches it (then goes on with the next batch)."""
         if b.refused:
@@ -714,7 +717,7 @@ class Collator:
         if b.published:
             self.table.add_flags(p.run, b.index, REFUSED)
             self.control.table_bell.ring()
-        self._fail(p.run, b.index, pos, exc, "in the collator")
+        self._fail(exc, "in the collator", run=p.run, batch=b.index, pos=pos)
         if not p.iterable:
             self._give_up(p, b.index)
 

@@ -78,7 +78,7 @@ class _Epoch:
 
     def _failed(self, msg: P.Failed) -> None:
         """In order, a batch's error is raised when its turn comes; else at once."""
-        if self.loader.in_order and msg.batch >= 0:
+        if self.loader.in_order and msg.batch is not None:
             self.errors.setdefault(msg.batch, msg)
         else:
             self.loader._raise_failed(msg)
@@ -174,7 +174,7 @@ class MapEpoch(_Epoch):
             self._maybe_run_ahead()
             kind = type(msg)
             if kind is P.Failed:
-                if ld.in_order and msg.batch >= 0:
+                if ld.in_order and msg.batch is not None:
                     self.failed.add(msg.batch)
                 self._failed(msg)
             elif kind is P.RunEnded:

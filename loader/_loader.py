@@ -470,9 +470,11 @@ class ShmLoader(FrozenState):
             progress = StreamProgress(max(self.num_workers, 1), self._rows,
                                       None if resume is None else resume["stream"])
             shipped = None if resume is None else progress.skips()
-            return _Plan(epoch, -1, -1 if shipped is None else len(shipped), -1, -1,
-                         O.ORDER_RANGE if shipped is None else O.ORDER_SHIPPED, 0, shipped, None,
-                         base_seed, rng, progress)
+            return _Plan(epoch=epoch, size=-1, kept=-1 if shipped is None else len(shipped),
+                         units=-1, nbatches=-1,
+                         order_kind=O.ORDER_RANGE if shipped is None else O.ORDER_SHIPPED,
+                         order_seed=0, shipped=shipped, offsets=None, base_seed=base_seed,
+                         rng=rng, progress=progress)
         shipped = offsets = stream = None
         if self.sampler is not None and not self._torch_rules:
             streamed, stream = streamable(self.sampler)
@@ -563,8 +565,9 @@ class ShmLoader(FrozenState):
                              f"or split the dataset")
         progress = MapProgress(kept if resume is None else resume["map"]["positions"], done,
                                remaining, O.Batches(kept, self._rows, offsets), per_batch)
-        return _Plan(epoch, size, kept, units, nbatches, kind, order_seed, shipped, offsets,
-                     base_seed, rng, progress,
+        return _Plan(epoch=epoch, size=size, kept=kept, units=units, nbatches=nbatches,
+                     order_kind=kind, order_seed=order_seed, shipped=shipped, offsets=offsets,
+                     base_seed=base_seed, rng=rng, progress=progress,
                      remaining=remaining if kind in (O.ORDER_RANGE, O.ORDER_PERMUTATION) else None,
                      feed=feed)
 
@@ -755,12 +758,12 @@ class ShmLoader(FrozenState):
         own type when main can build one with a message, as PyTorch does,
         with the worker's traceback in the message; else WorkerError."""
         err = msg.error
-        index = msg.index if msg.index >= 0 else None
-        if index is None and msg.pos >= 0:
+        index = msg.index
+        if index is None and msg.pos is not None:
             index = self._index_at(msg.run, msg.pos)  # the collator knows positions only
         if index is not None:
             at = f" on sample index {index} (position {msg.pos})"
-        elif msg.batch >= 0:
+        elif msg.batch is not None:
             at = f" on batch {msg.batch}"
         else:
             at = ""

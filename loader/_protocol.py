@@ -74,10 +74,14 @@ JOIN_TIMEOUT_S = 5.0
 # --- worker -> collator ----------------------------------------------------------
 
 
+NO_VERSION = -1  # LayoutRequest.version: the worker saw no published entry
+
+
 class LayoutRequest(NamedTuple):
     """A sample for row `row` found no usable layout for its batch (none
     published, or a provisional one with no row counted): lay the batch out
-    with this signature.  version: of the entry the worker saw, -1 none."""
+    with this signature.  version: of the entry the worker saw, NO_VERSION
+    if none."""
     run: int
     batch: int
     row: int
@@ -120,11 +124,15 @@ class Joined(NamedTuple):
     first_run: int
 
 
+NO_SHORT_BATCH = -1   # Done.last_batch: the stream ended on a full batch (or the run first)
+HOLES_TO_CLOSE = -2   # Done.last_batch: its open batches have holes to close up (a shuffle
+                      # buffer's last batches)
+
+
 class Done(NamedTuple):
     """The worker will not write into the run any more.  Iterable runs:
     last_batch is its stream's short last batch and last_rows that batch's
-    rows; -1: none; -2: its open batches have holes to close up (a
-    shuffle buffer's last batches)."""
+    rows, or NO_SHORT_BATCH, or HOLES_TO_CLOSE."""
     run: int
     worker: int
     last_batch: int
@@ -200,13 +208,13 @@ class ErrorReport(NamedTuple):
 
 
 class Failed(NamedTuple):
-    """Something raised: a sample (pos and index >= 0), worker_init_fn, a
-    collate_fn, or the collator (worker -1)."""
+    """Something raised: a sample (pos and index known), worker_init_fn, a
+    collate_fn, or the collator (worker None)."""
     run: int
-    batch: int      # the batch it spoils, in in-order mode: main raises when it gets there;
-                    # -1: raise at once
-    pos: int        # position in the run's order, -1 when not about one sample
-    index: int      # dataset index, -1 when not known
-    worker: int     # -1: the collator
+    batch: int | None   # the batch it spoils, in in-order mode: main raises when it gets
+                        # there; None: raise at once
+    pos: int | None     # position in the run's order; None when not about one sample
+    index: int | None   # dataset index; None when not known
+    worker: int | None  # None: the collator
     pid: int
     error: ErrorReport

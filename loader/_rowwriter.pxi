@@ -76,6 +76,7 @@ cdef enum:
 WRITTEN, SENT, DROPPED, ENDED = P_WRITTEN, P_SENT, P_DROPPED, P_ENDED
 
 from loader import _layout
+from loader._protocol import NO_VERSION
 
 
 cdef struct LeafSpec:
@@ -448,7 +449,7 @@ cdef class RowWriter:
                 continue  # changed while we read it
             if stamp != want:
                 if asked == -2:  # once: the collator remembers the batch
-                    self.channel.request_layout(run, batch, row, plan.layout.signature, -1,
+                    self.channel.request_layout(run, batch, row, plan.layout.signature, NO_VERSION,
                                                 rows, batched)
                     asked = seq
                 if not self.channel.wait_for_entry(run, batch, entry * ENTRY_WORDS, seq):

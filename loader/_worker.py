@@ -9,7 +9,6 @@ import os
 import random
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -176,27 +175,33 @@ class Channel:
         self.control.collator_bell.ring()
 
     def request_layout(self, run, batch, row, sig, version, rows, batched):
-        self.send(P.LayoutRequest(run, batch, row, sig, version, rows, batched))
+        self.send(P.LayoutRequest(run=run, batch=batch, row=row, signature=sig, version=version,
+                                  rows=rows, batched=batched))
 
     def row_values(self, run, batch, row, values_key, values):
         if self.spill is not None:  # large bytes and str go to main by reference
             values = self.spill.values_ref(values)
-        self.send(P.RowValues(run, batch, row, values_key, values))
+        self.send(P.RowValues(run=run, batch=batch, row=row, values_key=values_key,
+                              values=values))
 
     def filled(self, run, batch):
-        self.send(P.Filled(run, batch))
+        self.send(P.Filled(run=run, batch=batch))
 
     def sample_row(self, run, batch, row, pos, sample, version):
-        self.send(P.SampleRow(run, batch, row, pos, sample, version))
+        self.send(P.SampleRow(run=run, batch=batch, row=row, pos=pos, sample=sample,
+                              version=version))
 
-    def failed(self, run, batch, pos, index, exc: BaseException, where: str):
-        if type(index) is not int:  # a sampler's index object: named in the message only
-            where, index = f"{where}, on dataset[{index!r}]"[:500], -1
-        self.send(P.Failed(run, batch, pos, index, self.me, self.pid,
-                           P.ErrorReport.of(exc, where)))
+    def failed(self, exc: BaseException, where: str, *, run: int, batch: int | None = None,
+               pos: int | None = None, index=None):
+        """Report exc to main (through the collator); batch, pos, index:
+        what it spoils, where known (Failed)."""
+        if index is not None and type(index) is not int:  # a sampler's index object:
+            where, index = f"{where}, on dataset[{index!r}]"[:500], None  # named in the text
+        self.send(P.Failed(run=run, batch=batch, pos=pos, index=index, worker=self.me,
+                           pid=self.pid, error=P.ErrorReport.of(exc, where)))
 
-    def done(self, run, last_batch=-1, last_rows=0):
-        self.send(P.Done(run, self.me, last_batch, last_rows))
+    def done(self, run, last_batch=P.NO_SHORT_BATCH, last_rows=0):
+        self.send(P.Done(run=run, worker=self.me, last_batch=last_batch, last_rows=last_rows))
 
     def wait_for_entry(self, run, batch, base, seq_seen) -> bool:
         """Until the table entry at `base` changes (its SEQ word), the batch
@@ -270,8 +275,9 @@ class Worker:
         else:
             seed = seed_worker(base_seed, self.id, cfg.torch_seeding)
             rng = Generators(None)
-        info = WorkerInfo(self.id, cfg.num_workers, seed, cfg.dataset, cfg.rank, cfg.world, rng,
-                          "thread" if cfg.threads else "multiprocessing")
+        info = WorkerInfo(id=self.id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset,
+                          rank=cfg.rank, world_size=cfg.world, rng=rng,
+                          worker_method="thread" if cfg.threads else "multiprocessing")
         self.seeder = SampleSeeder(cfg.seed, rng) if cfg.reproducible else None
         _set_worker_info(info)
         if cfg.worker_init_fn is not None:
@@ -279,17 +285,17 @@ class Worker:
                 cfg.worker_init_fn(self.id)
             except Exception as e:
                 self.broken = True
-                self.channel.failed(run, -1, -1, -1, e, f"in worker_init_fn of worker {self.id}")
+                self.channel.failed(e, f"in worker_init_fn of worker {self.id}", run=run)
 
     def _one_run(self, run: int) -> tuple[int, int]:
         """Load this worker's part of the run.  Returns what Done says of an
-        iterable run's stream (see _stream_run), else (-1, 0)."""
+        iterable run's stream (see _stream_run), else (NO_SHORT_BATCH, 0)."""
         if not self.control.live(run):
-            return -1, 0
+            return P.NO_SHORT_BATCH, 0
         if not self.started:
             self._start(run)
         if self.broken:
-            return -1, 0
+            return P.NO_SHORT_BATCH, 0
         if self.control.read(run, C.SNAPSHOT):  # the epoch's view of the dataset (FileDataset)
             self.cfg.dataset.restore_snapshot(self.shared.read_snapshot(run))
         if self.cfg.iterable:
@@ -302,7 +308,7 @@ class Worker:
             self._batch_run(run, epoch, order, batches)
         else:
             self._sample_run(run, epoch, order, batches)
-        return -1, 0
+        return P.NO_SHORT_BATCH, 0
 
     def _order(self, run: int) -> tuple[np.ndarray | None, O.Batches]:
         """The run's dataset index per position (None: the position is the
@@ -368,7 +374,8 @@ class Worker:
                 sample = self._load(epoch, index, pos)
             except Exception as e:
                 batch = batches.locate(pos)[0] if in_order else -1
-                self.channel.failed(run, batch, pos, index, e, f"in worker {self.id}")
+                self.channel.failed(e, f"in worker {self.id}", run=run, batch=batch, pos=pos,
+                                    index=index)
                 continue
             slot = pos if in_order else counters.claim(run, True)  # first-ready: arrival order
             if slot < 0:
@@ -380,8 +387,8 @@ class Worker:
             except Exception as e:  # a CollateError, or a file read failing (FileDataset)
                 # (first-ready too: the batch's slot is taken, so the collator must give
                 # the batch up; main raises at once all the same)
-                self.channel.failed(run, batch, pos, index, e,
-                                    f"in worker {self.id}, placing sample {index} in its batch")
+                self.channel.failed(e, f"in worker {self.id}, placing sample {index} in its batch",
+                                    run=run, batch=batch, pos=pos, index=index)
 
     def _batch_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
         """A collate_fn (or batch_size=None): claim a batch, load its
@@ -402,7 +409,8 @@ class Worker:
                 try:
                     samples.append(self._load(epoch, index, pos))
                 except Exception as e:
-                    self.channel.failed(run, batch, pos, index, e, f"in worker {self.id}")
+                    self.channel.failed(e, f"in worker {self.id}", run=run, batch=batch, pos=pos,
+                                        index=index)
                     break
             else:
                 output = self._collate(run, batch, samples)
@@ -445,7 +453,8 @@ class Worker:
                 try:
                     sample = self._load(epoch, index, pos)
                 except Exception as e:
-                    self.channel.failed(run, batch, pos, index, e, f"in worker {self.id}")
+                    self.channel.failed(e, f"in worker {self.id}", run=run, batch=batch, pos=pos,
+                                        index=index)
                     break
                 if cfg.per_batch:
                     samples.append(sample)
@@ -454,8 +463,8 @@ class Worker:
                     if self.writer.place(run, batch, row, stop - start, pos, sample) == ENDED:
                         return
                 except Exception as e:  # a CollateError, or a file read failing (FileDataset)
-                    self.channel.failed(run, batch, pos, index, e,
-                                        f"in worker {self.id}, placing sample {index} in its batch")
+                    self.channel.failed(e, f"in worker {self.id}, placing sample {index} in its "
+                                        f"batch", run=run, batch=batch, pos=pos, index=index)
                     break
             else:
                 if cfg.per_batch:
@@ -475,8 +484,8 @@ class Worker:
         try:
             samples = F.checked(dataset, indices, dataset.__getitems__(indices))
         except Exception as e:
-            self.channel.failed(run, batch, -1, -1, e,
-                                f"{F.where(dataset, indices)}, in worker {self.id}")
+            self.channel.failed(e, f"{F.where(dataset, indices)}, in worker {self.id}",
+                                run=run, batch=batch)
             return True
         if self.tracer is not None:
             self.tracer.record(LOAD, t0, now(), -1, start, len(samples), epoch)
@@ -489,9 +498,9 @@ class Worker:
                 if place(run, batch, row, rows, start + row, sample) == ENDED:
                     return False
             except Exception as e:  # a CollateError, or a file read failing (FileDataset)
-                self.channel.failed(run, batch, start + row, -1, e,
-                                    f"in worker {self.id}, placing sample {indices[row]!r} "
-                                    f"(returned by __getitems__) in its batch")
+                self.channel.failed(e, f"in worker {self.id}, placing sample {indices[row]!r} "
+                                    f"(returned by __getitems__) in its batch",
+                                    run=run, batch=batch, pos=start + row)
                 return True
         return True
 
@@ -501,7 +510,7 @@ class Worker:
         try:
             return self.cfg.collate_fn(samples)
         except Exception as e:
-            self.channel.failed(run, batch, -1, -1, e, f"in collate_fn in worker {self.id}")
+            self.channel.failed(e, f"in collate_fn in worker {self.id}", run=run, batch=batch)
             return _FAILED
 
     def _place_output(self, run: int, slot: int, output, tag: int) -> bool:
@@ -510,8 +519,8 @@ class Worker:
         try:
             return self.writer.place(run, slot, 0, 1, tag, output, batched=False) != ENDED
         except Exception as e:  # a CollateError, or a file read failing
-            self.channel.failed(run, slot if self.cfg.in_order else -1, -1, -1, e,
-                                f"in worker {self.id}, placing the output of batch {slot}")
+            self.channel.failed(e, f"in worker {self.id}, placing the output of batch {slot}",
+                                run=run, batch=slot if self.cfg.in_order else None)
             return True
 
     # --- iterable datasets ---------------------------------------------------------
@@ -531,9 +540,10 @@ class Worker:
     def _stream_run(self, run: int) -> tuple:
         """This worker's own pass over an iterable dataset, into its own
         batches (see NOTE [ Runs ]).  Returns what Done says: (its short
-        last batch, its rows) when rows fill in order, (-1, 0) when there
-        is none or the run ended first; with a shuffle buffer, (-2, 0): its
-        last batches have holes the collator closes up."""
+        last batch, its rows) when rows fill in order, (NO_SHORT_BATCH, 0)
+        when there is none or the run ended first; with a shuffle buffer,
+        (HOLES_TO_CLOSE, 0): its last batches have holes the collator
+        closes up."""
         cfg, c, N, w = self.cfg, self.control, max(self.cfg.num_workers, 1), self.id
         B = cfg.rows_per_batch
         epoch = c.read(run, C.EPOCH)
@@ -545,12 +555,12 @@ class Worker:
             j0, B, cfg.shuffle_batches, derived_seeds(cfg.seed & _U64, epoch, w + 1, 1 << 62)[0],
             lambda j: self._wait_for_room(run, j))
         j, pending, seq = j0, [], 0   # per_batch: batch j's samples so far
-        ended = (-1, 0)
+        ended = (P.NO_SHORT_BATCH, 0)
         try:
             it = iter(cfg.dataset)
         except Exception as e:
-            self.channel.failed(run, j0 * N + w if cfg.in_order else -1, -1, -1, e,
-                                f"in iter(dataset), in worker {w}")
+            self.channel.failed(e, f"in iter(dataset), in worker {w}",
+                                run=run, batch=j0 * N + w if cfg.in_order else None)
             return ended
         tracer = self.tracer
         while True:
@@ -563,8 +573,8 @@ class Worker:
                 break
             except Exception as e:  # the stream is over; its batches in progress are dropped
                 at = (j if slots is None else slots.current) * N + w
-                self.channel.failed(run, at if cfg.in_order else -1, -1, -1, e,
-                                    f"while iterating the dataset, in worker {w}")
+                self.channel.failed(e, f"while iterating the dataset, in worker {w}",
+                                    run=run, batch=at if cfg.in_order else None)
                 return ended
             seq += 1
             if tracer is not None:  # the stream's sample number as its position
@@ -591,8 +601,8 @@ class Worker:
                     # batch's error and goes on with the other workers' batches
                     return ended
             except Exception as e:  # a CollateError, or a file read failing (FileDataset)
-                self.channel.failed(run, batch if cfg.in_order else -1, -1, -1, e,
-                                    f"in worker {w}, placing a sample in its batch")
+                self.channel.failed(e, f"in worker {w}, placing a sample in its batch",
+                                    run=run, batch=batch if cfg.in_order else None)
         if slots is None:
             if pending and not cfg.drop_last:
                 if not self._wait_for_room(run, j) or not self._place_stream_batch(run, j,
@@ -603,7 +613,7 @@ class Worker:
         if not written:
             return ended
         if cfg.shuffle_batches:
-            return -2, 0                          # the collator closes up the holes
+            return P.HOLES_TO_CLOSE, 0            # the collator closes up the holes
         return slots.current * N + w, written     # the short last batch
 
     def _place_stream_batch(self, run: int, j: int, samples: list) -> bool:
