@@ -195,7 +195,12 @@ def test_samples_over_32_mib_with_shapes_that_change_are_loaded():
                 assert b["a"][0, 0] == k and b["a"][0, -1] == -k
                 assert not b["a"][0, 1:-1].any()
             stats = loader.stats()
-            assert stats["samples_written_by_workers"] == 6 and stats["relayouts"] >= 4
+            # Each batch is laid out at most twice: once from a guess (the
+            # previous batch's shapes), again from its own sample.  How many
+            # guesses come first depends on timing: whether the batcher lays
+            # the batch out before or after its sample is read.
+            assert stats["samples_written_by_workers"] == 6
+            assert stats["relayouts"] <= stats["batches"] == 6
 
 
 def test_a_loader_first_iterated_in_a_thread_that_ends_keeps_its_workers():
