@@ -35,7 +35,7 @@ from loader._session import Session
 from loader._shared import LoaderConfig
 from loader._state import Expected, check_state
 from loader._stats import EpochClock, stall_advice, summary_line, warn_stalled
-from loader._trace import ROLE_MAIN, TraceLog, tracer_of
+from loader._trace import EPOCH, ROLE_MAIN, TraceLog, tracer_of
 
 __all__ = ["ShmLoader", "WorkerError", "LoaderTimeout", "LoaderStartError"]
 
@@ -685,7 +685,7 @@ class ShmLoader(FrozenState):
             return InlineEpoch(self, self._epoch, resume)
         if self._session is None:
             self._start()
-        return (StreamEpoch if self.iterable else MapEpoch)(self, self._epoch, resume)
+        return (StreamEpoch if self.iterable else MapEpoch)(EpochHost(self), self._epoch, resume)
 
     def steps(self, n: int | None = None):
         """Yield n batches (None: for ever), going from one epoch into the
@@ -894,6 +894,100 @@ class ShmLoader(FrozenState):
             rng_bytes={k: len(v) for k, v in self._rng_states().items()},
             seeded_shuffle=(self.shuffle and self.generator is None and self.sampler is None
                             and self.batch_sampler is None and not self.iterable))
+
+class EpochHost:
+    """What an epoch iterator (_epoch_iter.py) may ask of its loader, and
+    nothing else: the run for its epoch, the next message of that run,
+    batches, limits, the run started ahead, and its end.  One per iter()."""
+
+    def __init__(self, loader: "ShmLoader"):
+        self._loader = loader
+        session = loader._session
+        self.in_order = loader.in_order
+        self.control = session.shared.control
+        self.tracer = loader._tracer
+        self.streams = max(loader.num_workers, 1)   # an iterable dataset's: one per worker
+        self.per_batch = session.cfg.per_batch      # a row's tag is its unit
+
+    @property
+    def wait_clocks(self):
+        """The children's wait clocks (NOTE [ Wait clocks ] in _stats.py)."""
+        return self._loader._session.shared.waited
+
+    def begin(self, epoch: int, resume: dict | None):
+        """(the run of the epoch, its progress, which state_dict() now describes)."""
+        ld = self._loader
+        run = ld._run_for(epoch, resume)
+        return run, ld._track(run.plan)
+
+    def check_current(self, epoch: int) -> None:
+        self._loader._check_current(epoch)
+
+    def raise_failed(self, msg: P.Failed):
+        self._loader._raise_failed(msg)
+
+    def next_message(self, run: _Run):
+        """The run's next message, within the loader's timeout."""
+        ld = self._loader
+        deadline = None if ld.timeout is None else time.monotonic() + ld.timeout
+        scaler = ld._autoscaler
+        if scaler is None:
+            return ld._next_of(run.id, deadline)
+        t0 = time.perf_counter()  # the training loop waits for data from here (_autoscale.py)
+        try:
+            return ld._next_of(run.id, deadline)
+        finally:
+            scaler.waited_for(time.perf_counter() - t0)
+
+    def hand_out(self, msg: P.BatchReady):
+        """The user's batch of msg."""
+        scaler = self._loader._autoscaler
+        if scaler is not None:
+            scaler.batch_handed_out()
+        return self._loader._session.batch(msg)
+
+    def tags(self, msg: P.BatchReady) -> np.ndarray:
+        return self._loader._session.tags(msg)
+
+    def advance(self, run: _Run, yielded: int, left: int) -> None:
+        """`yielded` batches of run were handed out: raise its LIMIT, and
+        that of the run started ahead, which has `left` (minus the batches
+        run has still to hand out) to share."""
+        ld = self._loader
+        self.control.set_limit(run.id, ld._open_limit(run, yielded))
+        if ld._ahead is not None and ld._current is run:
+            self.control.set_limit(ld._ahead.id, ld._open_limit(ld._ahead, left))
+
+    def run_ahead(self, run: _Run, next_epoch: int, left: int) -> None:
+        """Every unit of run is claimed: start the next epoch's run now, if
+        the loader runs ahead and none is started (NOTE [ Runs ])."""
+        ld = self._loader
+        if ld._ahead is None and ld._runs_ahead() and run.id - 1 not in ld._unended:
+            ld._ahead = ld._start_run(next_epoch, yielded=left)
+
+    def epoch_ended(self, epoch: int, msg: P.RunEnded, clock: EpochClock) -> None:
+        """The epoch ran to its end: its figures for stats() and the trace."""
+        ld = self._loader
+        ld._record_stats(epoch, msg, clock)
+        ld._tracer.record(EPOCH, clock.t0, time.perf_counter_ns(), epoch, msg.batches,
+                          msg.samples, 1)
+
+    def epoch_closed(self, epoch: int, run: _Run, *, finished: bool, pending) -> None:
+        """The iterator is done (ran to its end, or dropped early): batches
+        received but not handed out go back, the run ends unless it ran to
+        its end, and without persistent workers the processes stop."""
+        ld = self._loader
+        if ld._current is run:
+            if not finished:
+                for msg in pending:
+                    ld._session.give_back(msg)
+                ld._end(run)
+                ld._current = None
+            else:
+                ld._inboxes.pop(run.id, None)
+        if not ld.persistent_workers and ld._epoch == epoch:
+            ld._shutdown()  # (a newer iterator, already made, owns the processes)
+
 
 def _close_all():
     for loader in list(_live_loaders):

@@ -458,7 +458,9 @@ class _Iterator:
     def _workers(self) -> list:
         """The worker processes, as torch's iterator lists them (pid,
         is_alive(), join(), exitcode)."""
-        return [_WorkerProcess(c) for c in self._pool.shm._session.worker_children()]
+        session = self._pool.shm._session
+        children = session.worker_children() if session is not None else []  # (stopped)
+        return [_WorkerProcess(c) for c in children]
 
     def __next__(self):
         if self.finished:
