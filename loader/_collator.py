@@ -76,6 +76,9 @@ class _Pass:
             if control.read(run, C.SHIPPED):
                 _, offsets = shared.read_order(run, kept, self.nbatches, True)
             self.batches = O.Batches(kept, self.B, offsets)
+            if control.read(run, C.OPEN):  # its length is learnt late (NOTE [ Runs ])
+                self.batches = O.OpenBatches(self.B, lambda: control.kept(run))
+        self.open_ended = not self.iterable and bool(control.read(run, C.OPEN))
         self.open: dict[int, _Batch] = {}
         self.lo, self.finished = 0, set()  # map-style: batches below lo, and those in `finished`, are sent
         # iterable: per worker's stream, its batch numbers below low[w] are
@@ -132,6 +135,9 @@ class _Pass:
             return
         loadable = self.loadable_batches()
         if loadable == 0:  # (a run started ahead whose turn has not come)
+            return
+        if self.open_ended:  # none past LIMIT: the one after may be a short last batch, still unknown
+            yield from range(self.lo, min(self.sent + window, self.batches.count, loadable))
             return
         yield from range(self.lo, min(self.sent + window, self.nbatches, loadable + 1))
 

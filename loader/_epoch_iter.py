@@ -204,6 +204,9 @@ class MapEpoch(_Epoch):
         self.yielded += 1
         ld = self.loader
         self.control.set_limit(self.run.id, ld._open_limit(self.run, self.yielded))
+        if ld._current is not self.run and ld._current is not None \
+                and ld._current.id == self.run.id:  # settled: its sampler ended (NOTE [ Runs ])
+            self.run, self.total = ld._current, ld._current.plan.nbatches
         if ld._ahead is not None and ld._current is self.run:
             self.control.set_limit(ld._ahead.id, ld._open_limit(ld._ahead, self._left()))
 

@@ -34,7 +34,7 @@ from loader._native import LeaseBook, derived_seeds
 from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import LoaderStartError, fork_children, start_error, wait_all
 from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
-from loader._sampler_feed import SamplerFeed, streamable
+from loader._sampler_feed import SamplerFeed, sampler_length, streamable
 from loader._shared import LoaderConfig, SharedState
 from loader._slabs import ram_bytes
 from loader._state import Expected, check_state
@@ -299,11 +299,20 @@ class ShmLoader(FrozenState):
                             "number of batches")
         if self.batch_sampler is not None:
             return len(self.batch_sampler)
-        n = len(self.sampler) if self.sampler is not None else self._dataset_len()
+        n = self._sampler_len() if self.sampler is not None else self._dataset_len()
         n = O.shard_size(n, self._ranks()[1])
         if self.batch_size is None:
             return n
         return -(-O.kept_of(n, self.batch_size, self.drop_last) // self.batch_size)
+
+    def _sampler_len(self) -> int:
+        n = sampler_length(self.sampler)
+        if n is None:
+            raise TypeError(f"this ShmLoader has no len(): its sampler ({self._sampler_name()}) "
+                            f"has no __len__, so its number of batches is known only once the "
+                            f"sampler ends (as torch's DataLoader, len() needs a sized sampler); "
+                            f"iterate it to its end, or count batches with steps(n)")
+        return n
 
     def stats(self) -> dict | None:
         """How the last epoch that ran to its end was delivered, and where
@@ -689,10 +698,11 @@ class ShmLoader(FrozenState):
                          O.ORDER_RANGE if shipped is None else O.ORDER_SHIPPED, 0, shipped, None,
                          base_seed, rng, progress)
         shipped = offsets = stream = None
+        length = None if self.sampler is None else sampler_length(self.sampler)
         if self.sampler is not None and not self._torch_rules:
             streamed, stream = streamable(self.sampler)
             if not streamed:  # drawn whole, from what streamable() started
-                stream = list(stream) if stream is not None else None
+                stream = list(stream)
         if self.batch_sampler is not None:
             batches = [np.asarray(list(b), np.int64).reshape(-1) for b in self.batch_sampler]
             shipped = np.concatenate(batches) if batches else np.zeros(0, np.int64)
@@ -700,7 +710,9 @@ class ShmLoader(FrozenState):
             np.cumsum([len(b) for b in batches], out=offsets[1:])
             kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
         elif self.sampler is not None and not isinstance(stream, (list, type(None))):
-            kind, order_seed, size = O.ORDER_SHIPPED, 0, len(self.sampler)  # streamed
+            # streamed; without len(), to a provisional bound until it ends (OPEN)
+            kind, order_seed = O.ORDER_SHIPPED, 0
+            size = O.OPEN_POSITIONS if length is None else length
         elif self.sampler is not None:
             items = stream if stream is not None else list(self.sampler)
             if all(isinstance(i, (int, np.integer)) for i in items):
@@ -735,10 +747,13 @@ class ShmLoader(FrozenState):
             if shipped is not None:
                 shipped = shipped[:kept]
         done = remaining = None
+        open_ended = kind == O.ORDER_SHIPPED and shipped is None and length is None
+        if open_ended:  # its length is learnt when the sampler ends (_settled_plan)
+            kept = O.OPEN_POSITIONS
         if resume is not None:  # the epoch's remaining positions, in its order
             done = MapProgress.done_of(resume["map"])
             positions = resume["map"]["positions"]
-            if positions != kept:
+            if positions != kept and not open_ended:
                 raise ValueError(f"this state is of an epoch of {positions} samples, but the "
                                  f"loader's epoch {epoch} has {kept}: load it into a loader of "
                                  f"the same dataset, sampler and batching")
@@ -764,7 +779,7 @@ class ShmLoader(FrozenState):
                 size = kept
         feed = None
         if kind == O.ORDER_SHIPPED and shipped is None:
-            feed = SamplerFeed(stream, self._sampler_name(), len(self.sampler), kept, remaining)
+            feed = SamplerFeed(stream, self._sampler_name(), length, kept, remaining)
         nbatches = len(offsets) - 1 if offsets is not None else (
             kept if self.batch_size is None else -(-kept // self.batch_size))
         per_batch = self.collate_fn is not None or self.batch_size is None  # tags are units
@@ -776,7 +791,8 @@ class ShmLoader(FrozenState):
                              f"to claim, and a run holds fewer than 2**32: pass a larger "
                              f"batch_size with a collate_fn (workers then claim whole batches), "
                              f"or split the dataset")
-        progress = MapProgress(kept if resume is None else resume["map"]["positions"], done,
+        progress = MapProgress(kept if resume is None or open_ended else resume["map"]["positions"],
+                               done,
                                remaining, O.Batches(kept, self._rows, offsets), per_batch)
         return _Plan(epoch, size, kept, units, nbatches, kind, order_seed, shipped, offsets,
                      base_seed, rng, progress,
@@ -798,15 +814,53 @@ class ShmLoader(FrozenState):
 
     def _open_limit(self, run: _Run, yielded: int) -> int:
         """_limit(), once a streamed sampler has written the indices of
-        every position below it (NOTE [ Streamed samplers ])."""
+        every position below it (NOTE [ Streamed samplers ]).  A run whose
+        sampler (without len()) ended there is settled first: its final
+        length is stored before the LIMIT that reaches it, and the run main
+        holds (_current, _ahead) is replaced by the settled one."""
+        settled, limit = self._fed_limit(run, yielded)
+        if settled is not run:
+            plan = settled.plan
+            self._shared.control.settle_run(run.id, plan.kept, plan.units, plan.nbatches)
+            if self._current is run:
+                self._current = settled
+            if self._ahead is run:
+                self._ahead = settled
+        return limit
+
+    def _fed_limit(self, run: _Run, yielded: int) -> tuple[_Run, int]:
+        """(the run, settled if its sampler just ended; its _limit()), the
+        indices below that limit written."""
         limit = self._limit(run, yielded)
         feed = run.plan.feed
-        if feed is not None and run.batches is not None:
-            upto = limit if run.plan.units != run.plan.nbatches else (
-                run.batches.span(limit - 1)[1] if limit > 0 else 0)
-            feed.feed(upto)
-            feed.release_below(run.plan.progress.run_prefix())
-        return limit
+        if feed is None or run.batches is None:
+            return run, limit
+        upto = limit if run.plan.units != run.plan.nbatches else (
+            run.batches.span(limit - 1)[1] if limit > 0 else 0)
+        feed.feed(upto)
+        feed.release_below(run.plan.progress.run_prefix())
+        plan = self._settled_plan(run.plan)
+        if plan is None:
+            return run, limit
+        run = run._replace(plan=plan, batches=plan.progress.batches)
+        return run, self._limit(run, yielded)
+
+    def _settled_plan(self, plan: _Plan) -> _Plan | None:
+        """An OPEN plan (a sampler without len()) whose sampler has ended,
+        with its final length (and its progress told it); None otherwise."""
+        feed = plan.feed
+        if feed is None or feed.settled:
+            return None
+        end = feed.end(self.batch_size, self.drop_last)
+        if end is None:
+            return None
+        feed.settled = True
+        epoch_kept, kept = end
+        nbatches = kept if self.batch_size is None else -(-kept // self.batch_size)
+        units = nbatches if plan.units == plan.nbatches else kept
+        plan.progress.kept = epoch_kept
+        plan.progress.batches = O.Batches(kept, self._rows)
+        return plan._replace(size=kept, kept=kept, units=units, nbatches=nbatches)
 
     def _start_run(self, epoch, resume: dict | None = None, snapshot=None,
                    yielded: int = 0) -> _Run:
@@ -828,15 +882,16 @@ class ShmLoader(FrozenState):
         if plan.snapshot is not None:
             self._shared.write_snapshot(run_id, plan.snapshot)
         batches = None if self.iterable else O.Batches(plan.kept, self._rows, plan.offsets)
-        run = _Run(run_id, plan, batches)
+        run, limit = self._fed_limit(_Run(run_id, plan, batches), yielded)
+        plan = run.plan
         self._runs = run_id
         self._unended.add(run_id)
         self._inboxes[run_id] = collections.deque()
         self._shared.control.start_run(
             run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
-            plan.order_seed, int(plan.offsets is not None), plan.base_seed,
-            self._open_limit(run, yielded),
-            int(plan.snapshot is not None), int(plan.remaining is not None))
+            plan.order_seed, int(plan.offsets is not None), plan.base_seed, limit,
+            int(plan.snapshot is not None), int(plan.remaining is not None),
+            int(plan.feed is not None and plan.feed.open and not plan.feed.settled))
         return run
 
     def _end(self, run: _Run | None) -> None:
@@ -1099,7 +1154,7 @@ class ShmLoader(FrozenState):
         them (None: a batch sampler's, known only by iterating it)."""
         if self.iterable or self.batch_sampler is not None:
             return None
-        n = len(self.sampler) if self.sampler is not None else self._map_len()
+        n = sampler_length(self.sampler) if self.sampler is not None else self._map_len()
         if n is None:
             return None
         share = n if self.sampler is not None else O.shard_size(n, world)

@@ -54,6 +54,11 @@ ORDER_RANGE, ORDER_PERMUTATION, ORDER_SHIPPED, ORDER_OBJECTS = 0, 1, 2, 3
 
 _U64 = (1 << 64) - 1
 
+# An OPEN run's provisional length (a sampler without len(): NOTE [ Streamed
+# samplers ]): its order file is sized for this many positions (sparse), and
+# an epoch of such a sampler ends here if the sampler has not ended before
+OPEN_POSITIONS = 1 << 31
+
 
 def order_seed_word(seed: int) -> int:
     """The seed as the int64 word of the run block (ORDER_SEED); every
@@ -226,6 +231,25 @@ class Batches:
             batch = int(np.searchsorted(self.offsets, slot, side="right")) - 1
             return batch, slot - int(self.offsets[batch])
         return divmod(slot, self.size)
+
+
+class OpenBatches(Batches):
+    """The batches of an OPEN run as a worker or the collator sees them:
+    `size` at a time up to the run's KEPT, read again at every use (main
+    stores the final one once the sampler ends: NOTE [ Runs ])."""
+
+    __slots__ = ("kept_now",)
+
+    def __init__(self, size: int, kept_now):
+        self.size, self.offsets, self.kept_now = size, None, kept_now
+
+    @property
+    def kept(self) -> int:
+        return self.kept_now()
+
+    @property
+    def count(self) -> int:
+        return -(-self.kept_now() // self.size)
 
 
 def kept_of(n: int, batch_size: int, drop_last: bool) -> int:

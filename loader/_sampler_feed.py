@@ -35,6 +35,8 @@ import os
 
 import numpy as np
 
+from loader._order import kept_of
+
 _CHUNK = 1 << 16        # indices pulled from the sampler per np.fromiter call
 _PUNCH_BYTES = 1 << 20  # punch holes in steps of this much (fewer syscalls)
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -51,14 +53,18 @@ def _punch(fd: int, start: int, stop: int) -> None:
                            f"{os.strerror(err)}")
 
 
+def sampler_length(sampler) -> int | None:
+    """len(sampler), or None when it has no len() (an OPEN run)."""
+    try:
+        return len(sampler)
+    except TypeError:
+        return None
+
+
 def streamable(sampler) -> tuple[bool, object]:
     """(True, an iterator of the sampler's indices) if it can be streamed:
-    it has a len() and its first index is an int; else (False, None) and
-    the sampler was not iterated."""
-    try:
-        len(sampler)
-    except TypeError:
-        return False, None
+    its first index is an int (or it yields none); else (False, an
+    iterator of all its indices, the first included)."""
     it = iter(sampler)
     first = next(it, None)
     if first is None:
@@ -71,11 +77,15 @@ def streamable(sampler) -> tuple[bool, object]:
 class SamplerFeed:
     """Run positions -> dataset indices, pulled from the sampler on
     demand.  `remaining` (a resumed run): run position r is the epoch's
-    position remaining.original(r)."""
+    position remaining.original(r).  `length` None: the sampler has no
+    len(), and `kept` is only a bound (an OPEN run) until it ends."""
 
-    def __init__(self, it, name: str, length: int, kept: int, remaining=None):
+    def __init__(self, it, name: str, length: int | None, kept: int, remaining=None):
         self.it, self.name, self.length = it, name, length
         self.kept, self.remaining = kept, remaining
+        self.open = length is None
+        self.exhausted = False   # OPEN: the sampler ended (or reached `kept`)
+        self.settled = False     # OPEN: main took the run's final length (end())
         self.pulled = 0          # sampler indices consumed (the epoch's positions)
         self.fed = 0             # run positions resolved
         self.fd = None           # the run's order file (workers), or None (num_workers=0)
@@ -90,13 +100,18 @@ class SamplerFeed:
         os.ftruncate(fd, 8 * self.kept)
 
     def _pull(self, count: int) -> np.ndarray:
-        """The sampler's next `count` indices."""
+        """The sampler's next `count` indices (OPEN: fewer once it ends)."""
         try:
             got = np.fromiter(itertools.islice(self.it, count), np.int64)
         except (TypeError, ValueError, OverflowError) as e:
             raise TypeError(f"the sampler {self.name} yielded an index that is not an int "
                             f"near its position {self.pulled} ({e}): a sampler whose first index "
-                            f"is an int is streamed, and must yield ints throughout") from None
+                            f"is an int is streamed, and must yield ints throughout (make it "
+                            f"yield int indices, or non-int ones from its first)") from None
+        if len(got) < count and self.open:
+            self.exhausted = True
+            self.pulled += len(got)
+            return got
         if len(got) < count:
             raise ValueError(f"the sampler {self.name} ended after {self.pulled + len(got)} "
                              f"indices, but its len() is {self.length}: make len() say how many "
@@ -105,13 +120,14 @@ class SamplerFeed:
         return got
 
     def _skip(self, count: int) -> None:
-        while count > 0:
+        while count > 0 and not self.exhausted:
             step = min(count, _CHUNK)
             self._pull(step)
             count -= step
 
     def _resolve(self, start: int, stop: int) -> np.ndarray:
-        """The indices of run positions [start, stop) (start == self.fed)."""
+        """The indices of run positions [start, stop) (start == self.fed);
+        OPEN: those of the first of them only, once the sampler ends."""
         if self.remaining is None:
             return self._pull(stop - start)
         originals = self.remaining.original(np.arange(start, stop, dtype=np.int64))
@@ -119,13 +135,28 @@ class SamplerFeed:
         breaks = np.flatnonzero(np.diff(originals) != 1) + 1
         for a, b in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [len(originals)]))):
             self._skip(int(originals[a]) - self.pulled)
+            if self.exhausted:
+                break
             parts.append(self._pull(int(b - a)))
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
+    def end(self, batch_size: int | None, drop_last: bool) -> tuple[int, int] | None:
+        """OPEN, once the sampler ended: (the epoch's positions delivered,
+        the run's), as a sized sampler of that length would have them
+        (drop_last drops a short last batch); else None."""
+        if not (self.open and self.exhausted):
+            return None
+        epoch_kept = self.pulled if batch_size is None else kept_of(self.pulled, batch_size,
+                                                                     drop_last)
+        if self.remaining is None:
+            return epoch_kept, min(epoch_kept, self.kept)
+        return epoch_kept, self.remaining.run_position(epoch_kept)
+
     def feed(self, upto: int) -> None:
-        """Run positions below `upto` have their index (in the file)."""
+        """Run positions below `upto` have their index (in the file), or
+        (OPEN) the sampler ended before them."""
         upto = min(upto, self.kept)
-        while self.fed < upto:
+        while self.fed < upto and not self.exhausted:
             stop = min(upto, self.fed + _CHUNK)
             got = self._resolve(self.fed, stop)
             if self.fd is not None:
@@ -135,7 +166,9 @@ class SamplerFeed:
                     done += os.pwrite(self.fd, data[done:], at + done)
             else:
                 self.window = np.concatenate([self.window, got])
-            self.fed = stop
+            self.fed += len(got)
+            if self.open and self.fed >= self.kept:
+                self.exhausted = True  # the bound of an OPEN run: its epoch ends here
 
     def release_below(self, pos: int) -> None:
         """Run positions below pos are delivered: their indices are not

@@ -321,6 +321,8 @@ class Worker:
                 remaining = O.Remaining.from_words(self.shared.read_words(run))
             order = O.computed_order(kind, c.read(run, C.SIZE), c.read(run, C.ORDER_SEED),
                                      c.read(run, C.EPOCH), cfg.rank, cfg.world, kept, remaining)
+        if c.read(run, C.OPEN):  # its length is learnt late: KEPT is read at every use
+            return order, O.OpenBatches(cfg.rows_per_batch, lambda: c.kept(run))
         return order, O.Batches(kept, cfg.rows_per_batch, offsets)
 
     def _wait_to_load(self, run: int, unit: int) -> bool:
@@ -328,8 +330,9 @@ class Worker:
         c, counters = self.control, self.counters
         if counters.below_limit(run, unit):
             return True
+        # (an OPEN run: a unit past the end settled meanwhile is never loaded)
         self.sleeper.until(c.limit_bell, lambda: counters.below_limit(run, unit)
-                           or not c.live(run) or c.stopped)
+                           or not c.live(run) or c.stopped or unit >= c.units(run))
         return counters.below_limit(run, unit) and c.live(run) and not c.stopped
 
     def _load(self, epoch: int, index, pos: int):
@@ -345,9 +348,9 @@ class Worker:
         if not self.autoscaled or self.id < c.active():
             return True
 
-        def ready():
-            return (self.id < c.active() or c.claimed(run) >= units or not c.live(run)
-                    or c.stopped)
+        def ready():  # (UNITS read again: an OPEN run's may have been settled)
+            return (self.id < c.active() or c.claimed(run) >= min(units, c.units(run))
+                    or not c.live(run) or c.stopped)
 
         self.sleeper.until(c.run_bell, ready)
         return c.live(run) and not c.stopped
