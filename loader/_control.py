@@ -187,6 +187,9 @@ class Control:
         """The run's KEPT as stored now (an OPEN run's may still change)."""
         return shmq.atomic_load(self.ctl, word(run, KEPT))
 
+    def nbatches(self, run: int) -> int:
+        return shmq.atomic_load(self.ctl, word(run, NBATCHES))
+
     def units(self, run: int) -> int:
         return shmq.atomic_load(self.ctl, word(run, UNITS))
 

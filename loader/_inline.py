@@ -15,6 +15,7 @@ from loader import _order as O
 from loader._stats import EpochClock
 from loader._trace import EPOCH, WAIT
 from loader._layout import Layout, LayoutCache, materialize, signature_and_leaves, stack
+from loader._sampler_feed import BatchFeed
 from loader._worker import SampleSeeder
 
 
@@ -65,7 +66,7 @@ class InlineEpoch:
             self.seq, self.ended = 0, False
             return
         order = ld._order_of(plan)
-        self.geometry = self.progress.batches = O.Batches(plan.kept, ld._rows, plan.offsets)
+        self.geometry = plan.progress.batches  # (a streamed batch sampler's: as it is pulled)
         self.index_of = O.index_getter(order)
         self.order = order
         self.fetch = F.batch_fetcher(ld.dataset, ld.batch_size, False)
@@ -124,7 +125,10 @@ class InlineEpoch:
         """A sampler without len(): pull it through batch k, and if it
         ended, take the epoch's final length (NOTE [ Streamed samplers ])."""
         feed = self.plan.feed
-        feed.feed(self.geometry.span(k)[1] if k < self.geometry.count else self.plan.kept)
+        if isinstance(feed, BatchFeed):
+            feed.feed_batches(k + 1)
+        else:
+            feed.feed(self.geometry.span(k)[1] if k < self.geometry.count else self.plan.kept)
         plan = self.loader._settled_plan(self.plan)
         if plan is not None:
             self.plan, self.geometry = plan, plan.progress.batches

@@ -34,7 +34,7 @@ from loader._native import LeaseBook, derived_seeds
 from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import LoaderStartError, fork_children, start_error, wait_all
 from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
-from loader._sampler_feed import SamplerFeed, sampler_length, streamable
+from loader._sampler_feed import BatchFeed, SamplerFeed, sampler_length, streamable
 from loader._shared import LoaderConfig, SharedState
 from loader._slabs import ram_bytes
 from loader._state import Expected, check_state
@@ -74,6 +74,7 @@ class _Plan(NamedTuple):
     snapshot: object = None    # the dataset's snapshot of the epoch (FileDataset: its files)
     remaining: O.Remaining | None = None  # a resumed computed order: the positions left
     feed: SamplerFeed | None = None  # a streamed sampler (NOTE [ Streamed samplers ])
+    claims_batches: bool = False  # workers claim whole batches (UNITS are batches)
 
 
 class _Run(NamedTuple):
@@ -697,13 +698,18 @@ class ShmLoader(FrozenState):
             return _Plan(epoch, -1, -1 if shipped is None else len(shipped), -1, -1,
                          O.ORDER_RANGE if shipped is None else O.ORDER_SHIPPED, 0, shipped, None,
                          base_seed, rng, progress)
-        shipped = offsets = stream = None
+        shipped = offsets = stream = batch_stream = None
         length = None if self.sampler is None else sampler_length(self.sampler)
         if self.sampler is not None and not self._torch_rules:
             streamed, stream = streamable(self.sampler)
             if not streamed:  # drawn whole, from what streamable() started
                 stream = list(stream)
-        if self.batch_sampler is not None:
+        if self.batch_sampler is not None and not self._torch_rules:
+            # streamed, its batches pulled as LIMIT moves: OPEN, as the positions
+            # it covers are known only once it ends, even with a len()
+            batch_stream = iter(self.batch_sampler)
+            kind, order_seed, size = O.ORDER_SHIPPED, 0, O.OPEN_POSITIONS
+        elif self.batch_sampler is not None:
             batches = [np.asarray(list(b), np.int64).reshape(-1) for b in self.batch_sampler]
             shipped = np.concatenate(batches) if batches else np.zeros(0, np.int64)
             offsets = np.zeros(len(batches) + 1, np.int64)
@@ -714,8 +720,10 @@ class ShmLoader(FrozenState):
             kind, order_seed = O.ORDER_SHIPPED, 0
             size = O.OPEN_POSITIONS if length is None else length
         elif self.sampler is not None:
-            items = stream if stream is not None else list(self.sampler)
-            if all(isinstance(i, (int, np.integer)) for i in items):
+            items = stream if stream is not None else self._drawn_whole()
+            if isinstance(items, np.ndarray):  # torch's own sampler, drawn in one call
+                shipped, kind = items, O.ORDER_SHIPPED
+            elif all(isinstance(i, (int, np.integer)) for i in items):
                 shipped, kind = np.asarray(items, np.int64).reshape(-1), O.ORDER_SHIPPED
             else:  # indices of other kinds (lists, keys): dataset[...] gets them as they are
                 shipped, kind = items, O.ORDER_OBJECTS
@@ -747,7 +755,8 @@ class ShmLoader(FrozenState):
             if shipped is not None:
                 shipped = shipped[:kept]
         done = remaining = None
-        open_ended = kind == O.ORDER_SHIPPED and shipped is None and length is None
+        open_ended = kind == O.ORDER_SHIPPED and shipped is None and (
+            length is None or batch_stream is not None)
         if open_ended:  # its length is learnt when the sampler ends (_settled_plan)
             kept = O.OPEN_POSITIONS
         if resume is not None:  # the epoch's remaining positions, in its order
@@ -778,13 +787,17 @@ class ShmLoader(FrozenState):
             if kind == O.ORDER_SHIPPED and shipped is None:
                 size = kept
         feed = None
-        if kind == O.ORDER_SHIPPED and shipped is None:
+        geometry = O.Batches(kept, self._rows, offsets)
+        if batch_stream is not None:
+            feed = BatchFeed(batch_stream, self._sampler_name(), kept, remaining)
+            geometry = feed.batches()
+        elif kind == O.ORDER_SHIPPED and shipped is None:
             feed = SamplerFeed(stream, self._sampler_name(), length, kept, remaining)
         nbatches = len(offsets) - 1 if offsets is not None else (
-            kept if self.batch_size is None else -(-kept // self.batch_size))
-        per_batch = self.collate_fn is not None or self.batch_size is None  # tags are units
-        claims_batches = per_batch or (
-            (self._torch_rules or self._batched_fetch()) and self.num_workers > 0)
+            kept if self.batch_size is None or batch_stream is not None
+            else -(-kept // self.batch_size))
+        per_batch = self._per_batch()
+        claims_batches = self._claims_batches()
         units = nbatches if claims_batches else kept
         if units >= 1 << C.RUN_SHIFT:  # the cursor counts a run's units in 32 bits
             raise ValueError(f"an epoch of {kept:,} samples is {units:,} units for the workers "
@@ -793,11 +806,26 @@ class ShmLoader(FrozenState):
                              f"or split the dataset")
         progress = MapProgress(kept if resume is None or open_ended else resume["map"]["positions"],
                                done,
-                               remaining, O.Batches(kept, self._rows, offsets), per_batch)
+                               remaining, geometry, per_batch)
         return _Plan(epoch, size, kept, units, nbatches, kind, order_seed, shipped, offsets,
                      base_seed, rng, progress,
                      remaining=remaining if kind in (O.ORDER_RANGE, O.ORDER_PERMUTATION) else None,
-                     feed=feed)
+                     feed=feed, claims_batches=claims_batches)
+
+    def _drawn_whole(self):
+        """loader.DataLoader's order (NOTE [ Drawing the order as torch
+        does ] in _torch.py): an int64 array, or a list of indices."""
+        draw = getattr(self.sampler, "draw", None)
+        return draw() if callable(draw) else list(self.sampler)
+
+    def _per_batch(self) -> bool:
+        """A row's tag is its unit: a collate_fn, or samples unbatched."""
+        return self.collate_fn is not None or self.batch_size is None
+
+    def _claims_batches(self) -> bool:
+        """Workers claim whole batches (UNITS are batches), not positions."""
+        return self._per_batch() or (
+            (self._torch_rules or self._batched_fetch()) and self.num_workers > 0)
 
     def _limit(self, run: _Run, yielded: int) -> int:
         """Units workers may load once `yielded` batches were yielded: those
@@ -808,7 +836,7 @@ class ShmLoader(FrozenState):
             ahead = self._cfg.worker_prefetch + self._cfg.shuffle_batches
             return [j + ahead for j in run.plan.progress.first_batches()]
         upto = max(min(yielded + self.prefetch, run.plan.nbatches), 0)
-        if run.plan.units == run.plan.nbatches:  # workers claim whole batches
+        if run.plan.claims_batches:  # workers claim whole batches
             return upto
         return run.batches.span(upto - 1)[1] if upto > 0 else 0
 
@@ -831,19 +859,25 @@ class ShmLoader(FrozenState):
     def _fed_limit(self, run: _Run, yielded: int) -> tuple[_Run, int]:
         """(the run, settled if its sampler just ended; its _limit()), the
         indices below that limit written."""
-        limit = self._limit(run, yielded)
         feed = run.plan.feed
         if feed is None or run.batches is None:
-            return run, limit
-        upto = limit if run.plan.units != run.plan.nbatches else (
-            run.batches.span(limit - 1)[1] if limit > 0 else 0)
-        feed.feed(upto)
+            return run, self._limit(run, yielded)
+        if isinstance(feed, BatchFeed):  # its batches' offsets first: _limit reads them
+            feed.feed_batches(max(min(yielded + self.prefetch, run.plan.nbatches), 0))
+        else:
+            feed.feed(self._positions_below(run, self._limit(run, yielded)))
         feed.release_below(run.plan.progress.run_prefix())
         plan = self._settled_plan(run.plan)
-        if plan is None:
-            return run, limit
-        run = run._replace(plan=plan, batches=plan.progress.batches)
+        if plan is not None:
+            run = run._replace(plan=plan, batches=plan.progress.batches)
         return run, self._limit(run, yielded)
+
+    @staticmethod
+    def _positions_below(run: _Run, limit: int) -> int:
+        """The run positions below a LIMIT (in batches when claimed whole)."""
+        if not run.plan.claims_batches:
+            return limit
+        return run.batches.span(limit - 1)[1] if limit > 0 else 0
 
     def _settled_plan(self, plan: _Plan) -> _Plan | None:
         """An OPEN plan (a sampler without len()) whose sampler has ended,
@@ -856,10 +890,15 @@ class ShmLoader(FrozenState):
             return None
         feed.settled = True
         epoch_kept, kept = end
-        nbatches = kept if self.batch_size is None else -(-kept // self.batch_size)
-        units = nbatches if plan.units == plan.nbatches else kept
+        if isinstance(feed, BatchFeed):
+            nbatches = feed.batches_fed
+            batches = O.Batches(kept, self._rows, feed.offsets[:nbatches + 1].copy())
+        else:
+            nbatches = kept if self.batch_size is None else -(-kept // self.batch_size)
+            batches = O.Batches(kept, self._rows)
+        units = nbatches if plan.claims_batches else kept
         plan.progress.kept = epoch_kept
-        plan.progress.batches = O.Batches(kept, self._rows)
+        plan.progress.batches = batches
         return plan._replace(size=kept, kept=kept, units=units, nbatches=nbatches)
 
     def _start_run(self, epoch, resume: dict | None = None, snapshot=None,
@@ -881,7 +920,7 @@ class ShmLoader(FrozenState):
             plan.feed.attach(self._shared.order_fd(run_id))
         if plan.snapshot is not None:
             self._shared.write_snapshot(run_id, plan.snapshot)
-        batches = None if self.iterable else O.Batches(plan.kept, self._rows, plan.offsets)
+        batches = None if self.iterable else plan.progress.batches
         run, limit = self._fed_limit(_Run(run_id, plan, batches), yielded)
         plan = run.plan
         self._runs = run_id
@@ -889,10 +928,17 @@ class ShmLoader(FrozenState):
         self._inboxes[run_id] = collections.deque()
         self._shared.control.start_run(
             run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
-            plan.order_seed, int(plan.offsets is not None), plan.base_seed, limit,
+            plan.order_seed, self._shipped_word(plan), plan.base_seed, limit,
             int(plan.snapshot is not None), int(plan.remaining is not None),
             int(plan.feed is not None and plan.feed.open and not plan.feed.settled))
         return run
+
+    @staticmethod
+    def _shipped_word(plan: _Plan) -> int:
+        """SHIPPED (NOTE [ Runs ]): where the run's batch offsets are, if any."""
+        if isinstance(plan.feed, BatchFeed):
+            return O.SHIPPED_STREAMED
+        return O.SHIPPED_WHOLE if plan.offsets is not None else 0
 
     def _end(self, run: _Run | None) -> None:
         """Main will read no more of this run: its workers stop, and its

@@ -35,7 +35,7 @@ import os
 
 import numpy as np
 
-from loader._order import kept_of
+from loader._order import OFFSET_BIAS, OPEN_POSITIONS, Batches, kept_of
 
 _CHUNK = 1 << 16        # indices pulled from the sampler per np.fromiter call
 _PUNCH_BYTES = 1 << 20  # punch holes in steps of this much (fewer syscalls)
@@ -51,6 +51,13 @@ def _punch(fd: int, start: int, stop: int) -> None:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot free the pages of a streamed sampler's order file: "
                            f"{os.strerror(err)}")
+
+
+def _pwrite_all(fd: int, words: np.ndarray, at: int) -> None:
+    data = memoryview(np.ascontiguousarray(words, np.int64)).cast("B")
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], at + done)
 
 
 def sampler_length(sampler) -> int | None:
@@ -79,6 +86,8 @@ class SamplerFeed:
     demand.  `remaining` (a resumed run): run position r is the epoch's
     position remaining.original(r).  `length` None: the sampler has no
     len(), and `kept` is only a bound (an OPEN run) until it ends."""
+
+    batched = False  # (BatchFeed: True)
 
     def __init__(self, it, name: str, length: int | None, kept: int, remaining=None):
         self.it, self.name, self.length = it, name, length
@@ -158,17 +167,17 @@ class SamplerFeed:
         upto = min(upto, self.kept)
         while self.fed < upto and not self.exhausted:
             stop = min(upto, self.fed + _CHUNK)
-            got = self._resolve(self.fed, stop)
-            if self.fd is not None:
-                data, at = memoryview(got).cast("B"), 8 * self.fed
-                done = 0
-                while done < len(data):
-                    done += os.pwrite(self.fd, data[done:], at + done)
-            else:
-                self.window = np.concatenate([self.window, got])
-            self.fed += len(got)
-            if self.open and self.fed >= self.kept:
-                self.exhausted = True  # the bound of an OPEN run: its epoch ends here
+            self._store(self._resolve(self.fed, stop))
+
+    def _store(self, got: np.ndarray) -> None:
+        """The indices of the next run positions (from self.fed)."""
+        if self.fd is not None:
+            _pwrite_all(self.fd, got, 8 * self.fed)
+        else:
+            self.window = np.concatenate([self.window, got])
+        self.fed += len(got)
+        if self.open and self.fed >= self.kept and not self.batched:
+            self.exhausted = True  # the bound of an OPEN run: its epoch ends here
 
     def release_below(self, pos: int) -> None:
         """Run positions below pos are delivered: their indices are not
@@ -208,3 +217,117 @@ class SamplerFeed:
     def _feed_ahead(self, upto: int) -> None:
         if upto > self.fed:  # a chunk at a time: one np.fromiter call per chunk
             self.feed(max(upto, self.fed + _CHUNK))
+
+
+_BATCHES_PER_PULL = 1024  # batches pulled from a batch sampler at a time, at most
+
+
+class BatchFeed(SamplerFeed):
+    """A batch sampler, pulled a window of batches ahead of the workers
+    (NOTE [ Streamed samplers ]): run positions -> dataset indices as a
+    SamplerFeed, and the run's batch offsets, in `offsets` (main) and from
+    word OPEN_POSITIONS of the order file (the workers, biased: see
+    OFFSET_BIAS in _order.py).  Always OPEN: the positions a batch sampler
+    covers are known only once it ends, even when it has a len().  A
+    resumed run (`remaining`) keeps each batch's positions not delivered,
+    and drops the batches left empty, as the run drawn whole did."""
+
+    batched = True
+
+    def __init__(self, it, name: str, kept: int, remaining=None):
+        super().__init__(it, name, None, kept, remaining)
+        self.offsets = np.zeros(1024, np.int64)  # run batch k covers [offsets[k], offsets[k + 1])
+        self.batches_fed = 0     # run batches whose offsets are known
+        self.epoch_batches = 0   # the batch sampler's batches pulled
+
+    def attach(self, fd: int) -> None:
+        self.fd = fd
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, 8 * (2 * OPEN_POSITIONS + 1))  # positions, then offsets (sparse)
+        _pwrite_all(fd, np.asarray([-OFFSET_BIAS], np.int64), 8 * OPEN_POSITIONS)
+
+    def feed(self, upto: int) -> None:
+        """num_workers=0 reads positions (__getitem__): their batches first."""
+        while self.fed < min(upto, self.kept) and not self.exhausted:
+            self.feed_batches(self.batches_fed + 1)
+
+    def feed_batches(self, upto: int) -> None:
+        """Run batches below `upto` have their offsets and indices written,
+        or the batch sampler ended before them."""
+        while self.batches_fed < upto and not self.exhausted:
+            wanted = min(upto - self.batches_fed, _BATCHES_PER_PULL)
+            pulled = list(itertools.islice(self.it, wanted))
+            for batch in pulled:
+                indices = self._indices_of(batch)
+                if self.fed + len(indices) > self.kept or self.batches_fed >= self.kept:
+                    self.exhausted = True  # the bound of an OPEN run: its epoch ends here
+                    return
+                self._take_batch(indices)
+            if len(pulled) < wanted:
+                self.exhausted = True
+
+    def _indices_of(self, batch) -> np.ndarray:
+        try:
+            indices = np.fromiter(batch, np.int64)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise TypeError(f"the batch sampler {self.name} yielded, as its batch "
+                            f"{self.epoch_batches}, something that is not a sequence of int "
+                            f"indices ({e}): a batch sampler must yield lists of ints") from None
+        self.epoch_batches += 1
+        return indices
+
+    def _take_batch(self, indices: np.ndarray) -> None:
+        """The batch sampler's next batch: the run's next batch (a resumed
+        run: its positions not yet delivered, if any)."""
+        start = self.pulled
+        self.pulled += len(indices)
+        if self.remaining is not None:
+            first = self.remaining.run_position(start)
+            last = self.remaining.run_position(self.pulled)
+            if last == first:
+                return  # delivered whole before the state was taken
+            kept = self.remaining.original(np.arange(first, last, dtype=np.int64)) - start
+            indices = indices[kept]
+        if self.batches_fed + 2 > len(self.offsets):
+            self.offsets = np.concatenate([self.offsets, np.zeros(len(self.offsets), np.int64)])
+        self._store(indices)
+        self.batches_fed += 1
+        self.offsets[self.batches_fed] = self.fed
+        if self.fd is not None:
+            _pwrite_all(self.fd, np.asarray([self.fed - OFFSET_BIAS], np.int64),
+                        8 * (OPEN_POSITIONS + self.batches_fed))
+
+    def end(self, batch_size, drop_last) -> tuple[int, int] | None:
+        """Once the batch sampler ended: (the epoch's positions, the run's)."""
+        if not self.exhausted:
+            return None
+        return self.pulled, self.fed
+
+    def batches(self) -> Batches:
+        """The run's batches as main sees them while it is pulled."""
+        return FedBatches(self)
+
+
+class FedBatches(Batches):
+    """Main's view of a BatchFeed's batches so far (Batches' interface)."""
+
+    __slots__ = ("feed",)
+
+    def __init__(self, feed: BatchFeed):
+        self.size, self.offsets, self.feed = 0, None, feed
+
+    @property
+    def kept(self) -> int:
+        return self.feed.kept
+
+    @property
+    def count(self) -> int:
+        return self.feed.kept  # a bound, until the run is settled
+
+    def span(self, batch: int) -> tuple[int, int]:
+        return int(self.feed.offsets[batch]), int(self.feed.offsets[batch + 1])
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        offsets = self.feed.offsets[:self.feed.batches_fed + 1]
+        batch = int(np.searchsorted(offsets, slot, side="right")) - 1
+        return batch, slot - int(offsets[batch])

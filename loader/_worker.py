@@ -312,6 +312,10 @@ class Worker:
         offsets = None
         if kind == O.ORDER_OBJECTS:
             order = self.shared.read_objects(run)
+        elif kind == O.ORDER_SHIPPED and c.read(run, C.SHIPPED) == O.SHIPPED_STREAMED:
+            # a streamed batch sampler's: offsets written as main pulls it
+            order, stored = self.shared.read_order(run, O.OPEN_POSITIONS, O.OPEN_POSITIONS, True)
+            return order, O.StreamedBatches(stored, lambda: c.kept(run), lambda: c.nbatches(run))
         elif kind == O.ORDER_SHIPPED:
             order, offsets = self.shared.read_order(run, kept, c.read(run, C.NBATCHES),
                                                     bool(c.read(run, C.SHIPPED)))

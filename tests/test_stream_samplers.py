@@ -255,3 +255,121 @@ def test_a_lazy_billion_index_sampler_without_len_starts_at_once_in_bounded_memo
     assert got["grown_kb"] < 100 * 1024, got
     assert got["order_bytes"] < 3 << 20, got
     assert got["exact"], got
+
+
+# --- batch samplers, streamed ----------------------------------------------------------
+
+class VariableBatches:
+    """Batches of 1, 2, ... 7 indices in turn over n indices (i * 7919 mod
+    n), as a generator; no __len__ (Sized: with one).  n None: for ever."""
+
+    def __init__(self, n=None):
+        self.n = n
+
+    def __iter__(self):
+        stream = iter(Lenless(self.n))
+        for k in itertools.count():
+            batch = list(itertools.islice(stream, k % 7 + 1))
+            if not batch:
+                return
+            yield batch
+
+
+class SizedVariableBatches(VariableBatches):
+    def __len__(self):
+        return sum(1 for _ in VariableBatches(self.n))
+
+
+def batches_of(sampler, count=None):
+    return [np.asarray(b, np.int64) for b in itertools.islice(sampler, count)]
+
+
+@pytest.mark.parametrize("sized", [False, True], ids=["no-len", "len"])
+@pytest.mark.parametrize("mode", MODES + [dict(num_workers=2, in_order=False)],
+                         ids=["inline", "processes", "threads", "first-ready"])
+@pytest.mark.parametrize("collate", [False, True], ids=["default", "collate_fn"])
+def test_a_streamed_batch_sampler_of_variable_batches_gives_them_exactly(sized, mode, collate):
+    """30,011 indices in batches of 1..7 (7,506 batches: the end is learnt
+    far past the first window), two epochs: each batch exactly as the
+    batch sampler made it (first-ready: every index once)."""
+    n = 30_011
+    cls = SizedVariableBatches if sized else VariableBatches
+    kw = dict(collate_fn=np.array) if collate else {}
+    expect = batches_of(VariableBatches(n))
+    with ShmLoader(Ids(n), batch_sampler=cls(n), **mode, **kw) as ld:
+        if sized:
+            assert len(ld) == len(expect)
+        got = epochs_of(ld, 2)
+    for epoch in got:
+        if mode.get("in_order", True):
+            assert len(epoch) == len(expect)
+            assert all(np.array_equal(a, b) for a, b in zip(epoch, expect))
+        else:
+            assert np.array_equal(np.sort(np.concatenate(epoch)), np.sort(strided(0, n, n)))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_infinite_batch_sampler_gives_exactly_n_batches_per_steps_call(workers):
+    expect = batches_of(VariableBatches(None), 80)
+    with ShmLoader(Ids(10**9), batch_sampler=VariableBatches(None), num_workers=workers) as ld:
+        seen = 0
+        for n in (3, 40, 1, 36):
+            got = [b.copy() for b in ld.steps(n)]
+            assert all(np.array_equal(a, b) for a, b in zip(got, expect[seen:seen + n]))
+            assert len(got) == n
+            seen += n
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("epoch", [1, 2])
+def test_a_streamed_batch_sampler_resumes_exactly_the_rest(workers, epoch):
+    """A state 500 batches into epoch 1 or 2: a new loader yields exactly
+    the remaining batches, as they were, then the next epoch whole."""
+    n = 10_007
+    expect = batches_of(VariableBatches(n))
+    kw = dict(batch_sampler=VariableBatches(n), num_workers=workers)
+    with ShmLoader(Ids(n), **kw) as ld:
+        for _ in range(epoch - 1):
+            list(ld)
+        it = iter(ld)
+        head = [next(it).copy() for _ in range(500)]
+        state = ld.state_dict()
+    assert all(np.array_equal(a, b) for a, b in zip(head, expect))
+    with ShmLoader(Ids(n), **kw) as ld:
+        ld.load_state_dict(state)
+        resumed = [b.copy() for b in ld]
+        following = [b.copy() for b in ld]
+    assert len(resumed) == len(expect) - 500
+    assert all(np.array_equal(a, b) for a, b in zip(resumed, expect[500:]))
+    assert len(following) == len(expect)
+    assert all(np.array_equal(a, b) for a, b in zip(following, expect))
+
+
+def test_a_batch_sampler_of_a_hundred_million_indices_starts_at_once():
+    """Pulled a window of batches ahead: the first batches of a batch
+    sampler over 100,000,000 indices come at once, and its order file
+    holds the window's indices, not the epoch's."""
+    n = 100_000_000
+    expect = batches_of(VariableBatches(n), 2000)
+    with ShmLoader(Ids(n), batch_sampler=VariableBatches(n), num_workers=2) as ld:
+        it = iter(ld)
+        got = [next(it).copy() for _ in range(2000)]
+        fd = ld._shared.order_fd(ld._current.id)
+        allocated = os.fstat(fd).st_blocks * 512
+    assert all(np.array_equal(a, b) for a, b in zip(got, expect))
+    assert allocated < 3 << 20, allocated
+
+
+class NotLists:
+    def __iter__(self):
+        yield [0, 1]
+        yield "ab"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_sampler_yielding_something_else_than_indices_is_a_clear_error(workers):
+    with ShmLoader(Ids(10), batch_sampler=NotLists(), num_workers=workers) as ld:
+        with pytest.raises(TypeError) as raised:
+            list(ld)
+    text = str(raised.value)
+    assert "NotLists" in text and "batch 1" in text and "lists of ints" in text
