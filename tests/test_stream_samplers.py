@@ -373,3 +373,52 @@ def test_a_batch_sampler_yielding_something_else_than_indices_is_a_clear_error(w
             list(ld)
     text = str(raised.value)
     assert "NotLists" in text and "batch 1" in text and "lists of ints" in text
+
+
+# --- loader.DataLoader's default samplers, drawn in one call ----------------------------
+
+def _torch_epochs(loader_cls, generator, epochs=2, early_break=True, **kw):
+    import torch
+
+    torch.manual_seed(11)
+    ld = loader_cls(Ids(10_007), shuffle=True, generator=generator, **kw)
+    out = [[int(x) for b in ld for x in torch.atleast_1d(torch.as_tensor(b))]
+           for _ in range(epochs)]
+    if early_break:  # a break: torch's sampler was pulled only so far
+        it = iter(ld)
+        next(it)
+        next(it)
+        del it
+    return out, torch.get_rng_state()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("batch_size", [64, None])
+@pytest.mark.parametrize("with_generator", [True, False])
+def test_dataloader_shuffle_is_torchs_order_without_iterating_its_sampler(
+        workers, batch_size, with_generator, monkeypatch):
+    """loader.DataLoader(shuffle=True) draws torch's RandomSampler's order
+    in one randperm call: the same order as torch's DataLoader, epoch
+    after epoch and after a break, its generator (or torch's global one)
+    left in the same state, and RandomSampler.__iter__ never called."""
+    import torch
+    from torch.utils.data import DataLoader as TorchDataLoader
+    from torch.utils.data import RandomSampler
+
+    import loader
+
+    kw = dict(batch_size=batch_size, num_workers=workers)
+    g = torch.Generator().manual_seed(3) if with_generator else None
+    expect, expect_global = _torch_epochs(TorchDataLoader, g, **kw)
+    expect_g = g.get_state() if g is not None else None
+
+    def never(self):
+        raise AssertionError("RandomSampler.__iter__ was called: the order was drawn by a loop")
+
+    monkeypatch.setattr(RandomSampler, "__iter__", never)
+    g = torch.Generator().manual_seed(3) if with_generator else None
+    got, got_global = _torch_epochs(loader.DataLoader, g, **kw)
+    assert got == expect
+    assert torch.equal(got_global, expect_global)
+    if g is not None:
+        assert torch.equal(g.get_state(), expect_g)
