@@ -14,7 +14,9 @@ Loaders: ShmLoader(seed=) (the seeded order, computed per index; seed=
 also seeds the generators before every sample, reproducible=True, which
 the -norepro row leaves out),
 ShmLoader(generator=) (torch's randperm, written out once), ShmLoader with
-a custom lazy sampler (streamed) with len() and without it, loader.DataLoader(shuffle=True) and PyTorch's DataLoader (shuffle=True), and
+a custom lazy sampler (streamed) with len() and without it,
+loader.DataLoader(shuffle=True) (RandomSampler drawn in one call),
+PyTorch's DataLoader (shuffle=True), and
 Grain's DataLoader (IndexSampler: a lazy index_shuffle).  A size a loader
 cannot hold in this machine's RAM is skipped and said so.
 

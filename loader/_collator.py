@@ -143,7 +143,7 @@ class _Pass:
         loadable = self.loadable_batches()
         if loadable == 0:  # (a run started ahead whose turn has not come)
             return
-        if self.open_ended:  # none past LIMIT: the one after may be a short last batch, still unknown
+        if self.open_ended:  # none past LIMIT: the next may be a short last batch, unknown yet
             yield from range(self.lo, min(self.sent + window, self.batches.count, loadable))
             return
         yield from range(self.lo, min(self.sent + window, self.nbatches, loadable + 1))

@@ -307,6 +307,7 @@ class ShmLoader(FrozenState):
         return -(-O.kept_of(n, self.batch_size, self.drop_last) // self.batch_size)
 
     def _sampler_len(self) -> int:
+        """len(sampler), or a TypeError that says why there is none."""
         n = sampler_length(self.sampler)
         if n is None:
             raise TypeError(f"this ShmLoader has no len(): its sampler ({self._sampler_name()}) "
@@ -804,9 +805,8 @@ class ShmLoader(FrozenState):
                              f"to claim, and a run holds fewer than 2**32: pass a larger "
                              f"batch_size with a collate_fn (workers then claim whole batches), "
                              f"or split the dataset")
-        progress = MapProgress(kept if resume is None or open_ended else resume["map"]["positions"],
-                               done,
-                               remaining, geometry, per_batch)
+        epoch_positions = kept if resume is None or open_ended else resume["map"]["positions"]
+        progress = MapProgress(epoch_positions, done, remaining, geometry, per_batch)
         return _Plan(epoch, size, kept, units, nbatches, kind, order_seed, shipped, offsets,
                      base_seed, rng, progress,
                      remaining=remaining if kind in (O.ORDER_RANGE, O.ORDER_PERMUTATION) else None,

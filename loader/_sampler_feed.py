@@ -1,30 +1,60 @@
-"""A user's sampler, pulled a bounded window ahead of the workers.
+"""A user's sampler or batch sampler, pulled a bounded window ahead of
+the workers.
 
 NOTE [ Streamed samplers ]
 ==========================
 
 torch's DataLoader pulls its sampler lazily, a prefetch ahead of the
 batches it returns; `list(sampler)` up front would make a sampler of a
-billion indices cost minutes and gigabytes before the first batch.  So a
-ShmLoader(sampler=...) whose sampler has a len() is pulled as the run's
+billion indices cost minutes and gigabytes before the first batch, and
+one that never ends hang.  So a ShmLoader(sampler=...) whose first index
+is an int, and any ShmLoader(batch_sampler=...), is pulled as the run's
 LIMIT moves (NOTE [ Runs ]):
 
-  main: _open_limit(run, yielded) ─► feed.feed(positions below the new LIMIT)
-        ─► pwrite those indices into the run's order file (sized len(sampler)
-           * 8 bytes up front, sparse) ─► store LIMIT (release)
-  worker: claims a position below LIMIT (acquire) ─► reads its index from the
-          order file, mapped read-only (_shared.read_order)
+  main: _open_limit(run, yielded) ─► feed the positions (batches) below the
+        new LIMIT ─► pwrite their indices into the run's order file (sparse)
+        ─► [the sampler ended: settle_run stores the final KEPT, UNITS,
+        NBATCHES] ─► store LIMIT (release)
+  worker: claims a unit, loads it once below LIMIT (acquire) ─► reads its
+          index from the order file, mapped read-only (_shared.read_order)
 
-The file's pages below what the training loop has received are punched
-out (fallocate PUNCH_HOLE), so the memory in use is the window ahead,
-whatever the sampler's length.  A resumed epoch pulls the sampler again
-from its start and skips the positions already delivered (_order.Remaining),
-as torch would have to.  With num_workers=0 the feed keeps the window in a
-private array instead.
+- A sampler with a len(): the run's length is len(sampler) from the start
+  (one that ends early is a ValueError naming both counts).
+- A sampler without len() (finite or not) or a batch sampler: the run is
+  OPEN.  Its length is a provisional bound (OPEN_POSITIONS, 2**31
+  positions; the order file is sized for it, sparse) until the sampler
+  ends; main learns the end when a pull comes back short and stores the
+  final length before any LIMIT past the last full batch.  LIMIT never
+  passes the end, so a worker never loads a position by a provisional
+  length: it reads KEPT again for a batch's rows (OpenBatches,
+  StreamedBatches), and one that claimed a unit past the end wakes on the
+  limit bell and finds it past UNITS.  The collator lays out no batch past
+  LIMIT for such a run (the next may be the short last one).  The epoch
+  ends after the sampler's last index (the last batch short unless
+  drop_last), len(loader) is a TypeError as torch's, and steps(n) takes n
+  batches of a sampler that never ends (the epoch's iterator stays
+  suspended between calls).  A sampler still going at OPEN_POSITIONS
+  positions ends its epoch there; the next epoch iterates it again.
+- A batch sampler: each batch's end offset goes into the file from word
+  OPEN_POSITIONS, stored minus 2**62 so that words not written yet (0) sort
+  after every written one and a worker's binary search (locate) stays in
+  the written part; main keeps its own copy (8 bytes per batch).
 
-Samplers without len(), whose indices are not ints (ORDER_OBJECTS), batch
-samplers, and loader.DataLoader's (which draws the order as torch does:
-NOTE [ Drawing the order as torch does ]) are still drawn whole.
+The file's pages of indices below what the training loop has received are
+punched out (fallocate PUNCH_HOLE), so the memory in use is the window
+ahead whatever the sampler's length (a batch sampler's offsets stay: 8
+bytes per batch).  A resumed epoch pulls the sampler again from its start
+and skips the positions already delivered (_order.Remaining), as torch
+would have to; a batch sampler's batches keep their positions not
+delivered, and batches left empty are dropped.  With num_workers=0 the
+feed keeps the window in a private array instead.
+
+Still drawn whole at each epoch: a sampler whose indices are not ints
+(ORDER_OBJECTS: pickled for the workers, read whole by each), and
+loader.DataLoader's samplers, which are drawn as torch draws them (NOTE
+[ Drawing the order as torch does ] in _torch.py): torch's own
+RandomSampler and SequentialSampler in one vectorised call, any other one
+by iterating it.
 """
 
 from __future__ import annotations

@@ -331,6 +331,17 @@ class _PipeEpochs(torch.utils.data.IterableDataset):
 # nothing when no generator moved (a fixed sampler).  A resumed epoch has
 # no mirror: its order is drawn from the recorded states, and it leaves the
 # generators as the whole epoch would.
+#
+# torch's own RandomSampler (without replacement, one pass over its data
+# source: DataLoader(shuffle=True)) and SequentialSampler are not iterated
+# at all: the order is what RandomSampler.__iter__ draws at its first
+# index, in one call (a seed from the default generator when it has no
+# generator of its own, then randperm(n, generator)), an int64 array
+# written once to the run's order file.  The generators are then exactly
+# where torch's first pull leaves them, and the mirror is a _Replay: the
+# same BatchSampler code over n placeholders (itertools.repeat), which
+# makes the trailing randperm(n)[:0] draw at the pull where torch's
+# sampler is exhausted.  No Python int per index, no second permutation.
 
 # NOTE [ The sampler's epoch in a state ]
 # =======================================
