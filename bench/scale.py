@@ -14,7 +14,9 @@ Loaders: ShmLoader(seed=) (the seeded order, computed per index; seed=
 also seeds the generators before every sample, reproducible=True, which
 the -norepro row leaves out),
 ShmLoader(generator=) (torch's randperm, written out once), ShmLoader with
-a custom lazy sampler (streamed), PyTorch's DataLoader (shuffle=True), and
+a custom lazy sampler (streamed) with len() and without it,
+loader.DataLoader(shuffle=True) (RandomSampler drawn in one call),
+PyTorch's DataLoader (shuffle=True), and
 Grain's DataLoader (IndexSampler: a lazy index_shuffle).  A size a loader
 cannot hold in this machine's RAM is skipped and said so.
 
@@ -35,12 +37,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from report import machine  # noqa: E402
 
-LOADERS = ["shm-seed", "shm-seed-norepro", "shm-generator", "shm-sampler", "torch", "grain"]
+LOADERS = ["shm-seed", "shm-seed-norepro", "shm-generator", "shm-sampler", "shm-sampler-nolen",
+           "dataloader", "torch", "grain"]
 
 # bytes per sample a loader needs up front, to skip sizes beyond RAM: the
 # written-out orders (torch: randperm, then a list of Python ints in main)
 _BYTES_PER_SAMPLE = {"shm-seed": 0, "shm-seed-norepro": 0, "shm-generator": 16,
-                     "shm-sampler": 0, "torch": 48, "grain": 0}
+                     "shm-sampler": 0, "shm-sampler-nolen": 0, "dataloader": 16,
+                     "torch": 48, "grain": 0}
 
 def _pss_kb(pid: int) -> int:
     try:
@@ -91,6 +95,19 @@ class Lazy:
         return ((i * 7919) % n for i in range(n))
 
 
+class LazyNoLen:
+    """A custom sampler yielding its n indices one by one, with no __len__
+    (Grain's samplers are random access, RecordMetadata by record key: a
+    generator of indices has no Grain equivalent to measure)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        n = self.n
+        return ((i * 7919) % n for i in range(n))
+
+
 def _make(which: str, n: int, B: int):
     from loader import ShmLoader
 
@@ -105,6 +122,11 @@ def _make(which: str, n: int, B: int):
                          generator=torch.Generator().manual_seed(1))
     if which == "shm-sampler":
         return ShmLoader(Tiny(n), batch_size=B, sampler=Lazy(n), num_workers=2)
+    if which == "shm-sampler-nolen":  # its length learnt when it ends (an OPEN run)
+        return ShmLoader(Tiny(n), batch_size=B, sampler=LazyNoLen(n), num_workers=2)
+    if which == "dataloader":  # loader.DataLoader: torch's RandomSampler, drawn in one call
+        import loader
+        return loader.DataLoader(Tiny(n), batch_size=B, shuffle=True, num_workers=2)
     if which == "torch":
         import torch
         return torch.utils.data.DataLoader(Tiny(n), batch_size=B, shuffle=True, num_workers=2)
@@ -120,7 +142,7 @@ def child(which: str, n: int, B: int, nb: int, result: str) -> None:
     import threading
     import time
 
-    if which in ("shm-generator", "torch"):
+    if which in ("shm-generator", "dataloader", "torch"):
         import torch  # noqa: F401  (imported before the baseline: not the loader's memory)
     if which == "grain":
         import grain.python  # noqa: F401

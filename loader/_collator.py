@@ -73,9 +73,19 @@ class _Pass:
             kept = control.read(run, C.KEPT)
             self.nbatches = control.read(run, C.NBATCHES)
             offsets = None
-            if control.read(run, C.SHIPPED):
-                _, offsets = shared.read_order(run, kept, self.nbatches, True)
-            self.batches = O.Batches(kept, self.B, offsets)
+            shipped = control.read(run, C.SHIPPED)
+            if shipped == O.SHIPPED_STREAMED:  # a streamed batch sampler's (NOTE [ Runs ])
+                _, stored = shared.read_order(run, O.OPEN_POSITIONS, O.OPEN_POSITIONS, True)
+                self.batches = O.StreamedBatches(stored, lambda: control.kept(run),
+                                                 lambda: control.nbatches(run))
+            elif control.read(run, C.OPEN):  # its length is learnt late (NOTE [ Runs ])
+                self.batches = O.OpenBatches(self.B, lambda: control.kept(run))
+            else:
+                if shipped:
+                    _, offsets = shared.read_order(run, kept, self.nbatches, True)
+                self.batches = O.Batches(kept, self.B, offsets)
+        self.open_ended = not self.iterable and (
+            bool(control.read(run, C.OPEN)) or control.read(run, C.SHIPPED) == O.SHIPPED_STREAMED)
         self.open: dict[int, _Batch] = {}
         self.lo, self.finished = 0, set()  # map-style: batches below lo, and those in `finished`, are sent
         # iterable: per worker's stream, its batch numbers below low[w] are
@@ -132,6 +142,9 @@ class _Pass:
             return
         loadable = self.loadable_batches()
         if loadable == 0:  # (a run started ahead whose turn has not come)
+            return
+        if self.open_ended:  # none past LIMIT: the next may be a short last batch, unknown yet
+            yield from range(self.lo, min(self.sent + window, self.batches.count, loadable))
             return
         yield from range(self.lo, min(self.sent + window, self.nbatches, loadable + 1))
 

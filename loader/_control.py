@@ -13,7 +13,7 @@ blocks on a send, whatever the children are doing.
 
   ctl[LATEST_RUN] ──► run block (run % 2): ID EPOCH SIZE KEPT UNITS NBATCHES ORDER ORDER_SEED
                                              SHIPPED BASE_SEED SNAPSHOT CURSOR LIMIT ARRIVED
-                                             FINISHED RESUMED
+                                             FINISHED RESUMED OPEN
 
 - SIZE: the dataset's length, from which a computed order is made (or
   the shipped order's length); KEPT: positions of this rank's order it
@@ -36,6 +36,14 @@ blocks on a send, whatever the children are doing.
   resumed epoch: the order file holds the few numbers of _order.Remaining
   (the epoch's kept positions, the prefix delivered and the ranges
   delivered past it), and KEPT counts the positions left.
+- OPEN: 1 when the run's length is learnt late (a sampler without
+  len(): NOTE [ Streamed samplers ] in _sampler_feed.py).  SIZE, KEPT,
+  UNITS and NBATCHES then start as a provisional bound (OPEN_POSITIONS)
+  and main stores the final ones (settle_run) as soon as the sampler
+  ends, before any LIMIT that reaches past the last full batch: a worker
+  loads only below LIMIT, so it never loads a position by a provisional
+  length, and one waiting for a unit past the end wakes (the limit bell)
+  and finds it past UNITS.
 - SHIPPED: 1 when the order file also holds batch offsets (a batch
   sampler's batches, of any sizes): batch k covers positions
   [offsets[k], offsets[k + 1]).
@@ -92,9 +100,9 @@ OUTBOX = 2          # 1 while the collator holds messages main's full ring could
 ACTIVE = 3          # num_workers="auto": workers with a lower id claim units (see _autoscale.py)
 MEMORY_WAIT = 4     # 1 while a batch waits for slab memory (NOTE [ Kept batch memory ])
 RUN_BASE = 8
-RUN_WORDS = 16
+RUN_WORDS = 17
 (ID, EPOCH, SIZE, KEPT, UNITS, NBATCHES, ORDER, ORDER_SEED, SHIPPED, BASE_SEED, SNAPSHOT,
- CURSOR, LIMIT, ARRIVED, FINISHED, RESUMED) = range(16)
+ CURSOR, LIMIT, ARRIVED, FINISHED, RESUMED, OPEN) = range(17)
 CTL_WORDS = RUN_BASE + 2 * RUN_WORDS
 RUN_SHIFT = 32      # units per run < 2**32
 
@@ -137,7 +145,7 @@ class Control:
 
     def start_run(self, run: int, epoch: int, size: int, kept: int, units: int, nbatches: int,
                   order: int, order_seed: int, shipped: int, base_seed: int, limit,
-                  snapshot: int = 0, resumed: int = 0) -> None:
+                  snapshot: int = 0, resumed: int = 0, open_ended: int = 0) -> None:
         """Fill the run's block, then publish it.  The block's previous run
         (run - 2) must have ended: see NOTE [ Runs ].  For an iterable
         dataset, `limit` is each worker's (a list)."""
@@ -147,7 +155,7 @@ class Control:
                              (UNITS, units), (NBATCHES, nbatches), (ORDER, order),
                              (ORDER_SEED, order_seed), (SHIPPED, shipped),
                              (BASE_SEED, base_seed), (SNAPSHOT, snapshot), (FINISHED, 0),
-                             (RESUMED, resumed),
+                             (RESUMED, resumed), (OPEN, open_ended),
                              (LIMIT, -1 if per_worker else limit),
                              (ARRIVED, tagged(run))):
             c[word(run, which)] = value
@@ -167,6 +175,23 @@ class Control:
             shmq.atomic_store(self.ctl, i, 0)
         self.limit_bell.ring()   # workers waiting to load its units
         self.table_bell.ring()   # workers waiting for its layouts
+
+    def settle_run(self, run: int, kept: int, units: int, nbatches: int) -> None:
+        """An OPEN run's final length, stored before the LIMIT that
+        reaches it (set_limit's release store publishes these too)."""
+        for which, value in ((SIZE, kept), (KEPT, kept), (NBATCHES, nbatches), (UNITS, units)):
+            shmq.atomic_store(self.ctl, word(run, which), value)
+        self.limit_bell.ring()   # workers waiting for a unit now past the end
+
+    def kept(self, run: int) -> int:
+        """The run's KEPT as stored now (an OPEN run's may still change)."""
+        return shmq.atomic_load(self.ctl, word(run, KEPT))
+
+    def nbatches(self, run: int) -> int:
+        return shmq.atomic_load(self.ctl, word(run, NBATCHES))
+
+    def units(self, run: int) -> int:
+        return shmq.atomic_load(self.ctl, word(run, UNITS))
 
     def set_limit(self, run: int, limit: int) -> None:
         shmq.atomic_store(self.ctl, word(run, LIMIT), limit)

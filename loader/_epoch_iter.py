@@ -179,7 +179,8 @@ class MapEpoch(_Epoch):
 
     def _advance(self) -> None:
         self.yielded += 1
-        self.host.advance(self.run, self.yielded, self._left())
+        self.run = self.host.advance(self.run, self.yielded, self._left())
+        self.total = self.run.plan.nbatches  # a run settled once its sampler ended
 
     def _next_ready(self):
         """The next batch to hand out, if it is here (or raise its error:

@@ -15,6 +15,7 @@ from loader import _order as O
 from loader._stats import EpochClock
 from loader._trace import EPOCH, WAIT
 from loader._layout import Layout, LayoutCache, materialize, signature_and_leaves, stack
+from loader._sampler_feed import BatchFeed
 from loader._worker import SampleSeeder
 
 
@@ -65,7 +66,7 @@ class InlineEpoch:
             self.seq, self.ended = 0, False
             return
         order = ld._order_of(plan)
-        self.geometry = self.progress.batches = O.Batches(plan.kept, ld._rows, plan.offsets)
+        self.geometry = plan.progress.batches  # (a streamed batch sampler's: as it is pulled)
         self.index_of = O.index_getter(order)
         self.order = order
         self.fetch = F.batch_fetcher(ld.dataset, ld.batch_size, False)
@@ -101,6 +102,8 @@ class InlineEpoch:
         if self.loader.iterable:
             return self._next_of_stream()
         k = self.k
+        if self.plan.feed is not None and self.plan.feed.open and not self.plan.feed.settled:
+            self._learn_end(k)
         if k >= self.plan.nbatches:
             raise StopIteration
         self.k += 1  # (an error in this batch leaves the next one to the next call)
@@ -117,6 +120,18 @@ class InlineEpoch:
         batch = self._collate(k, samples, lambda row: self.index_of(start + row))
         self.progress.mark_batch(k)
         return batch, len(samples)
+
+    def _learn_end(self, k: int) -> None:
+        """A sampler without len(): pull it through batch k, and if it
+        ended, take the epoch's final length (NOTE [ Streamed samplers ])."""
+        feed = self.plan.feed
+        if isinstance(feed, BatchFeed):
+            feed.feed_batches(k + 1)
+        else:
+            feed.feed(self.geometry.span(k)[1] if k < self.geometry.count else self.plan.kept)
+        plan = self.loader._settled_plan(self.plan)
+        if plan is not None:
+            self.plan, self.geometry = plan, plan.progress.batches
 
     def _load(self, index, pos: int):
         if self.seeder is not None:  # a sampler's non-int index: seeded by its position

@@ -30,7 +30,7 @@ from loader._native import derived_seeds
 from loader._pinning import cuda_available
 from loader._procs import LoaderStartError
 from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
-from loader._sampler_feed import SamplerFeed, streamable
+from loader._sampler_feed import BatchFeed, SamplerFeed, sampler_length, streamable
 from loader._session import Session
 from loader._shared import LoaderConfig
 from loader._state import Expected, check_state
@@ -68,6 +68,7 @@ class _Plan(NamedTuple):
     snapshot: object = None    # the dataset's snapshot of the epoch (FileDataset: its files)
     remaining: O.Remaining | None = None  # a resumed computed order: the positions left
     feed: SamplerFeed | None = None  # a streamed sampler (NOTE [ Streamed samplers ])
+    claims_batches: bool = False  # workers claim whole batches (UNITS are batches)
 
 
 class _Run(NamedTuple):
@@ -214,11 +215,21 @@ class ShmLoader(FrozenState):
                             "number of batches")
         if self.batch_sampler is not None:
             return len(self.batch_sampler)
-        n = len(self.sampler) if self.sampler is not None else self._dataset_len()
+        n = self._sampler_len() if self.sampler is not None else self._dataset_len()
         n = O.shard_size(n, self._ranks()[1])
         if self.batch_size is None:
             return n
         return -(-O.kept_of(n, self.batch_size, self.drop_last) // self.batch_size)
+
+    def _sampler_len(self) -> int:
+        """len(sampler), or a TypeError that says why there is none."""
+        n = sampler_length(self.sampler)
+        if n is None:
+            raise TypeError(f"this ShmLoader has no len(): its sampler ({self._sampler_name()}) "
+                            f"has no __len__, so its number of batches is known only once the "
+                            f"sampler ends (as torch's DataLoader, len() needs a sized sampler); "
+                            f"iterate it to its end, or count batches with steps(n)")
+        return n
 
     def stats(self) -> dict | None:
         """How the last epoch that ran to its end was delivered, and where
@@ -475,22 +486,32 @@ class ShmLoader(FrozenState):
                          order_kind=O.ORDER_RANGE if shipped is None else O.ORDER_SHIPPED,
                          order_seed=0, shipped=shipped, offsets=None, base_seed=base_seed,
                          rng=rng, progress=progress)
-        shipped = offsets = stream = None
+        shipped = offsets = stream = batch_stream = None
+        length = None if self.sampler is None else sampler_length(self.sampler)
         if self.sampler is not None and not self._torch_rules:
             streamed, stream = streamable(self.sampler)
             if not streamed:  # drawn whole, from what streamable() started
-                stream = list(stream) if stream is not None else None
-        if self.batch_sampler is not None:
+                stream = list(stream)
+        if self.batch_sampler is not None and not self._torch_rules:
+            # streamed, its batches pulled as LIMIT moves: OPEN, as the positions
+            # it covers are known only once it ends, even with a len()
+            batch_stream = iter(self.batch_sampler)
+            kind, order_seed, size = O.ORDER_SHIPPED, 0, O.OPEN_POSITIONS
+        elif self.batch_sampler is not None:
             batches = [np.asarray(list(b), np.int64).reshape(-1) for b in self.batch_sampler]
             shipped = np.concatenate(batches) if batches else np.zeros(0, np.int64)
             offsets = np.zeros(len(batches) + 1, np.int64)
             np.cumsum([len(b) for b in batches], out=offsets[1:])
             kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
         elif self.sampler is not None and not isinstance(stream, (list, type(None))):
-            kind, order_seed, size = O.ORDER_SHIPPED, 0, len(self.sampler)  # streamed
+            # streamed; without len(), to a provisional bound until it ends (OPEN)
+            kind, order_seed = O.ORDER_SHIPPED, 0
+            size = O.OPEN_POSITIONS if length is None else length
         elif self.sampler is not None:
-            items = stream if stream is not None else list(self.sampler)
-            if all(isinstance(i, (int, np.integer)) for i in items):
+            items = stream if stream is not None else self._drawn_whole()
+            if isinstance(items, np.ndarray):  # torch's own sampler, drawn in one call
+                shipped, kind = items, O.ORDER_SHIPPED
+            elif all(isinstance(i, (int, np.integer)) for i in items):
                 shipped, kind = np.asarray(items, np.int64).reshape(-1), O.ORDER_SHIPPED
             else:  # indices of other kinds (lists, keys): dataset[...] gets them as they are
                 shipped, kind = items, O.ORDER_OBJECTS
@@ -522,10 +543,14 @@ class ShmLoader(FrozenState):
             if shipped is not None:
                 shipped = shipped[:kept]
         done = remaining = None
+        open_ended = kind == O.ORDER_SHIPPED and shipped is None and (
+            length is None or batch_stream is not None)
+        if open_ended:  # its length is learnt when the sampler ends (_settled_plan)
+            kept = O.OPEN_POSITIONS
         if resume is not None:  # the epoch's remaining positions, in its order
             done = MapProgress.done_of(resume["map"])
             positions = resume["map"]["positions"]
-            if positions != kept:
+            if positions != kept and not open_ended:
                 raise ValueError(f"this state is of an epoch of {positions} samples, but the "
                                  f"loader's epoch {epoch} has {kept}: load it into a loader of "
                                  f"the same dataset, sampler and batching")
@@ -550,26 +575,45 @@ class ShmLoader(FrozenState):
             if kind == O.ORDER_SHIPPED and shipped is None:
                 size = kept
         feed = None
-        if kind == O.ORDER_SHIPPED and shipped is None:
-            feed = SamplerFeed(stream, self._sampler_name(), len(self.sampler), kept, remaining)
+        geometry = O.Batches(kept, self._rows, offsets)
+        if batch_stream is not None:
+            feed = BatchFeed(batch_stream, self._sampler_name(), kept, remaining)
+            geometry = feed.batches()
+        elif kind == O.ORDER_SHIPPED and shipped is None:
+            feed = SamplerFeed(stream, self._sampler_name(), length, kept, remaining)
         nbatches = len(offsets) - 1 if offsets is not None else (
-            kept if self.batch_size is None else -(-kept // self.batch_size))
-        per_batch = self.collate_fn is not None or self.batch_size is None  # tags are units
-        claims_batches = per_batch or (
-            (self._torch_rules or self._batched_fetch()) and self.num_workers > 0)
+            kept if self.batch_size is None or batch_stream is not None
+            else -(-kept // self.batch_size))
+        per_batch = self._per_batch()
+        claims_batches = self._claims_batches()
         units = nbatches if claims_batches else kept
         if units >= 1 << C.RUN_SHIFT:  # the cursor counts a run's units in 32 bits
             raise ValueError(f"an epoch of {kept:,} samples is {units:,} units for the workers "
                              f"to claim, and a run holds fewer than 2**32: pass a larger "
                              f"batch_size with a collate_fn (workers then claim whole batches), "
                              f"or split the dataset")
-        progress = MapProgress(kept if resume is None else resume["map"]["positions"], done,
-                               remaining, O.Batches(kept, self._rows, offsets), per_batch)
+        epoch_positions = kept if resume is None or open_ended else resume["map"]["positions"]
+        progress = MapProgress(epoch_positions, done, remaining, geometry, per_batch)
         return _Plan(epoch=epoch, size=size, kept=kept, units=units, nbatches=nbatches,
                      order_kind=kind, order_seed=order_seed, shipped=shipped, offsets=offsets,
                      base_seed=base_seed, rng=rng, progress=progress,
                      remaining=remaining if kind in (O.ORDER_RANGE, O.ORDER_PERMUTATION) else None,
-                     feed=feed)
+                     feed=feed, claims_batches=claims_batches)
+
+    def _drawn_whole(self):
+        """loader.DataLoader's order (NOTE [ Drawing the order as torch
+        does ] in _torch.py): an int64 array, or a list of indices."""
+        draw = getattr(self.sampler, "draw", None)
+        return draw() if callable(draw) else list(self.sampler)
+
+    def _per_batch(self) -> bool:
+        """A row's tag is its unit: a collate_fn, or samples unbatched."""
+        return self.collate_fn is not None or self.batch_size is None
+
+    def _claims_batches(self) -> bool:
+        """Workers claim whole batches (UNITS are batches), not positions."""
+        return self._per_batch() or (
+            (self._torch_rules or self._batched_fetch()) and self.num_workers > 0)
 
     def _limit(self, run: _Run, yielded: int) -> int:
         """Units workers may load once `yielded` batches were yielded: those
@@ -580,21 +624,70 @@ class ShmLoader(FrozenState):
             ahead = self._session.cfg.worker_prefetch + self._session.cfg.shuffle_batches
             return [j + ahead for j in run.plan.progress.first_batches()]
         upto = max(min(yielded + self.prefetch, run.plan.nbatches), 0)
-        if run.plan.units == run.plan.nbatches:  # workers claim whole batches
+        if run.plan.claims_batches:  # workers claim whole batches
             return upto
         return run.batches.span(upto - 1)[1] if upto > 0 else 0
 
     def _open_limit(self, run: _Run, yielded: int) -> int:
         """_limit(), once a streamed sampler has written the indices of
-        every position below it (NOTE [ Streamed samplers ])."""
-        limit = self._limit(run, yielded)
-        feed = run.plan.feed
-        if feed is not None and run.batches is not None:
-            upto = limit if run.plan.units != run.plan.nbatches else (
-                run.batches.span(limit - 1)[1] if limit > 0 else 0)
-            feed.feed(upto)
-            feed.release_below(run.plan.progress.run_prefix())
+        every position below it (NOTE [ Streamed samplers ]).  A run whose
+        sampler (without len()) ended there is settled first: its final
+        length is stored before the LIMIT that reaches it, and the run main
+        holds (_current, _ahead) is replaced by the settled one."""
+        settled, limit = self._fed_limit(run, yielded)
+        if settled is not run:
+            plan = settled.plan
+            self._session.shared.control.settle_run(run.id, plan.kept, plan.units, plan.nbatches)
+            if self._current is run:
+                self._current = settled
+            if self._ahead is run:
+                self._ahead = settled
         return limit
+
+    def _fed_limit(self, run: _Run, yielded: int) -> tuple[_Run, int]:
+        """(the run, settled if its sampler just ended; its _limit()), the
+        indices below that limit written."""
+        feed = run.plan.feed
+        if feed is None or run.batches is None:
+            return run, self._limit(run, yielded)
+        if isinstance(feed, BatchFeed):  # its batches' offsets first: _limit reads them
+            feed.feed_batches(max(min(yielded + self.prefetch, run.plan.nbatches), 0))
+        else:
+            feed.feed(self._positions_below(run, self._limit(run, yielded)))
+        feed.release_below(run.plan.progress.run_prefix())
+        plan = self._settled_plan(run.plan)
+        if plan is not None:
+            run = run._replace(plan=plan, batches=plan.progress.batches)
+        return run, self._limit(run, yielded)
+
+    @staticmethod
+    def _positions_below(run: _Run, limit: int) -> int:
+        """The run positions below a LIMIT (in batches when claimed whole)."""
+        if not run.plan.claims_batches:
+            return limit
+        return run.batches.span(limit - 1)[1] if limit > 0 else 0
+
+    def _settled_plan(self, plan: _Plan) -> _Plan | None:
+        """An OPEN plan (a sampler without len()) whose sampler has ended,
+        with its final length (and its progress told it); None otherwise."""
+        feed = plan.feed
+        if feed is None or feed.settled:
+            return None
+        end = feed.end(self.batch_size, self.drop_last)
+        if end is None:
+            return None
+        feed.settled = True
+        epoch_kept, kept = end
+        if isinstance(feed, BatchFeed):
+            nbatches = feed.batches_fed
+            batches = O.Batches(kept, self._rows, feed.offsets[:nbatches + 1].copy())
+        else:
+            nbatches = kept if self.batch_size is None else -(-kept // self.batch_size)
+            batches = O.Batches(kept, self._rows)
+        units = nbatches if plan.claims_batches else kept
+        plan.progress.kept = epoch_kept
+        plan.progress.batches = batches
+        return plan._replace(size=kept, kept=kept, units=units, nbatches=nbatches)
 
     def _start_run(self, epoch, resume: dict | None = None, snapshot=None,
                    yielded: int = 0) -> _Run:
@@ -615,17 +708,25 @@ class ShmLoader(FrozenState):
             plan.feed.attach(self._session.shared.order_fd(run_id))
         if plan.snapshot is not None:
             self._session.shared.write_snapshot(run_id, plan.snapshot)
-        batches = None if self.iterable else O.Batches(plan.kept, self._rows, plan.offsets)
-        run = _Run(run_id, plan, batches)
+        batches = None if self.iterable else plan.progress.batches
+        run, limit = self._fed_limit(_Run(run_id, plan, batches), yielded)
+        plan = run.plan
         self._runs = run_id
         self._unended.add(run_id)
         self._inboxes[run_id] = collections.deque()
         self._session.shared.control.start_run(
             run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
-            plan.order_seed, int(plan.offsets is not None), plan.base_seed,
-            self._open_limit(run, yielded),
-            int(plan.snapshot is not None), int(plan.remaining is not None))
+            plan.order_seed, self._shipped_word(plan), plan.base_seed, limit,
+            int(plan.snapshot is not None), int(plan.remaining is not None),
+            int(plan.feed is not None and plan.feed.open and not plan.feed.settled))
         return run
+
+    @staticmethod
+    def _shipped_word(plan: _Plan) -> int:
+        """SHIPPED (NOTE [ Runs ]): where the run's batch offsets are, if any."""
+        if isinstance(plan.feed, BatchFeed):
+            return O.SHIPPED_STREAMED
+        return O.SHIPPED_WHOLE if plan.offsets is not None else 0
 
     def _end(self, run: _Run | None) -> None:
         """Main will read no more of this run: its workers stop, and its
@@ -877,7 +978,7 @@ class ShmLoader(FrozenState):
         them (None: a batch sampler's, known only by iterating it)."""
         if self.iterable or self.batch_sampler is not None:
             return None
-        n = len(self.sampler) if self.sampler is not None else self._map_len()
+        n = sampler_length(self.sampler) if self.sampler is not None else self._map_len()
         if n is None:
             return None
         share = n if self.sampler is not None else O.shard_size(n, world)
@@ -949,14 +1050,19 @@ class EpochHost:
     def tags(self, msg: P.BatchReady) -> np.ndarray:
         return self._loader._session.tags(msg)
 
-    def advance(self, run: _Run, yielded: int, left: int) -> None:
+    def advance(self, run: _Run, yielded: int, left: int) -> _Run:
         """`yielded` batches of run were handed out: raise its LIMIT, and
         that of the run started ahead, which has `left` (minus the batches
-        run has still to hand out) to share."""
+        run has still to hand out) to share.  Returns the run, settled if
+        its sampler (without len()) just ended (NOTE [ Streamed samplers ])."""
         ld = self._loader
         self.control.set_limit(run.id, ld._open_limit(run, yielded))
-        if ld._ahead is not None and ld._current is run:
+        current = ld._current
+        if current is not run and current is not None and current.id == run.id:
+            run = current  # settled
+        if ld._ahead is not None and current is run:
             self.control.set_limit(ld._ahead.id, ld._open_limit(ld._ahead, left))
+        return run
 
     def run_ahead(self, run: _Run, next_epoch: int, left: int) -> None:
         """Every unit of run is claimed: start the next epoch's run now, if

@@ -54,6 +54,11 @@ ORDER_RANGE, ORDER_PERMUTATION, ORDER_SHIPPED, ORDER_OBJECTS = 0, 1, 2, 3
 
 _U64 = (1 << 64) - 1
 
+# An OPEN run's provisional length (a sampler without len(): NOTE [ Streamed
+# samplers ]): its order file is sized for this many positions (sparse), and
+# an epoch of such a sampler ends here if the sampler has not ended before
+OPEN_POSITIONS = 1 << 31
+
 
 def order_seed_word(seed: int) -> int:
     """The seed as the int64 word of the run block (ORDER_SEED); every
@@ -226,6 +231,61 @@ class Batches:
             batch = int(np.searchsorted(self.offsets, slot, side="right")) - 1
             return batch, slot - int(self.offsets[batch])
         return divmod(slot, self.size)
+
+
+class OpenBatches(Batches):
+    """The batches of an OPEN run as a worker or the collator sees them:
+    `size` at a time up to the run's KEPT, read again at every use (main
+    stores the final one once the sampler ends: NOTE [ Runs ])."""
+
+    __slots__ = ("kept_now",)
+
+    def __init__(self, size: int, kept_now):
+        self.size, self.offsets, self.kept_now = size, None, kept_now
+
+    @property
+    def kept(self) -> int:
+        return self.kept_now()
+
+    @property
+    def count(self) -> int:
+        return -(-self.kept_now() // self.size)
+
+
+# A streamed batch sampler's run (SHIPPED == SHIPPED_STREAMED): its order file
+# holds the positions' indices in words [0, OPEN_POSITIONS) and the batch
+# offsets from word OPEN_POSITIONS, each stored as offset - OFFSET_BIAS, so
+# that the words not written yet (0) sort after every written one
+SHIPPED_WHOLE, SHIPPED_STREAMED = 1, 2
+OFFSET_BIAS = 1 << 62
+
+
+class StreamedBatches(Batches):
+    """A streamed batch sampler's batches, read from the offsets main
+    writes into the order file as it pulls the batch sampler (stored
+    biased: see OFFSET_BIAS); kept_now and count_now read the run's KEPT
+    and NBATCHES, final once main has settled the run (NOTE [ Runs ])."""
+
+    __slots__ = ("stored", "kept_now", "count_now")
+
+    def __init__(self, stored: np.ndarray, kept_now, count_now):
+        self.size, self.offsets = 0, None
+        self.stored, self.kept_now, self.count_now = stored, kept_now, count_now
+
+    @property
+    def kept(self) -> int:
+        return self.kept_now()
+
+    @property
+    def count(self) -> int:
+        return self.count_now()
+
+    def span(self, batch: int) -> tuple[int, int]:
+        return int(self.stored[batch]) + OFFSET_BIAS, int(self.stored[batch + 1]) + OFFSET_BIAS
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        batch = int(np.searchsorted(self.stored, slot - OFFSET_BIAS, side="right")) - 1
+        return batch, slot - (int(self.stored[batch]) + OFFSET_BIAS)
 
 
 def kept_of(n: int, batch_size: int, drop_last: bool) -> int:

@@ -30,6 +30,7 @@ workers iter() resets the one iterator, as torch's does.  See NOTE
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import warnings
@@ -38,7 +39,7 @@ from typing import NamedTuple, TypeVar
 
 import torch
 import numpy as np
-from torch.utils.data import BatchSampler, IterDataPipe, SequentialSampler
+from torch.utils.data import BatchSampler, IterDataPipe, RandomSampler, SequentialSampler
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _DatasetKind
@@ -330,6 +331,17 @@ class _PipeEpochs(torch.utils.data.IterableDataset):
 # nothing when no generator moved (a fixed sampler).  A resumed epoch has
 # no mirror: its order is drawn from the recorded states, and it leaves the
 # generators as the whole epoch would.
+#
+# torch's own RandomSampler (without replacement, one pass over its data
+# source: DataLoader(shuffle=True)) and SequentialSampler are not iterated
+# at all: the order is what RandomSampler.__iter__ draws at its first
+# index, in one call (a seed from the default generator when it has no
+# generator of its own, then randperm(n, generator)), an int64 array
+# written once to the run's order file.  The generators are then exactly
+# where torch's first pull leaves them, and the mirror is a _Replay: the
+# same BatchSampler code over n placeholders (itertools.repeat), which
+# makes the trailing randperm(n)[:0] draw at the pull where torch's
+# sampler is exhausted.  No Python int per index, no second permutation.
 
 # NOTE [ The sampler's epoch in a state ]
 # =======================================
@@ -345,6 +357,53 @@ class _PipeEpochs(torch.utils.data.IterableDataset):
 # loads rank 0's state: the positions (one count per rank, in order) and
 # the epoch are the same on every rank, and each rank's own sampler draws
 # its own shard, so the resume is exact on every rank.
+
+def _vectorised(source) -> bool:
+    """Is source one of torch's own samplers whose order is drawn in one
+    call: SequentialSampler, or RandomSampler without replacement over its
+    data source's length once?"""
+    if type(source) is SequentialSampler:
+        return True
+    return (type(source) is RandomSampler and not source.replacement
+            and source.num_samples == len(source.data_source))
+
+
+class _TrailingDraw:
+    """What RandomSampler draws once its permutation is exhausted:
+    randperm(n)[:0] of its own generator (nothing anyone sees when it made
+    a generator of its own from a seed)."""
+
+    def __init__(self, n: int, generator):
+        self.n, self.generator = n, generator
+
+    def draw(self) -> None:
+        if self.generator is not None:
+            torch.randperm(self.n, generator=self.generator)
+
+
+class _Replay:
+    """A RandomSampler already drawn: its n indices as placeholders (the
+    order is held elsewhere), then its trailing draw, pulled as torch pulls
+    the real one (NOTE [ Drawing the order as torch does ])."""
+
+    def __init__(self, trailing: _TrailingDraw):
+        self.trailing = trailing
+
+    def __len__(self) -> int:
+        return self.trailing.n
+
+    def __iter__(self):
+        yield from itertools.repeat(0, self.trailing.n)
+        self.trailing.draw()
+
+
+def _replay_of(index_sampler, trailing: _TrailingDraw):
+    """The index sampler torch's iterator pulls, over a _Replay of its
+    RandomSampler: batched as torch batches it (BatchSampler's own code)."""
+    if type(index_sampler) is BatchSampler:
+        return BatchSampler(_Replay(trailing), index_sampler.batch_size, index_sampler.drop_last)
+    return _Replay(trailing)
+
 
 def _epoch_sampler(source):
     """The sampler whose set_epoch decides source's order (source, or the
@@ -379,22 +438,51 @@ class _TorchOrder:
         return type(self.source).__name__
 
     def __iter__(self):
+        return iter(self.draw())
+
+    def draw(self):
+        """The epoch's order, as iterating the source gives it: an int64
+        array when torch's own sampler types are drawn in one vectorised
+        call (NOTE [ Drawing the order as torch does ]), else a list."""
         epoch_sampler = _epoch_sampler(self.source)
         if self.resuming and self.resume_epoch is not None:
             epoch_sampler.set_epoch(self.resume_epoch)
         self.resume_epoch = None
         self.sampler_epoch = None if epoch_sampler is None else epoch_sampler.epoch
+        resuming, self.resuming = self.resuming, False
+        self._mirror = None
+        if _vectorised(self.source):
+            return self._draw_vectorised(resuming)
         before = [g.get_state() for g in self.generators]
         items = list(self.source)
-        self._mirror = None
-        resuming, self.resuming = self.resuming, False
         if resuming or all(torch.equal(s, g.get_state()) for s, g in zip(before, self.generators)):
-            return iter(items)
+            return items
         for g, s in zip(self.generators, before):
             g.set_state(s)
         self._mirror = iter(self.index_sampler)
         self.pull(self.prefetched)  # what torch's iterator takes as it starts
-        return iter(items)
+        return items
+
+    def _draw_vectorised(self, resuming: bool) -> np.ndarray:
+        """torch's RandomSampler or SequentialSampler: the order in one
+        call, the generators left where torch's first pull leaves them, and
+        a mirror that replays the rest of torch's pulls without the order."""
+        source = self.source
+        if type(source) is SequentialSampler:
+            return np.arange(len(source.data_source), dtype=np.int64)
+        n, generator = len(source.data_source), source.generator
+        if generator is None:  # as RandomSampler.__iter__ draws it, at its first index
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        order = torch.randperm(n, generator=generator).numpy()
+        trailing = _TrailingDraw(n, source.generator)
+        if resuming:  # no mirror: the generators as the whole epoch leaves them
+            trailing.draw()
+            return order
+        self._mirror = iter(_replay_of(self.index_sampler, trailing))
+        self.pull(self.prefetched)  # what torch's iterator takes as it starts
+        return order
 
     def pull(self, n: int = 1) -> None:
         """Take n batches of indices from the mirror, as torch's iterator

@@ -318,6 +318,10 @@ class Worker:
         offsets = None
         if kind == O.ORDER_OBJECTS:
             order = self.shared.read_objects(run)
+        elif kind == O.ORDER_SHIPPED and c.read(run, C.SHIPPED) == O.SHIPPED_STREAMED:
+            # a streamed batch sampler's: offsets written as main pulls it
+            order, stored = self.shared.read_order(run, O.OPEN_POSITIONS, O.OPEN_POSITIONS, True)
+            return order, O.StreamedBatches(stored, lambda: c.kept(run), lambda: c.nbatches(run))
         elif kind == O.ORDER_SHIPPED:
             order, offsets = self.shared.read_order(run, kept, c.read(run, C.NBATCHES),
                                                     bool(c.read(run, C.SHIPPED)))
@@ -327,6 +331,8 @@ class Worker:
                 remaining = O.Remaining.from_words(self.shared.read_words(run))
             order = O.computed_order(kind, c.read(run, C.SIZE), c.read(run, C.ORDER_SEED),
                                      c.read(run, C.EPOCH), cfg.rank, cfg.world, kept, remaining)
+        if c.read(run, C.OPEN):  # its length is learnt late: KEPT is read at every use
+            return order, O.OpenBatches(cfg.rows_per_batch, lambda: c.kept(run))
         return order, O.Batches(kept, cfg.rows_per_batch, offsets)
 
     def _wait_to_load(self, run: int, unit: int) -> bool:
@@ -334,8 +340,9 @@ class Worker:
         c, counters = self.control, self.counters
         if counters.below_limit(run, unit):
             return True
+        # (an OPEN run: a unit past the end settled meanwhile is never loaded)
         self.sleeper.until(c.limit_bell, lambda: counters.below_limit(run, unit)
-                           or not c.live(run) or c.stopped)
+                           or not c.live(run) or c.stopped or unit >= c.units(run))
         return counters.below_limit(run, unit) and c.live(run) and not c.stopped
 
     def _load(self, epoch: int, index, pos: int):
@@ -351,9 +358,9 @@ class Worker:
         if not self.autoscaled or self.id < c.active():
             return True
 
-        def ready():
-            return (self.id < c.active() or c.claimed(run) >= units or not c.live(run)
-                    or c.stopped)
+        def ready():  # (UNITS read again: an OPEN run's may have been settled)
+            return (self.id < c.active() or c.claimed(run) >= min(units, c.units(run))
+                    or not c.live(run) or c.stopped)
 
         self.sleeper.until(c.run_bell, ready)
         return c.live(run) and not c.stopped

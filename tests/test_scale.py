@@ -398,8 +398,11 @@ def test_a_billion_index_sampler_starts_at_once_and_resumes(workers, in_order):
     assert took < 5, took
     if in_order:
         assert np.array_equal(got, expect)
-    else:
-        assert np.array_equal(np.sort(got), np.sort(expect))
+    else:  # the first k * B to arrive: distinct, and among those loadable by then (a
+        # worker's position may still be loading while later ones arrive)
+        loadable = set(((np.arange((k + 64) * B) * 7919) % n).tolist())
+        assert len(set(got.tolist())) == len(got) and set(got.tolist()) <= loadable
+        assert len(set(got.tolist()) & set(expect.tolist())) >= len(got) - 64 * B
     assert len(pickle.dumps(state)) < 1024
     with ShmLoader(Ids(n), **kw) as ld:
         ld.load_state_dict(state)

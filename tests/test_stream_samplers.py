@@ -1,0 +1,424 @@
+"""Issue 19, samplers: a sampler without len() (finite, a billion indices,
+or never ending) is pulled a bounded window ahead of the workers, and the
+epoch's length is learnt when it ends (NOTE [ Streamed samplers ] in
+loader/_sampler_feed.py, OPEN in NOTE [ Runs ] in loader/_control.py)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from loader import ShmLoader
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Ids:
+    """Sample i is i: what comes out says which index was loaded."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+class Lenless:
+    """A sampler of `n` indices (i * 7919 mod n) with no __len__, as a
+    generator; n None: it never ends (i * 7919 mod 10**9 for ever)."""
+
+    def __init__(self, n=None):
+        self.n = n
+
+    def __iter__(self):
+        if self.n is None:
+            return ((i * 7919) % 10**9 for i in itertools.count())
+        n = self.n
+        return ((i * 7919) % n for i in range(n))
+
+
+def strided(start, stop, n=10**9):
+    return (np.arange(start, stop, dtype=np.int64) * 7919) % n
+
+
+def loader_of(sampler, n=10**9, **kw):
+    kw.setdefault("num_workers", 2)
+    return ShmLoader(Ids(n), sampler=sampler, **kw)
+
+
+def epochs_of(ld, epochs):
+    return [[np.asarray(b).copy() for b in ld] for _ in range(epochs)]
+
+
+# --- a finite sampler without len() ---------------------------------------------------
+
+MODES = [dict(num_workers=0), dict(num_workers=2), dict(num_workers=2, worker_mode="thread")]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["inline", "processes", "threads"])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("n", [20_000, 20_003])
+def test_a_lenless_sampler_gives_exact_epochs(mode, drop_last, n):
+    """n indices in batches of 100 (n a multiple of it, or 3 more: a short
+    last batch, dropped with drop_last), three epochs: each exactly the
+    sampler's sequence, cut as a sized sampler's would be; the end is
+    learnt far past the first window (the loader pulls a few batches
+    ahead)."""
+    B = 100
+    kept = n // B * B if drop_last else n
+    with loader_of(Lenless(n), n, batch_size=B, drop_last=drop_last, **mode) as ld:
+        got = epochs_of(ld, 3)
+    for epoch in got:
+        assert [len(b) for b in epoch] == [B] * (kept // B) + ([kept % B] if kept % B else [])
+        assert np.array_equal(np.concatenate(epoch), strided(0, kept, n))
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("kw", [dict(batch_size=64, collate_fn=np.array),
+                                dict(batch_size=None), dict(batch_size=64)],
+                         ids=["collate_fn", "unbatched", "default"])
+def test_a_lenless_sampler_in_every_batching_and_mode(kw, in_order):
+    """Workers claiming whole batches (collate_fn), samples one at a time
+    (batch_size=None) or positions (default collate), in order or
+    first-ready: every index of the sampler exactly once per epoch, in its
+    order when in_order."""
+    n = 5_003
+    with loader_of(Lenless(n), n, in_order=in_order, **kw) as ld:
+        got = epochs_of(ld, 2)
+    for epoch in got:
+        flat = np.concatenate([np.atleast_1d(b) for b in epoch])
+        if in_order:
+            assert np.array_equal(flat, strided(0, n, n))
+        else:
+            assert np.array_equal(np.sort(flat), np.sort(strided(0, n, n)))
+
+
+def test_an_empty_lenless_sampler_gives_an_empty_epoch():
+    with loader_of(Lenless(0), 10, batch_size=4) as ld:
+        assert epochs_of(ld, 2) == [[], []]
+
+
+def test_len_of_a_loader_over_a_lenless_sampler_is_a_type_error():
+    """As torch's DataLoader: len() needs a sized sampler; the message says
+    why and what to do instead."""
+    with loader_of(Lenless(10), 10, batch_size=4) as ld:
+        with pytest.raises(TypeError) as raised:
+            len(ld)
+        assert "Lenless" in str(raised.value) and "steps(n)" in str(raised.value)
+        assert sum(len(b) for b in ld) == 10  # the loader still works
+
+
+class TurnsToStrings:
+    def __iter__(self):
+        yield from range(300)
+        yield "three hundred"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_lenless_sampler_yielding_a_non_int_midway_is_a_clear_error(workers):
+    with loader_of(TurnsToStrings(), 1000, batch_size=100, num_workers=workers) as ld:
+        with pytest.raises(TypeError) as raised:
+            list(ld)
+    text = str(raised.value)
+    assert "TurnsToStrings" in text and "not an int" in text and "position 300" in text
+
+
+# --- a sampler that never ends ----------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES, ids=["inline", "processes", "threads"])
+def test_an_infinite_sampler_gives_exactly_n_batches_per_steps_call(mode):
+    """steps(n) over a sampler that never ends: n batches, exactly the
+    sampler's next indices, call after call; the loader is then still
+    usable, and closing it leaves nothing behind (the leak fixtures)."""
+    B = 256
+    with loader_of(Lenless(None), batch_size=B, **mode) as ld:
+        seen = 0
+        for n in (1, 7, 30, 2):
+            got = [np.asarray(b).copy() for b in ld.steps(n)]
+            assert len(got) == n
+            assert np.array_equal(np.concatenate(got), strided(seen * B, (seen + n) * B))
+            seen += n
+
+
+def test_an_infinite_sampler_resumes_from_a_state_taken_between_steps():
+    B = 128
+    with loader_of(Lenless(None), batch_size=B) as ld:
+        list(ld.steps(10))
+        state = ld.state_dict()
+        after = np.concatenate([b.copy() for b in ld.steps(5)])
+    assert len(pickle.dumps(state)) < 1024
+    with loader_of(Lenless(None), batch_size=B) as ld:
+        ld.load_state_dict(state)
+        resumed = np.concatenate([b.copy() for b in ld.steps(5)])
+    assert np.array_equal(resumed, after)
+    assert np.array_equal(resumed, strided(10 * B, 15 * B))
+
+
+# --- resuming --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("epoch", [1, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_state_mid_epoch_resumes_exactly_the_rest(workers, epoch, drop_last):
+    """A state taken 37 batches into epoch 1 or 2 of a 10,007-index sampler
+    without len(): a new loader yields exactly the rest of that epoch (the
+    sampler pulled again and the delivered positions skipped), then the
+    next epoch whole."""
+    n, B = 10_007, 100
+    kept = n // B * B if drop_last else n
+    kw = dict(batch_size=B, drop_last=drop_last, num_workers=workers)
+    with loader_of(Lenless(n), n, **kw) as ld:
+        for _ in range(epoch - 1):
+            list(ld)
+        it = iter(ld)
+        head = [next(it).copy() for _ in range(37)]
+        state = ld.state_dict()
+        rest = [b.copy() for b in it]
+    assert np.array_equal(np.concatenate(head + rest), strided(0, kept, n))
+    with loader_of(Lenless(n), n, **kw) as ld:
+        ld.load_state_dict(state)
+        resumed = [b.copy() for b in ld]
+        following = [b.copy() for b in ld]
+    assert len(resumed) == len(rest)
+    assert np.array_equal(np.concatenate(resumed), np.concatenate(rest))
+    assert np.array_equal(np.concatenate(following), strided(0, kept, n))
+
+
+def test_a_state_at_the_end_of_an_epoch_starts_the_next_whole():
+    n, B = 1_003, 100
+    with loader_of(Lenless(n), n, batch_size=B) as ld:
+        list(ld)
+        state = ld.state_dict()
+    assert state["complete"]
+    with loader_of(Lenless(n), n, batch_size=B) as ld:
+        ld.load_state_dict(state)
+        assert np.array_equal(np.concatenate(list(ld)), strided(0, n, n))
+
+
+# --- a billion indices, lazily ---------------------------------------------------------
+
+_BILLION = textwrap.dedent("""
+    import json, os, resource, time
+    import numpy as np
+    resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))  # a regression: MemoryError
+    from loader import ShmLoader
+
+    def rss_kb(pid):
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
+
+    class Ids:
+        def __len__(self): return 1_000_000_000
+        def __getitem__(self, i): return i
+
+    class Billion:  # no __len__: a generator of a billion indices
+        def __iter__(self):
+            return ((i * 7919) % 1_000_000_000 for i in range(1_000_000_000))
+
+    base = rss_kb(os.getpid())
+    t0 = time.perf_counter()
+    with ShmLoader(Ids(), batch_size=4096, sampler=Billion(), num_workers=2) as ld:
+        it = iter(ld)
+        first = next(it).copy()
+        took = time.perf_counter() - t0
+        got = [first] + [next(it).copy() for _ in range(299)]
+        grown = rss_kb(os.getpid()) - base + sum(rss_kb(p.pid) - base for p in ld._session.procs)
+        allocated = os.fstat(ld._session.shared.order_fd(ld._current.id)).st_blocks * 512
+    expect = (np.arange(300 * 4096, dtype=np.int64) * 7919) % 1_000_000_000
+    print(json.dumps({"first_batch_s": took, "grown_kb": grown, "order_bytes": allocated,
+                      "exact": bool(np.array_equal(np.concatenate(got), expect))}))
+""")
+
+
+def test_a_lazy_billion_index_sampler_without_len_starts_at_once_in_bounded_memory():
+    """A generator of 1,000,000,000 indices with no len(), under RLIMIT_DATA
+    3 GiB (so that drawing it whole fails with a MemoryError, not the OOM
+    killer): the first batch within a few seconds, the loader's processes
+    growing by less than 100 MB, the order file holding only the window,
+    and the first 300 batches exactly the sampler's first indices."""
+    out = subprocess.run([sys.executable, "-c", _BILLION], capture_output=True, text=True,
+                         timeout=100, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["first_batch_s"] < 5, got
+    assert got["grown_kb"] < 100 * 1024, got
+    assert got["order_bytes"] < 3 << 20, got
+    assert got["exact"], got
+
+
+# --- batch samplers, streamed ----------------------------------------------------------
+
+class VariableBatches:
+    """Batches of 1, 2, ... 7 indices in turn over n indices (i * 7919 mod
+    n), as a generator; no __len__ (Sized: with one).  n None: for ever."""
+
+    def __init__(self, n=None):
+        self.n = n
+
+    def __iter__(self):
+        stream = iter(Lenless(self.n))
+        for k in itertools.count():
+            batch = list(itertools.islice(stream, k % 7 + 1))
+            if not batch:
+                return
+            yield batch
+
+
+class SizedVariableBatches(VariableBatches):
+    def __len__(self):
+        return sum(1 for _ in VariableBatches(self.n))
+
+
+def batches_of(sampler, count=None):
+    return [np.asarray(b, np.int64) for b in itertools.islice(sampler, count)]
+
+
+@pytest.mark.parametrize("sized", [False, True], ids=["no-len", "len"])
+@pytest.mark.parametrize("mode", MODES + [dict(num_workers=2, in_order=False)],
+                         ids=["inline", "processes", "threads", "first-ready"])
+@pytest.mark.parametrize("collate", [False, True], ids=["default", "collate_fn"])
+def test_a_streamed_batch_sampler_of_variable_batches_gives_them_exactly(sized, mode, collate):
+    """30,011 indices in batches of 1..7 (7,506 batches: the end is learnt
+    far past the first window), two epochs: each batch exactly as the
+    batch sampler made it (first-ready: every index once)."""
+    n = 30_011
+    cls = SizedVariableBatches if sized else VariableBatches
+    kw = dict(collate_fn=np.array) if collate else {}
+    expect = batches_of(VariableBatches(n))
+    with ShmLoader(Ids(n), batch_sampler=cls(n), **mode, **kw) as ld:
+        if sized:
+            assert len(ld) == len(expect)
+        got = epochs_of(ld, 2)
+    for epoch in got:
+        if mode.get("in_order", True):
+            assert len(epoch) == len(expect)
+            assert all(np.array_equal(a, b) for a, b in zip(epoch, expect))
+        else:
+            assert np.array_equal(np.sort(np.concatenate(epoch)), np.sort(strided(0, n, n)))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_infinite_batch_sampler_gives_exactly_n_batches_per_steps_call(workers):
+    expect = batches_of(VariableBatches(None), 80)
+    with ShmLoader(Ids(10**9), batch_sampler=VariableBatches(None), num_workers=workers) as ld:
+        seen = 0
+        for n in (3, 40, 1, 36):
+            got = [b.copy() for b in ld.steps(n)]
+            assert all(np.array_equal(a, b) for a, b in zip(got, expect[seen:seen + n]))
+            assert len(got) == n
+            seen += n
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("epoch", [1, 2])
+def test_a_streamed_batch_sampler_resumes_exactly_the_rest(workers, epoch):
+    """A state 500 batches into epoch 1 or 2: a new loader yields exactly
+    the remaining batches, as they were, then the next epoch whole."""
+    n = 10_007
+    expect = batches_of(VariableBatches(n))
+    kw = dict(batch_sampler=VariableBatches(n), num_workers=workers)
+    with ShmLoader(Ids(n), **kw) as ld:
+        for _ in range(epoch - 1):
+            list(ld)
+        it = iter(ld)
+        head = [next(it).copy() for _ in range(500)]
+        state = ld.state_dict()
+    assert all(np.array_equal(a, b) for a, b in zip(head, expect))
+    with ShmLoader(Ids(n), **kw) as ld:
+        ld.load_state_dict(state)
+        resumed = [b.copy() for b in ld]
+        following = [b.copy() for b in ld]
+    assert len(resumed) == len(expect) - 500
+    assert all(np.array_equal(a, b) for a, b in zip(resumed, expect[500:]))
+    assert len(following) == len(expect)
+    assert all(np.array_equal(a, b) for a, b in zip(following, expect))
+
+
+def test_a_batch_sampler_of_a_hundred_million_indices_starts_at_once():
+    """Pulled a window of batches ahead: the first batches of a batch
+    sampler over 100,000,000 indices come at once, and its order file
+    holds the window's indices, not the epoch's."""
+    n = 100_000_000
+    expect = batches_of(VariableBatches(n), 2000)
+    with ShmLoader(Ids(n), batch_sampler=VariableBatches(n), num_workers=2) as ld:
+        it = iter(ld)
+        got = [next(it).copy() for _ in range(2000)]
+        fd = ld._session.shared.order_fd(ld._current.id)
+        allocated = os.fstat(fd).st_blocks * 512
+    assert all(np.array_equal(a, b) for a, b in zip(got, expect))
+    assert allocated < 3 << 20, allocated
+
+
+class NotLists:
+    def __iter__(self):
+        yield [0, 1]
+        yield "ab"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_sampler_yielding_something_else_than_indices_is_a_clear_error(workers):
+    with ShmLoader(Ids(10), batch_sampler=NotLists(), num_workers=workers) as ld:
+        with pytest.raises(TypeError) as raised:
+            list(ld)
+    text = str(raised.value)
+    assert "NotLists" in text and "batch 1" in text and "lists of ints" in text
+
+
+# --- loader.DataLoader's default samplers, drawn in one call ----------------------------
+
+def _torch_epochs(loader_cls, generator, epochs=2, early_break=True, **kw):
+    import torch
+
+    torch.manual_seed(11)
+    ld = loader_cls(Ids(10_007), shuffle=True, generator=generator, **kw)
+    out = [[int(x) for b in ld for x in torch.atleast_1d(torch.as_tensor(b))]
+           for _ in range(epochs)]
+    if early_break:  # a break: torch's sampler was pulled only so far
+        it = iter(ld)
+        next(it)
+        next(it)
+        del it
+    return out, torch.get_rng_state()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("batch_size", [64, None])
+@pytest.mark.parametrize("with_generator", [True, False])
+def test_dataloader_shuffle_is_torchs_order_without_iterating_its_sampler(
+        workers, batch_size, with_generator, monkeypatch):
+    """loader.DataLoader(shuffle=True) draws torch's RandomSampler's order
+    in one randperm call: the same order as torch's DataLoader, epoch
+    after epoch and after a break, its generator (or torch's global one)
+    left in the same state, and RandomSampler.__iter__ never called."""
+    import torch
+    from torch.utils.data import DataLoader as TorchDataLoader
+    from torch.utils.data import RandomSampler
+
+    import loader
+
+    kw = dict(batch_size=batch_size, num_workers=workers)
+    g = torch.Generator().manual_seed(3) if with_generator else None
+    expect, expect_global = _torch_epochs(TorchDataLoader, g, **kw)
+    expect_g = g.get_state() if g is not None else None
+
+    def never(self):
+        raise AssertionError("RandomSampler.__iter__ was called: the order was drawn by a loop")
+
+    monkeypatch.setattr(RandomSampler, "__iter__", never)
+    g = torch.Generator().manual_seed(3) if with_generator else None
+    got, got_global = _torch_epochs(loader.DataLoader, g, **kw)
+    assert got == expect
+    assert torch.equal(got_global, expect_global)
+    if g is not None:
+        assert torch.equal(g.get_state(), expect_g)
