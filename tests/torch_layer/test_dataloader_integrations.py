@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.timeout(120),
               pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def _pipe(n=100):

@@ -17,7 +17,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TEXT_SUFFIXES = {".py", ".pyx", ".pxi", ".pxd", ".h", ".c", ".md", ".toml", ".cfg"}
 
 # Files of other projects that comments cite on purpose (torch's, Lightning's,

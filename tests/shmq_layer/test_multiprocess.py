@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 # payload, measure...: what pyproject.toml's pythonpath gives pytest, for a fresh interpreter
-SUPPORT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
+SUPPORT_DIR = os.path.join(os.path.dirname(TESTS_DIR), "support")
 
 
 # --- child bodies (top level so spawn can import them) ----------------------
