@@ -9,8 +9,9 @@ only: the kill tier's programs import it (killkit.program), and torch
 would slow their start-up and register fork handlers of its own.
 Datasets built on torch's classes are in torch_conformance_datasets.py.
 
-Not named datasets.py: that would shadow Hugging Face's `datasets`
-(test_hf_datasets.py, and the frameworks that import it).
+Not called `datasets`: on pytest's pythonpath that name would shadow
+Hugging Face's `datasets` (test_hf_datasets.py, and the frameworks that
+import it).
 """
 
 from __future__ import annotations
