@@ -596,17 +596,6 @@ START_FAILURE = loader_program("""
                 pass
         return found
 
-    def children():
-        me, found = str(os.getpid()), []
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[1] == me:
-                        found.append(int(entry))
-            except (OSError, IndexError):
-                pass
-        return found
-
     def attempt(workers):
         before = fds()
         # main waits for the first batch on an empty ring: sample 0 is late
@@ -629,15 +618,15 @@ START_FAILURE = loader_program("""
     if mode == "limit":
         resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), hard))
         results["24"] = attempt(24)
-        results["24"]["children"] = children()
+        results["24"]["children"] = [pid for pid, _ in children()]
         results["2"] = attempt(2)
-        results["2"]["children"] = children()
+        results["2"]["children"] = [pid for pid, _ in children()]
     elif mode == "sweep":  # every limit from nothing free to enough for all
         for extra in range(0, 2 * 6 + 12):
             resource.setrlimit(resource.RLIMIT_NOFILE, (max(fds()) + 1 + extra, hard))
             results[str(extra)] = attempt(5)
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-            results[str(extra)]["children"] = children()
+            results[str(extra)]["children"] = [pid for pid, _ in children()]
     elif mode == "none-free":  # every descriptor below the limit in use
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(fds()) + 1, hard))
         held = []
@@ -650,7 +639,7 @@ START_FAILURE = loader_program("""
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        results["0"]["children"] = children()
+        results["0"]["children"] = [pid for pid, _ in children()]
     print(json.dumps(results), flush=True)
 """, names=("LoaderStartError", "ShmLoader"), restore_sigint=False)
 
@@ -825,16 +814,7 @@ CTRL_C_IN_FORK = loader_program("""
         print("interrupted", flush=True)
     loader.close()
     time.sleep(1.0)  # far longer than a child needs to exit
-    me, left = str(os.getpid()), []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[1] == me:
-            left.append(fields[0])
-    print("children", *left, flush=True)
+    print("children", *[state for _, state in children()], flush=True)
 """)
 
 
@@ -875,16 +855,7 @@ CTRL_C_IN_CLOSE = loader_program("""
     t0 = time.monotonic()
     loader.close()  # again, now that the user waits for it
     print(f"second close took {time.monotonic() - t0:.1f}", flush=True)
-    me, left = str(os.getpid()), []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[1] == me:
-            left.append(fields[0])
-    print("children", *left, flush=True)
+    print("children", *[state for _, state in children()], flush=True)
 """)
 
 

@@ -112,6 +112,23 @@ import gc, json, os, resource, signal, sys, threading, time
 import numpy as np
 """
 
+CHILDREN = """\
+
+def children():
+    \"\"\"(pid, state) of each child of this process, read from /proc.\"\"\"
+    me, found = str(os.getpid()), []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and fields[1] == me:
+            found.append((int(entry), fields[0]))
+    return found
+
+"""
+
 RESTORE_SIGINT = """\
 # A test suite started in the background inherits SIGINT ignored: restore it.
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -131,13 +148,15 @@ def loader_program(body: str, *, names: tuple[str, ...] = ("ShmLoader",),
     even when the suite runs from a background job); puts tests/support on
     sys.path and imports shared_datasets.Filled (sample i: an array filled
     with i, with optional work per sample), then `from loader import`
-    each of `names`."""
+    each of `names`; defines children(), the (pid, state) of each child
+    of the program still there (reaped ones are gone, zombies are 'Z')."""
     return "".join([
         PREAMBLE,
         RESTORE_SIGINT if restore_sigint else "",
         f"sys.path.insert(0, {SUPPORT_DIR!r})\n",
         "from shared_datasets import Filled\n",
-        f"from loader import {', '.join(names)}\n\n",
+        f"from loader import {', '.join(names)}\n",
+        CHILDREN,
         textwrap.dedent(body),
     ])
 
