@@ -59,7 +59,7 @@ cdef extern from "signal.h" nogil:
 
 cdef Py_ssize_t PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
-# Test hook (tests/test_loader_kill.py): raise SIGINT from inside the N-th
+# Test hook (tests/loader_layer/test_loader_kill.py): raise SIGINT from inside the N-th
 # release, the moment a Ctrl-C is most easily lost.
 cdef long _sigint_on_release = 0
 

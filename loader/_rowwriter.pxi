@@ -8,7 +8,7 @@
 #
 # Table words and their meaning are defined in _table.py (STAMP, OFFSET,
 # ROWS, DIGEST0, DIGEST1, FILLED, TOKEN, SEQ); the constants below MUST
-# MATCH it (tests/test_loader_units.py compares them).
+# MATCH it (tests/loader_layer/test_loader_units.py compares them).
 
 from cpython.object cimport PyObject, PyTypeObject, Py_TYPE
 from cpython.long cimport PyLong_AsLongLong

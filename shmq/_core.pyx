@@ -187,7 +187,7 @@ def read_creator(bytes header):
     return h.creator_pid, h.creator_starttime, (h.creator_pidns if h.version >= 2 else 0)
 
 
-# --- test-only kill points (R1 in docs/reliability.md; tests/test_multiprocess.py
+# --- test-only kill points (R1 in docs/reliability.md; tests/shmq_layer/test_multiprocess.py
 # uses them).  Set by SHMQ_KILL_POINT=<point>:<n> at import, or by
 # _set_kill_point() in a forked child; the n-th put that reaches the point
 # SIGKILLs its own process there.

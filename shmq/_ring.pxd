@@ -1,5 +1,5 @@
 # Declarations of shmq_ring.h for Cython.  MUST MATCH shmq_ring.h, which is
-# the authority for the layout; tests/test_layout.py compares the two.
+# the authority for the layout; tests/shmq_layer/test_layout.py compares the two.
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uint8_t
 
 

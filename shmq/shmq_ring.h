@@ -4,7 +4,7 @@
  * This header is the single authority for the layout of a shmq segment.  It
  * has no Python dependency; a C program can include it, map a segment the way
  * shmq_map_layout() describes, and speak the protocol.  _ring.pxd mirrors the
- * declarations Cython needs and MUST MATCH this file (tests/test_layout.py
+ * declarations Cython needs and MUST MATCH this file (tests/shmq_layer/test_layout.py
  * checks the offsets from both sides).
  *
  * ---------------------------------------------------------------------------
@@ -168,7 +168,7 @@
  *   still in place; while the ring stayed full it never announced again.
  *   If the CAS winner died before publishing, the consumer saw a live
  *   process announcing head and waited for it forever, and the ring stayed
- *   full: a deadlock (tests/c/ring_test.c "stale-claim" replays it).
+ *   full: a deadlock (tests/shmq_layer/c/ring_test.c "stale-claim" replays it).
  *   WITHDRAW removes the stale announcement; OWNED lets rule 1 ignore one
  *   that is still there (its process is stopped inside the window).
  *
@@ -299,7 +299,7 @@
 
 /* Test points inside shmq_claim (NOTE [claim announcement]).  A test build
  * defines SHMQ_TEST_POINT(point) before including this header to stop or
- * kill the process there (tests/c/ring_test.c); otherwise they compile to
+ * kill the process there (tests/shmq_layer/c/ring_test.c); otherwise they compile to
  * nothing. */
 #define SHMQ_POINT_ANNOUNCED 1   /* announced, CAS not tried yet          */
 #define SHMQ_POINT_LOST_CAS 2    /* CAS lost, announcement still in place */

@@ -79,7 +79,7 @@ def segment_pid(entry: str) -> int | None:
     return None
 
 
-_segment_pid = segment_pid  # the name tests/killkit.py imports
+_segment_pid = segment_pid  # the name tests/support/killkit.py imports
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Run by tests/test_frameworks.py under torchrun --nproc_per_node 2 (gloo,
+"""Run by tests/torch_layer/test_frameworks.py under torchrun --nproc_per_node 2 (gloo,
 CPU): Accelerator(cpu=True).prepare(model, optimizer, loader.DataLoader),
 two epochs of training.  Rank 0 prints one JSON line: per rank, the class
 accelerate loads with, its batch sampler's class, the worker pids seen, and

@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under torchrun --nproc_per_node 2: each
+"""Run by tests/torch_layer/test_distributed.py under torchrun --nproc_per_node 2: each
 rank loads its shard of every epoch with ShmLoader(distributed=True), all
 ranks all-reduce once per epoch (as a training step would), and rank 0
 prints what every rank received, one JSON line per epoch."""

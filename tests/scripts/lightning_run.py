@@ -1,4 +1,4 @@
-"""Run by tests/test_frameworks.py: a LightningModule trained on
+"""Run by tests/torch_layer/test_frameworks.py: a LightningModule trained on
 loader.DataLoader with Trainer(max_epochs=2, accelerator="cpu").
 
     lightning_run.py OUT DEVICES PHASE [STEP]

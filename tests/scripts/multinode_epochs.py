@@ -1,4 +1,4 @@
-"""Run by tests/test_frameworks.py under two torchrun launchers (--nnodes 2
+"""Run by tests/torch_layer/test_frameworks.py under two torchrun launchers (--nnodes 2
 --nproc_per_node 2, c10d rendezvous on 127.0.0.1; 4 ranks, gloo).
 
     multinode_epochs.py MODE     (MODE: shm | dataloader)

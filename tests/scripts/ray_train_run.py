@@ -1,4 +1,4 @@
-"""Run by tests/test_ray.py: the project's loaders under Ray Train, on one
+"""Run by tests/torch_layer/test_ray.py: the project's loaders under Ray Train, on one
 local Ray cluster (ray.init(num_cpus=2)) shared by every run below.
 
     ray_train_run.py OUT README_CODE

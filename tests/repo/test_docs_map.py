@@ -17,7 +17,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TEXT_SUFFIXES = {".py", ".pyx", ".pxi", ".pxd", ".h", ".c", ".md", ".toml", ".cfg"}
 
 # Files of other projects that comments cite on purpose (torch's, Lightning's,
@@ -25,7 +25,8 @@ TEXT_SUFFIXES = {".py", ".pyx", ".pxi", ".pxd", ".h", ".c", ".md", ".toml", ".cf
 NOT_OURS = {
     "torch/utils/data/_utils/fetch.py", "_utils/worker.py", "dataloader.py",
     "test/test_dataloader.py", "pytorch_lightning/loops/fetchers.py", "random.py",
-    "train.py", "readme_block.py",
+    "train.py", "readme_block.py", "torch/utils/data/dataloader.py",
+    "_f.py",  # this file's docstring: a made-up example
 }
 NOT_OUR_NOTES = {"IterableDataset and __len__"}  # torch's, in torch/utils/data/dataloader.py
 TITLE = re.compile(r"NOTE\s+\[\s+(.+?)\s+\]")
@@ -76,7 +77,7 @@ def test_every_cited_note_exists_where_it_is_said_to_be():
         text = read(path)
         flat = re.sub(r"\s*\n\s*(?:#\s*|//\s*|\*\s*)?", " ", text)  # citations wrap lines
         for m in TITLE.finditer(flat):
-            if m.group(1) not in defined and m.group(1) not in NOT_OUR_NOTES | {"..."}:
+            if m.group(1) not in defined and m.group(1) not in NOT_OUR_NOTES | {"...", "X"}:
                 unresolved.append((path.relative_to(ROOT).as_posix(), m.group(1)))
         for m in WHERE.finditer(flat):
             title, where = m.group(1), PurePosixPath(m.group(2)).name

@@ -32,7 +32,7 @@ from loader import ShmLoader, _procs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)  # the first test pays for the cluster's runs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "ray_train_run.py"
 N, BATCH, EPOCHS, WORLD = 100_000, 256, 2, 2
 OURS = "loader._torch.DataLoader"

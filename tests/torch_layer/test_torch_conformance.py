@@ -27,7 +27,7 @@ import fails, every test fails (none is skipped).  Inside workers the tests
 call torch.utils.data.get_worker_info(), as upstream does: it must work in the
 loader's workers too.
 
-    PYTHONPATH=/path/to/repo CONFORMANCE_IMPL=torch python -m pytest tests/test_torch_conformance.py
+    PYTHONPATH=/path/to/repo CONFORMANCE_IMPL=torch python -m pytest tests/torch_layer/test_torch_conformance.py
 
 multiprocessing_context (the expectation this suite sets, to be confirmed by
 the lead): the loader accepts "fork", "spawn" and "forkserver", as a string or
@@ -163,7 +163,7 @@ import torch_conformance_datasets as cds
 from conftest import _is_multiprocessing_helper, descendants
 
 IMPL = os.environ.get("CONFORMANCE_IMPL", "loader")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOIN_TIMEOUT = 30.0
 FORK = multiprocessing.get_context("fork")
 

@@ -13,7 +13,7 @@ import pytest
 from shmq import _core
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SHMQ_DIR = os.path.join(os.path.dirname(HERE), "shmq")
+SHMQ_DIR = os.path.join(os.path.dirname(os.path.dirname(HERE)), "shmq")
 CC = shutil.which("gcc") or shutil.which("cc")
 
 pytestmark = pytest.mark.timeout(120)

@@ -25,14 +25,15 @@ import textwrap
 import threading
 import time
 
-import numpy as np
 import pytest
 
 import shmq
 from conftest import descendants, wait_until
-from killkit import Program, assert_nothing_left, kill_pids, rng_for, shm_entries_of
+from killkit import (Program, assert_nothing_left, kill_pids, loader_program, rng_for,
+                     shm_entries_of)
 from measure import record
 from loader import ShmLoader, WorkerError
+from shared_datasets import Filled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,21 +47,7 @@ def reps(quick: int, full: int):
 # A loader program with a marker line before each phase a signal can hit.
 # Every batch is checked (sample i is np.full(4, i)); `pids` lines name the
 # loader's children as soon as iter() has forked them.
-MAIN = textwrap.dedent("""
-    import signal, sys, time
-    import numpy as np
-    # A test suite started in the background inherits SIGINT ignored: restore it.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    from loader import ShmLoader
-
-    class Numbers:
-        def __init__(self, n):
-            self.n = n
-        def __len__(self):
-            return self.n
-        def __getitem__(self, i):
-            return np.full(4, i, np.int64)
-
+MAIN = loader_program("""
     def report(loader):
         print("pids", *[p.pid for p in loader._session.procs], flush=True)
 
@@ -73,7 +60,7 @@ MAIN = textwrap.dedent("""
         if mode == "start":  # start-ups back to back: a random moment lands in one
             print("ready", flush=True)
             while True:
-                with ShmLoader(Numbers(32), batch_size=8, num_workers=2) as loader:
+                with ShmLoader(Filled(32), batch_size=8, num_workers=2) as loader:
                     it = iter(loader)
                     report(loader)
                     done = 0
@@ -81,7 +68,7 @@ MAIN = textwrap.dedent("""
                         done = check(b, done, 32, 8)
                     assert done == 32
         elif mode == "mid":
-            loader = ShmLoader(Numbers(10 ** 9), batch_size=8, num_workers=2)
+            loader = ShmLoader(Filled(10 ** 9), batch_size=8, num_workers=2)
             it = iter(loader)
             report(loader)
             done = check(next(it), 0, 10 ** 9, 8)
@@ -89,7 +76,7 @@ MAIN = textwrap.dedent("""
             for b in it:
                 done = check(b, done, 10 ** 9, 8)
         elif mode == "ahead":  # epochs back to back: the next one runs ahead
-            loader = ShmLoader(Numbers(48), batch_size=4, num_workers=2, prefetch=3)
+            loader = ShmLoader(Filled(48), batch_size=4, num_workers=2, prefetch=3)
             for epoch in range(10 ** 6):
                 it = iter(loader)
                 if epoch == 0:
@@ -103,14 +90,14 @@ MAIN = textwrap.dedent("""
                     time.sleep(0.002)
                 assert done == 48
         elif mode == "close":
-            loader = ShmLoader(Numbers(64), batch_size=8, num_workers=2)
+            loader = ShmLoader(Filled(64), batch_size=8, num_workers=2)
             it = iter(loader)
             report(loader)
             assert sum(len(b) for b in it) == 64
             print("closing", flush=True)
             loader.close()
             # a second loader left to interpreter exit, its generator suspended
-            loader = ShmLoader(Numbers(10 ** 6), batch_size=8, num_workers=2)
+            loader = ShmLoader(Filled(10 ** 6), batch_size=8, num_workers=2)
             it = iter(loader)
             report(loader)
             check(next(it), 0, 10 ** 6, 8)
@@ -218,23 +205,12 @@ def test_ctrl_c_to_main_at_a_random_moment(phase, count):
             prog.cleanup()
 
 
-START_LOOP = textwrap.dedent("""
-    import signal, sys
-    import numpy as np
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    from loader import ShmLoader
-
-    class DS:
-        def __len__(self):
-            return 64
-        def __getitem__(self, i):
-            return np.full(4, i)
-
+START_LOOP = loader_program("""
     print("ready", flush=True)
     n = 0
     try:
         while True:
-            with ShmLoader(DS(), batch_size=8, num_workers=8) as loader:
+            with ShmLoader(Filled(64), batch_size=8, num_workers=8) as loader:
                 it = iter(loader)
                 print("pids", *[p.pid for p in loader._session.procs], flush=True)
                 assert sum(len(b) for b in it) == 64
@@ -275,18 +251,7 @@ def test_ctrl_c_during_start_up_of_eight_workers(count):
 
 # --- deaths of the loader's children (R2, R5) --------------------------------------------
 
-class Numbers:
-    """Sample i is np.full(4, i), with a little work per sample."""
-
-    def __init__(self, n, delay=0.0005):
-        self.n, self.delay = n, delay
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        time.sleep(self.delay)
-        return np.full(4, i, np.int64)
+WORK = 0.0005  # seconds per sample: a little work, so that deaths land mid-batch
 
 
 def _epochs(loader, n, batch_size, first=None):
@@ -351,7 +316,7 @@ def test_child_killed_at_a_random_moment_raises_worker_error(which, how, moment,
     while main waits in next() (at least the first death is named)."""
     rng = rng_for(f"child-{which}-{how.name}-{moment}")
     for rep in range(count):
-        loader = ShmLoader(Numbers(96), batch_size=8, num_workers=3)
+        loader = ShmLoader(Filled(96, delay=WORK), batch_size=8, num_workers=3)
         killer = batches = None
         try:
             with _forked_without_fault_dumps(pytestconfig):
@@ -408,7 +373,7 @@ def test_child_killed_at_a_random_moment_raises_worker_error(which, how, moment,
 def test_close_right_after_a_child_died_and_before_main_noticed():
     """close() never raises because of a dead child: reporting is the
     iterator's job; close() reaps what is there."""
-    loader = ShmLoader(Numbers(1000), batch_size=8, num_workers=2)
+    loader = ShmLoader(Filled(1000, delay=WORK), batch_size=8, num_workers=2)
     it = iter(loader)
     next(it)
     pids = [c.pid for c in loader._session.procs]
@@ -429,7 +394,7 @@ def test_an_iterator_of_a_closed_loader_says_it_is_closed():
     Before the fix: KeyError: 1 from `self._inboxes[run]` in _next_of: _shutdown
     cleared the inboxes and _epoch_batches does not check _closed when it is
     resumed."""
-    loader = ShmLoader(Numbers(1000), batch_size=8, num_workers=2)
+    loader = ShmLoader(Filled(1000, delay=WORK), batch_size=8, num_workers=2)
     it = iter(loader)
     next(it)
     os.kill(loader._session.procs[0].pid, signal.SIGKILL)
@@ -448,7 +413,7 @@ def test_first_ready_mode_reports_a_dead_worker_within_two_seconds():
     # A training step of 20 ms and 64 batches prefetched (1.3 s of steps):
     # main never waits on an empty ring, however loaded the machine, unless
     # the two other workers stall for over a second.
-    with ShmLoader(Numbers(10 ** 6, delay=0), batch_size=8, num_workers=3, in_order=False,
+    with ShmLoader(Filled(10 ** 6), batch_size=8, num_workers=3, in_order=False,
                    prefetch=64) as loader:
         it = iter(loader)
         next(it)
@@ -473,19 +438,9 @@ def test_first_ready_mode_reports_a_dead_worker_within_two_seconds():
 
 # --- forked children of the training process (R21) ----------------------------------------
 
-FORKS = textwrap.dedent("""
-    import json, os, sys, time
-    import numpy as np
-    from loader import ShmLoader
-
-    class DS:
-        def __len__(self):
-            return 2000
-        def __getitem__(self, i):
-            time.sleep(0.0005)
-            return np.full(8, i, np.int64)
-
-    loader = ShmLoader(DS(), batch_size=16, num_workers=2, timeout=30)
+FORKS = loader_program("""
+    loader = ShmLoader(Filled(2000, 8, delay=0.0005), batch_size=16, num_workers=2,
+                       timeout=30)
     it = iter(loader)
     batches = [next(it)[:, 0].tolist()]
     children = {}
@@ -530,7 +485,7 @@ FORKS = textwrap.dedent("""
     loader.close()
     print(json.dumps({"children": children, "codes": codes, "batches": batches,
                       "second": second}), flush=True)
-""")
+""", restore_sigint=False)
 
 
 def _run_to_end(code: str, *args: str, timeout: float = 60) -> Program:
@@ -570,19 +525,10 @@ def test_forked_child_exiting_or_touching_the_loader_leaves_the_epoch_intact():
         prog.cleanup()
 
 
-RESUME = textwrap.dedent("""
-    import json, os, sys, time
-    import numpy as np
-    from loader import ShmLoader
-
-    class DS:
-        def __len__(self):
-            return 2000
-        def __getitem__(self, i):
-            time.sleep(0.5 if i == 3 else 0.004)  # batch 0 is late: 1 and 2 wait in the iterator
-            return np.full(8, i, np.int64)
-
-    loader = ShmLoader(DS(), batch_size=16, num_workers=2, timeout=5)
+RESUME = loader_program("""
+    # batch 0 is late (sample 3): batches 1 and 2 wait in the iterator
+    loader = ShmLoader(Filled(2000, 8, delay=0.004, slow={3: 0.5}), batch_size=16,
+                       num_workers=2, timeout=5)
     it = iter(loader)
     batches = [next(it)[:, 0].tolist()]
     r, w = os.pipe()
@@ -609,7 +555,7 @@ RESUME = textwrap.dedent("""
     os.waitpid(pid, 0)
     loader.close()
     print(json.dumps({"child": said, "error": error, "batches": batches}), flush=True)
-""")
+""", restore_sigint=False)
 
 
 def test_forked_child_resuming_the_parents_iterator_gets_runtime_error():
@@ -639,19 +585,7 @@ def test_forked_child_resuming_the_parents_iterator_gets_runtime_error():
 
 # --- start-up failures (R17) ----------------------------------------------------------------
 
-START_FAILURE = textwrap.dedent("""
-    import json, os, resource, sys, time
-    import numpy as np
-    from loader import LoaderStartError, ShmLoader
-
-    class DS:
-        def __len__(self):
-            return 64
-        def __getitem__(self, i):
-            if i == 0:
-                time.sleep(0.3)  # main waits for the first batch on an empty ring
-            return np.full(4, i, np.int64)
-
+START_FAILURE = loader_program("""
     def fds():  # with fstat: listing /proc/self/fd would need a free descriptor
         found = []
         for fd in range(4096):
@@ -662,20 +596,10 @@ START_FAILURE = textwrap.dedent("""
                 pass
         return found
 
-    def children():
-        me, found = str(os.getpid()), []
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[1] == me:
-                        found.append(int(entry))
-            except (OSError, IndexError):
-                pass
-        return found
-
     def attempt(workers):
         before = fds()
-        loader = ShmLoader(DS(), batch_size=8, num_workers=workers)
+        # main waits for the first batch on an empty ring: sample 0 is late
+        loader = ShmLoader(Filled(64, slow={0: 0.3}), batch_size=8, num_workers=workers)
         try:
             samples = [int(k) for b in loader for k in b[:, 0]]
             outcome = ["ok", samples == list(range(64))]
@@ -694,15 +618,15 @@ START_FAILURE = textwrap.dedent("""
     if mode == "limit":
         resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), hard))
         results["24"] = attempt(24)
-        results["24"]["children"] = children()
+        results["24"]["children"] = [pid for pid, _ in children()]
         results["2"] = attempt(2)
-        results["2"]["children"] = children()
+        results["2"]["children"] = [pid for pid, _ in children()]
     elif mode == "sweep":  # every limit from nothing free to enough for all
         for extra in range(0, 2 * 6 + 12):
             resource.setrlimit(resource.RLIMIT_NOFILE, (max(fds()) + 1 + extra, hard))
             results[str(extra)] = attempt(5)
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-            results[str(extra)]["children"] = children()
+            results[str(extra)]["children"] = [pid for pid, _ in children()]
     elif mode == "none-free":  # every descriptor below the limit in use
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(fds()) + 1, hard))
         held = []
@@ -715,9 +639,9 @@ START_FAILURE = textwrap.dedent("""
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        results["0"]["children"] = children()
+        results["0"]["children"] = [pid for pid, _ in children()]
     print(json.dumps(results), flush=True)
-""")
+""", names=("LoaderStartError", "ShmLoader"), restore_sigint=False)
 
 
 def _start_failure(*args: str) -> dict:
@@ -869,18 +793,7 @@ def test_a_consumer_out_of_fds_does_not_take_live_producers_for_dead():
 
 # --- Ctrl-C inside the loader's own start-up and shutdown -------------------------------
 
-CTRL_C_IN_FORK = textwrap.dedent("""
-    import os, signal, sys, time
-    import numpy as np
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    from loader import ShmLoader
-
-    class DS:
-        def __len__(self):
-            return 64
-        def __getitem__(self, i):
-            return np.full(4, i)
-
+CTRL_C_IN_FORK = loader_program("""
     # A Ctrl-C that arrives while the 3rd child is being forked: SIGINT is
     # blocked around fork(), so it is pending when fork() returns.
     real_fork, forks = os.fork, [0]
@@ -893,7 +806,7 @@ CTRL_C_IN_FORK = textwrap.dedent("""
         return pid
     os.fork = fork
 
-    loader = ShmLoader(DS(), batch_size=8, num_workers=4)
+    loader = ShmLoader(Filled(64), batch_size=8, num_workers=4)
     try:
         iter(loader)
         print("no KeyboardInterrupt", flush=True)
@@ -901,16 +814,7 @@ CTRL_C_IN_FORK = textwrap.dedent("""
         print("interrupted", flush=True)
     loader.close()
     time.sleep(1.0)  # far longer than a child needs to exit
-    me, left = str(os.getpid()), []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[1] == me:
-            left.append(fields[0])
-    print("children", *left, flush=True)
+    print("children", *[state for _, state in children()], flush=True)
 """)
 
 
@@ -935,21 +839,9 @@ def test_ctrl_c_during_a_fork_leaves_no_child_behind():
         prog.cleanup()
 
 
-CTRL_C_IN_CLOSE = textwrap.dedent("""
-    import os, signal, sys, threading, time
-    import numpy as np
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    from loader import ShmLoader
-
-    class DS:
-        def __len__(self):
-            return 10 ** 6
-        def __getitem__(self, i):
-            if i == 40:
-                time.sleep(3)  # close() waits for this sample
-            return np.full(4, i)
-
-    loader = ShmLoader(DS(), batch_size=8, num_workers=2)
+CTRL_C_IN_CLOSE = loader_program("""
+    # close() will wait for sample 40
+    loader = ShmLoader(Filled(10 ** 6, slow={40: 3}), batch_size=8, num_workers=2)
     it = iter(loader)
     for _ in range(3):
         next(it)
@@ -963,16 +855,7 @@ CTRL_C_IN_CLOSE = textwrap.dedent("""
     t0 = time.monotonic()
     loader.close()  # again, now that the user waits for it
     print(f"second close took {time.monotonic() - t0:.1f}", flush=True)
-    me, left = str(os.getpid()), []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[1] == me:
-            left.append(fields[0])
-    print("children", *left, flush=True)
+    print("children", *[state for _, state in children()], flush=True)
 """)
 
 
@@ -994,19 +877,8 @@ def test_close_again_after_ctrl_c_in_close_reaps_every_child():
         prog.cleanup()
 
 
-CTRL_C_IN_FINALIZER = textwrap.dedent("""
-    import os, signal, sys
-    import numpy as np
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    from loader import ShmLoader
-
-    class DS:
-        def __len__(self):
-            return 10 ** 6
-        def __getitem__(self, i):
-            return np.full(4, i)
-
-    loader = ShmLoader(DS(), batch_size=8, num_workers=2)
+CTRL_C_IN_FINALIZER = loader_program("""
+    loader = ShmLoader(Filled(10 ** 6), batch_size=8, num_workers=2)
     it = iter(loader)
     next(it)
     from loader import _native

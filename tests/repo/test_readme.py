@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                      "README.md")
 with open(README) as f:
     BLOCKS = re.findall(r"```python\n(.*?)```", f.read(), re.S)
 

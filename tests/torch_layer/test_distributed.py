@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-SCRIPT = Path(__file__).parent / "scripts" / "distributed_epochs.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "distributed_epochs.py"
 
 
 def free_port() -> int:
@@ -28,7 +28,7 @@ def torchrun(*args: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(SCRIPT), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]))
+        [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

@@ -22,8 +22,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-ROOT = Path(__file__).parent.parent
-SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).parents[2]
+SCRIPTS = Path(__file__).parents[1] / "scripts"
 N = 96  # the scripts' dataset (lightning_run.py, accelerate_epochs.py)
 OURS = "loader._torch.DataLoader"
 

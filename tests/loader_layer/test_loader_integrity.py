@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from loader import CollateError, ShmLoader
+from shared_datasets import Filled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -263,25 +264,20 @@ def resident_bytes(arr: np.ndarray) -> int:
     return int((np.frombuffer(vec, np.uint8) & 1).sum()) * PAGE
 
 
-class Blocks16:
-    """16 MiB per batch of 4."""
-
-    def __len__(self):
-        return 64
-
-    def __getitem__(self, i):
-        return np.full((1 << 20), i, np.float32)
+# 64 samples of 4 MiB (float32 holding i): 16 MiB per batch of 4
+BLOCKS16 = dict(n=64, shape=1 << 20, dtype=np.float32)
 
 
 def test_close_gives_the_memory_back_except_what_you_hold():
-    loader = ShmLoader(Blocks16(), batch_size=4, num_workers=2, timeout=30)
+    loader = ShmLoader(Filled(**BLOCKS16), batch_size=4, num_workers=2, timeout=30)
     for _ in range(2):
         for b in loader:
             pass
     kept = b
     arena = loader._session.shared.arena
     assert resident_bytes(arena) >= 4 * (16 << 20)  # the batches in flight were faulted in
-    later = ShmLoader(Blocks16(), batch_size=1, num_workers=2)  # its children map the arena too
+    # its children map the arena too
+    later = ShmLoader(Filled(**BLOCKS16), batch_size=1, num_workers=2)
     next(iter(later))
     loader.close()
     assert resident_bytes(arena) <= (16 << 20) + 2 * PAGE  # only the batch held here

@@ -13,23 +13,13 @@ import shmq
 from loader import DataStallWarning, ShmLoader
 from loader import _stats
 from loader._slabs import slab_bytes
+from shared_datasets import Filled
 
 pytestmark = pytest.mark.timeout(90)
 
 
-class Rows:
-    """Sample i: 16 float32 holding i (64 bytes), after an optional sleep."""
-
-    def __init__(self, n, sleep=0.0):
-        self.n, self.sleep = n, sleep
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        if self.sleep:
-            time.sleep(self.sleep)
-        return np.full(16, i, np.float32)
+# Samples of 16 float32 holding i (64 bytes); delay=: a sleep per sample
+ROW = dict(shape=16, dtype=np.float32)
 
 
 def epochs(loader, count, step=0.0):
@@ -47,10 +37,10 @@ def epochs(loader, count, step=0.0):
 
 
 def test_counts_bytes_and_pool_per_epoch():
-    with ShmLoader(Rows(20_000), batch_size=100, num_workers=2, shuffle=True) as loader:
+    with ShmLoader(Filled(20_000, **ROW), batch_size=100, num_workers=2, shuffle=True) as loader:
         assert loader.stats() is None
         all_stats = epochs(loader, 3)
-    with ShmLoader(Rows(20_000), batch_size=100, num_workers=0) as inline:
+    with ShmLoader(Filled(20_000, **ROW), batch_size=100, num_workers=0) as inline:
         inline_stats = epochs(inline, 1)[0]
     for epoch, s in enumerate(all_stats, 1):
         assert s["epoch"] == epoch and s["batches"] == 200 and s["samples"] == 20_000, s
@@ -82,7 +72,7 @@ def test_the_pool_holds_prefetch_batches_and_the_held_one_across_epochs(prefetch
     (the previous one is still bound to the loop's variable), also while
     the next epoch's run starts ahead (it shares `prefetch` with the
     epoch ending).  It was 2 x prefetch + 2 plus the next epoch's."""
-    with ShmLoader(Rows(12_800), batch_size=128, num_workers=2, prefetch=prefetch,
+    with ShmLoader(Filled(12_800, **ROW), batch_size=128, num_workers=2, prefetch=prefetch,
                    in_order=in_order, timeout=60) as loader:
         for s in epochs(loader, 4, step):
             slab = slab_bytes(s["bytes"] // s["batches"])
@@ -91,7 +81,7 @@ def test_the_pool_holds_prefetch_batches_and_the_held_one_across_epochs(prefetch
 
 def test_slow_dataset_shows_busy_workers_and_a_waiting_loop():
     # 2 workers sleeping 5 ms per sample: ~0.5 s an epoch, all of it loading
-    with ShmLoader(Rows(200, sleep=0.005), batch_size=10, num_workers=2) as loader:
+    with ShmLoader(Filled(200, **ROW, delay=0.005), batch_size=10, num_workers=2) as loader:
         s = epochs(loader, 2)[1]
     assert s["loop_wait_share"] > 0.6, s["summary"]
     assert s["workers_busy_share"] > 0.6, s["summary"]
@@ -99,7 +89,7 @@ def test_slow_dataset_shows_busy_workers_and_a_waiting_loop():
 
 def test_slow_step_shows_idle_workers_and_a_loop_that_never_waits():
     # loading is ~1000x faster than the 20 ms step; epoch 2 has no start-up in it
-    with ShmLoader(Rows(2_000), batch_size=50, num_workers=2) as loader:
+    with ShmLoader(Filled(2_000, **ROW), batch_size=50, num_workers=2) as loader:
         s = epochs(loader, 2, step=0.02)[1]
     assert s["seconds"] >= 40 * 0.02
     assert s["loop_wait_share"] < 0.3, s["summary"]
@@ -109,7 +99,7 @@ def test_slow_step_shows_idle_workers_and_a_loop_that_never_waits():
 
 def test_stall_warning_once_with_the_bottleneck(monkeypatch):
     monkeypatch.setattr(_stats, "STALL_MIN_SECONDS", 0.1)
-    with ShmLoader(Rows(100, sleep=0.01), batch_size=10, num_workers=2) as loader:
+    with ShmLoader(Filled(100, **ROW, delay=0.01), batch_size=10, num_workers=2) as loader:
         with pytest.warns(DataStallWarning) as caught:
             epochs(loader, 3)
     assert len(caught) == 1  # once per loader, not once per epoch
@@ -121,7 +111,7 @@ def test_stall_warning_once_with_the_bottleneck(monkeypatch):
 
 def test_no_stall_warning_when_the_loop_does_not_wait(monkeypatch):
     monkeypatch.setattr(_stats, "STALL_MIN_SECONDS", 0.1)
-    with ShmLoader(Rows(2_000), batch_size=50, num_workers=2) as loader:
+    with ShmLoader(Filled(2_000, **ROW), batch_size=50, num_workers=2) as loader:
         with warnings.catch_warnings():
             warnings.simplefilter("error", DataStallWarning)
             epochs(loader, 2, step=0.01)
@@ -131,7 +121,7 @@ def test_no_stall_warning_from_the_torch_compatible_dataloader(monkeypatch):
     pytest.importorskip("torch")
     from loader import DataLoader
     monkeypatch.setattr(_stats, "STALL_MIN_SECONDS", 0.1)
-    loader = DataLoader(Rows(200, sleep=0.005), batch_size=10, num_workers=2)
+    loader = DataLoader(Filled(200, **ROW, delay=0.005), batch_size=10, num_workers=2)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", DataStallWarning)
@@ -196,7 +186,8 @@ def test_wait_clock_is_readable_mid_wait_and_never_goes_back():
 @pytest.mark.parametrize("num_workers, use_steps", [(0, False), (2, True)])
 def test_stall_warning_points_at_the_training_loop(monkeypatch, num_workers, use_steps):
     monkeypatch.setattr(_stats, "STALL_MIN_SECONDS", 0.1)
-    with ShmLoader(Rows(100, sleep=0.005), batch_size=10, num_workers=num_workers) as loader:
+    with ShmLoader(Filled(100, **ROW, delay=0.005), batch_size=10,
+                   num_workers=num_workers) as loader:
         with pytest.warns(DataStallWarning) as caught:
             batches = loader.steps(25) if use_steps else iter(loader)
             assert sum(len(b) for b in batches) == (250 if use_steps else 100)

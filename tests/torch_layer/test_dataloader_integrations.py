@@ -14,15 +14,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.utils.data.datapipes as dp  # noqa: E402
-from torch.utils.data import Dataset, TensorDataset  # noqa: E402
+from torch.utils.data import TensorDataset  # noqa: E402
 
 from loader import DataLoader, ShmLoader  # noqa: E402
+from torch_conformance_datasets import NamedTupleDataset  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def _pipe(n=100):
@@ -77,16 +78,6 @@ def test_datapipe_order_with_a_loader_generator_is_torchs():
 
 
 # --- namedtuple classes pickle cannot find, with workers -----------------------------
-
-class NamedTupleDataset(Dataset):
-    Batch = collections.namedtuple("Batch", ["data", "label"])  # qualname 'Batch': not importable
-
-    def __len__(self):
-        return 6
-
-    def __getitem__(self, i):
-        return self.Batch(data=torch.full((2,), i), label=i)
-
 
 @pytest.mark.parametrize("batch_size", [2, None])
 def test_a_namedtuple_pickle_cannot_find_loads_with_two_workers(batch_size):

@@ -1,5 +1,7 @@
 """Helpers for the tests that kill processes (test_loader_kill.py,
-test_suite_conditions.py).
+test_suite_conditions.py): the programs they run (loader_program composes
+one from the shared preamble and the test's own body), and what is left of
+a program after a signal.
 
 A program under test runs in a session of its own (start_new_session=True),
 so every process it forks, and every process those fork, carries its
@@ -20,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
 from conftest import our_shm_entries, wait_until
@@ -101,6 +104,62 @@ def kill_pids(pids) -> None:
 
 
 # --- programs -----------------------------------------------------------------------
+
+SUPPORT_DIR = os.path.dirname(os.path.abspath(__file__))
+
+PREAMBLE = """\
+import gc, json, os, resource, signal, sys, threading, time
+import numpy as np
+"""
+
+CHILDREN = """\
+
+def children():
+    \"\"\"(pid, state) of each child of this process, read from /proc.\"\"\"
+    me, found = str(os.getpid()), []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and fields[1] == me:
+            found.append((int(entry), fields[0]))
+    return found
+
+"""
+
+RESTORE_SIGINT = """\
+# A test suite started in the background inherits SIGINT ignored: restore it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+"""
+
+
+def loader_program(body: str, *, names: tuple[str, ...] = ("ShmLoader",),
+                   restore_sigint: bool = True) -> str:
+    """The text of a standalone loader program (for Program): the preamble
+    the kill tier's programs share, then `body` (dedented), which states
+    only what is the test's own: its dataset's arguments, its loop, what it
+    prints.
+
+    The preamble imports the standard modules the programs use and numpy;
+    with restore_sigint, gives SIGINT its default handler back before the
+    loader is imported (a program that is to see a KeyboardInterrupt must,
+    even when the suite runs from a background job); puts tests/support on
+    sys.path and imports shared_datasets.Filled (sample i: an array filled
+    with i, with optional work per sample), then `from loader import`
+    each of `names`; defines children(), the (pid, state) of each child
+    of the program still there (reaped ones are gone, zombies are 'Z')."""
+    return "".join([
+        PREAMBLE,
+        RESTORE_SIGINT if restore_sigint else "",
+        f"sys.path.insert(0, {SUPPORT_DIR!r})\n",
+        "from shared_datasets import Filled\n",
+        f"from loader import {', '.join(names)}\n",
+        CHILDREN,
+        textwrap.dedent(body),
+    ])
+
 
 class Program:
     """A Python program in a session of its own, with its stdout read line

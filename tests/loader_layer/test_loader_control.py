@@ -18,6 +18,7 @@ from loader import ShmLoader, WorkerError
 from loader._layout import Layout, signature
 from loader._order import epoch_order
 from loader._slabs import slab_bytes as pool_bytes
+from shared_datasets import Filled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,14 +107,8 @@ def test_persistent_workers_false_restarts_the_processes_every_epoch():
         assert len(set(pids)) == 3
 
 
-class Big:
-    """Sample i: 256 KiB of float32 filled with i."""
-
-    def __len__(self):
-        return 64
-
-    def __getitem__(self, i):
-        return np.full((256, 256), i, np.float32)
+# 64 samples; sample i: 256 KiB of float32 filled with i
+BIG = dict(n=64, shape=(256, 256), dtype=np.float32)
 
 
 def slab_bytes(sample, rows: int) -> int:
@@ -123,7 +118,8 @@ def slab_bytes(sample, rows: int) -> int:
 
 
 def test_a_batch_larger_than_the_memory_cap_is_an_error_naming_both_sizes():
-    with ShmLoader(Big(), batch_size=16, num_workers=2, memory_cap_bytes=1 << 20) as loader:
+    with ShmLoader(Filled(**BIG), batch_size=16, num_workers=2,
+                   memory_cap_bytes=1 << 20) as loader:
         t0 = time.monotonic()
         with pytest.raises(MemoryError) as info:
             list(loader)
@@ -141,8 +137,8 @@ def test_batches_kept_past_the_cap_move_out_of_the_pool_without_a_wait():
     moves them out of the pool (NOTE [ Kept batch memory ]), with no wait
     and no warning, and every kept batch keeps its values."""
     B = 4
-    cap = 3 * slab_bytes(Big()[0], B)  # three batches of Big
-    with ShmLoader(Big(), batch_size=B, num_workers=2, memory_cap_bytes=cap, prefetch=1,
+    cap = 3 * slab_bytes(Filled(**BIG)[0], B)  # three batches of BIG
+    with ShmLoader(Filled(**BIG), batch_size=B, num_workers=2, memory_cap_bytes=cap, prefetch=1,
                    timeout=20) as loader:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -160,8 +156,8 @@ def test_batches_kept_past_the_cap_move_out_of_the_pool_without_a_wait():
 
 def test_close_is_prompt_while_the_collator_waits_for_memory():
     B = 4
-    with ShmLoader(Big(), batch_size=B, num_workers=2,
-                   memory_cap_bytes=2 * slab_bytes(Big()[0], B), prefetch=1) as loader:
+    with ShmLoader(Filled(**BIG), batch_size=B, num_workers=2,
+                   memory_cap_bytes=2 * slab_bytes(Filled(**BIG)[0], B), prefetch=1) as loader:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             it = iter(loader)

@@ -1,4 +1,4 @@
-"""Pieces of the fuzz tier (tests/test_fuzz.py): messages, a map of a
+"""Pieces of the fuzz tier (tests/shmq_layer/test_fuzz.py): messages, a map of a
 segment's fields, corruptions, and the bodies of the forked children.
 
 Corruptions are written with pwrite into /dev/shm/<name>, the same pages

@@ -22,7 +22,7 @@ from killkit import Program
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ignore_sigint():
@@ -71,15 +71,15 @@ def run_pytest(tmp_path, *selection: str, sigint_ignored: bool = False,
 # --- started from a background job ---------------------------------------------------------
 
 CTRL_C_TESTS = [
-    "tests.test_multiprocess::test_ctrl_c_interrupts_a_blocking_call[get]",
-    "tests.test_multiprocess::test_ctrl_c_interrupts_a_blocking_call[put]",
-    "tests.test_sync::test_ctrl_c_interrupts_a_wait_without_a_limit",
-    "tests.test_loader::test_ctrl_c_while_iterating",
+    "tests.shmq_layer.test_multiprocess::test_ctrl_c_interrupts_a_blocking_call[get]",
+    "tests.shmq_layer.test_multiprocess::test_ctrl_c_interrupts_a_blocking_call[put]",
+    "tests.shmq_layer.test_sync::test_ctrl_c_interrupts_a_wait_without_a_limit",
+    "tests.loader_layer.test_loader::test_ctrl_c_while_iterating",
 ]
 RANDOM_CTRL_C_TESTS = [
-    *[f"tests.test_loader_kill::test_ctrl_c_to_main_at_a_random_moment[{phase}-quick]"
+    *[f"tests.loader_layer.test_loader_kill::test_ctrl_c_to_main_at_a_random_moment[{phase}-quick]"
       for phase in ("start", "mid", "ahead", "close")],
-    "tests.test_loader_kill::test_ctrl_c_during_start_up_of_eight_workers[quick]",
+    "tests.loader_layer.test_loader_kill::test_ctrl_c_during_start_up_of_eight_workers[quick]",
 ]
 
 
@@ -88,8 +88,9 @@ def test_ctrl_c_tests_pass_when_the_suite_runs_with_sigint_ignored(tmp_path):
     ignored (`nohup python -m pytest ... &`): their programs restore the
     default handler themselves, so each still sees its KeyboardInterrupt."""
     outcomes, out, code = run_pytest(
-        tmp_path, "-k", "ctrl_c", "tests/test_multiprocess.py", "tests/test_sync.py",
-        "tests/test_loader.py", "tests/test_loader_kill.py", sigint_ignored=True)
+        tmp_path, "-k", "ctrl_c", "tests/shmq_layer/test_multiprocess.py",
+        "tests/shmq_layer/test_sync.py", "tests/loader_layer/test_loader.py",
+        "tests/loader_layer/test_loader_kill.py", sigint_ignored=True)
     assert code == 0, out[-5000:]
     passed = {name for name, outcome in outcomes.items() if outcome == "passed"}
     assert set(CTRL_C_TESTS) | set(RANDOM_CTRL_C_TESTS) <= passed, (sorted(outcomes.items()),
@@ -185,16 +186,18 @@ class Neighbours:
                     os.unlink(os.path.join("/dev/shm", entry))
 
 
+SEGMENTS = "tests/shmq_layer/test_segments.py"
 SHARED_MACHINE_TESTS = [
-    "tests/test_queue.py",
-    "tests/test_anonymous.py",
-    "tests/test_segments.py",           # stale-segment sweeping must spare the neighbours
-    "tests/test_multiprocess.py::test_mpsc_four_producers[fork]",
-    "tests/test_multiprocess.py::test_spsc_independent_process_attaches_by_name",
-    "tests/test_loader.py::test_in_order_exact_batches_over_epochs",
-    "tests/test_loader.py::test_create_iterate_drop_loop_does_not_grow",
-    "tests/test_loader.py::test_main_killed_children_exit_within_two_seconds",
-    *[f"tests/test_loader_kill.py::test_main_killed_at_a_random_moment_leaves_nothing"
+    "tests/shmq_layer/test_queue.py",
+    "tests/shmq_layer/test_anonymous.py",
+    SEGMENTS,  # stale-segment sweeping must spare the neighbours
+    "tests/shmq_layer/test_multiprocess.py::test_mpsc_four_producers[fork]",
+    "tests/shmq_layer/test_multiprocess.py::test_spsc_independent_process_attaches_by_name",
+    "tests/loader_layer/test_loader.py::test_in_order_exact_batches_over_epochs",
+    "tests/loader_layer/test_loader.py::test_create_iterate_drop_loop_does_not_grow",
+    "tests/loader_layer/test_loader.py::test_main_killed_children_exit_within_two_seconds",
+    *[f"tests/loader_layer/test_loader_kill.py"
+      f"::test_main_killed_at_a_random_moment_leaves_nothing"
       f"[{phase}-SIGKILL-main-quick]" for phase in ("start", "mid", "ahead", "close")],
 ]
 
@@ -211,10 +214,12 @@ def test_suite_passes_while_another_shmq_program_runs(tmp_path):
         assert code == 0, out[-5000:]
         assert set(outcomes.values()) == {"passed"}, outcomes
         files = {name.split("::")[0] for name in outcomes}
-        assert files == {"tests.test_queue", "tests.test_anonymous", "tests.test_segments",
-                         "tests.test_multiprocess", "tests.test_loader",
-                         "tests.test_loader_kill"}, files
-        assert "tests.test_segments::test_reused_pid_does_not_make_a_segment_look_alive" in outcomes
+        assert files == {"tests.shmq_layer.test_queue", "tests.shmq_layer.test_anonymous",
+                         "tests.shmq_layer.test_segments", "tests.shmq_layer.test_multiprocess",
+                         "tests.loader_layer.test_loader",
+                         "tests.loader_layer.test_loader_kill"}, files
+        assert ("tests.shmq_layer.test_segments::"
+                "test_reused_pid_does_not_make_a_segment_look_alive") in outcomes
         assert os.path.exists("/dev/shm" + neighbours.name)  # still there: its creator lives
         holder_said, churn_said = neighbours.stop()
         assert holder_said == "intact"
@@ -236,7 +241,7 @@ def test_the_shm_full_tests_pass_beside_another_shmq_program(tmp_path):
     neighbours = Neighbours()
     try:
         outcomes, out, code = run_pytest(tmp_path, "--keep-duplicates",
-                                         *["tests/test_segments.py"] * 40, "-k", "shm_full")
+                                         *[SEGMENTS] * 40, "-k", "shm_full")
         neighbours.stop()
         assert code == 0 and set(outcomes.values()) == {"passed"}, (outcomes, out[-3000:])
     finally:
@@ -260,7 +265,7 @@ def test_the_stale_segment_tests_pass_beside_another_program_cleaning(tmp_path):
     try:
         assert Neighbours._line(cleaner) == "cleaning"
         outcomes, out, code = run_pytest(tmp_path, "--keep-duplicates",
-                                         *["tests/test_segments.py"] * 5, "-k", "stale or cli")
+                                         *[SEGMENTS] * 5, "-k", "stale or cli")
         cleaner.stdin.close()
         assert Neighbours._line(cleaner) == "done" and cleaner.wait(30) == 0
         assert code == 0 and set(outcomes.values()) == {"passed"}, (outcomes, out[-3000:])

@@ -1,4 +1,5 @@
-"""Datasets, samplers and collate functions shared by test_torch_conformance.py.
+"""Datasets, samplers and collate functions shared by test_torch_conformance.py
+(and upstream's datasets that other tests of the torch layer use too).
 
 They live in their own importable module (not in the test file) so that
 workers started by spawn or forkserver can unpickle them by name, and so that
@@ -576,3 +577,18 @@ def collate_packed_batch_first(samples):
     b, t = data.size()
     lengths = torch.randint(1, t, size=(b,), dtype=torch.int64)
     return torch.nn.utils.rnn.pack_padded_sequence(data, lengths, batch_first=True, enforce_sorted=False)
+
+
+class NamedTupleDataset(Dataset):
+    """Upstream TestNamedTupleDataLoader's dataset: the namedtuple lives in
+    the class body, so its qualname is 'Batch' and pickle cannot find it by
+    name.  test_dataloader_habits.py loads it without workers (nothing may
+    need pickling), test_dataloader_integrations.py with two (the class
+    travels by identity: the workers are forked)."""
+    Batch = namedtuple("Batch", ["data", "label"])
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return self.Batch(data=torch.full((2,), i), label=i)

@@ -8,7 +8,7 @@ repetition that fails raises before it records, so the test's failure, not
 the table, reports it.  Without the variable, record() does nothing.
 
     SHMQ_RELIABILITY_LOG=/tmp/r.jsonl python -m pytest -m stress ...
-    python tests/measure.py /tmp/r.jsonl      # the Markdown table
+    python tests/support/measure.py /tmp/r.jsonl      # the Markdown table
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
  * (R24: no permanent wait).
  *
  *   ring_test offsets         print sizes/offsets as JSON (compared with the
- *                             Cython build by tests/test_layout.py)
+ *                             Cython build by tests/shmq_layer/test_layout.py)
  *   ring_test spsc N          N records through a 4 KiB ring, one thread each side
  *   ring_test mpsc P N        P producer threads x N records, one consumer
  *   ring_test stale-claim     the interleavings of NOTE [claim announcement],

@@ -19,7 +19,11 @@ from shmq import _core
 
 pytestmark = pytest.mark.timeout(60)
 
+# What pytest puts on sys.path, for a fresh interpreter that imports this file
+# or payload: this folder, tests/ (conftest.py) and tests/support (pythonpath)
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+TEST_PATH = [TESTS_DIR, os.path.dirname(TESTS_DIR),
+             os.path.join(os.path.dirname(TESTS_DIR), "support")]
 
 
 # --- child bodies (top level so spawn can import them) ----------------------
@@ -82,7 +86,7 @@ def test_spsc_fork(procs, size):
 def test_spsc_independent_process_attaches_by_name(procs):
     with shmq.Queue(1 << 16) as q:
         child = procs.python(
-            f"import sys; sys.path.insert(0, {TESTS_DIR!r})\n"
+            f"import sys; sys.path[:0] = {TEST_PATH!r}\n"
             "import shmq, test_multiprocess as t\n"
             "t.produce_by_name(sys.argv[1], 0, 300, 5000)\n", q.name)
         tally, _ = drain(q, 1)
@@ -93,7 +97,7 @@ def test_spsc_independent_process_attaches_by_name(procs):
 def test_consumer_in_independent_process(procs):
     with shmq.Queue(1 << 16) as q:
         child = procs.python(
-            f"import sys; sys.path.insert(0, {TESTS_DIR!r})\n"
+            f"import sys; sys.path[:0] = {TEST_PATH!r}\n"
             "import shmq, payload\n"
             "q = shmq.Queue.attach(sys.argv[1]); tally = payload.Tally(1)\n"
             "try:\n"

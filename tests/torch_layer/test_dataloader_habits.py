@@ -5,7 +5,6 @@ live iterators.  Every scenario runs on both loaders from the same seeds;
 the batches, and the generators' states afterwards, must be equal.  The
 resume habit (a state taken in the first epoch) is in test_resume.py."""
 
-import collections
 import gc
 import os
 import signal
@@ -19,6 +18,7 @@ import torch.utils.data as tud  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
 from loader import DataLoader  # noqa: E402
+from torch_conformance_datasets import NamedTupleDataset  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
@@ -257,18 +257,6 @@ def test_no_warning_torch_does_not_give_when_another_thread_is_alive():
     finally:
         stop.set()
         monitor.join()
-
-
-class NamedTupleDataset(tud.Dataset):
-    """Upstream TestNamedTupleDataLoader's dataset: the namedtuple lives in
-    the class body, so pickle cannot find it by its name ('Batch')."""
-    Batch = collections.namedtuple("Batch", ["data", "label"])
-
-    def __len__(self):
-        return 6
-
-    def __getitem__(self, i):
-        return self.Batch(data=torch.full((2,), i), label=i)
 
 
 @pytest.mark.parametrize("batch_size", [2, None])
