@@ -27,6 +27,7 @@ NOT_OURS = {
     "test/test_dataloader.py", "pytorch_lightning/loops/fetchers.py", "random.py",
     "train.py", "readme_block.py", "torch/utils/data/dataloader.py",
     "_f.py",  # this file's docstring: a made-up example
+    "sample.py",  # test_records_by_keyword.py's made-up module
 }
 NOT_OUR_NOTES = {"IterableDataset and __len__"}  # torch's, in torch/utils/data/dataloader.py
 TITLE = re.compile(r"NOTE\s+\[\s+(.+?)\s+\]")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-LOADER = Path(__file__).resolve().parent.parent / "loader"
+LOADER = Path(__file__).resolve().parents[2] / "loader"
 MAX_POSITIONAL = 4
 
 
