@@ -15,6 +15,7 @@ from loader import _order as O
 from loader._stats import EpochClock
 from loader._trace import EPOCH, WAIT
 from loader._layout import Layout, LayoutCache, materialize, signature_and_leaves, stack
+from loader._planning import order_of, settled_plan
 from loader._sampler_feed import BatchFeed
 from loader._worker import SampleSeeder
 
@@ -65,7 +66,7 @@ class InlineEpoch:
             self.stream = iter(ld.dataset)
             self.seq, self.ended = 0, False
             return
-        order = ld._order_of(plan)
+        order = order_of(plan, ld._rank, ld._world)
         self.geometry = plan.progress.batches  # (a streamed batch sampler's: as it is pulled)
         self.index_of = O.index_getter(order)
         self.order = order
@@ -129,7 +130,7 @@ class InlineEpoch:
             feed.feed_batches(k + 1)
         else:
             feed.feed(self.geometry.span(k)[1] if k < self.geometry.count else self.plan.kept)
-        plan = self.loader._settled_plan(self.plan)
+        plan = settled_plan(self.plan, self.loader._plan_rules())
         if plan is not None:
             self.plan, self.geometry = plan, plan.progress.batches
 

@@ -15,7 +15,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from loader import _control as C
 from loader import _fetch as F
 from loader import _order as O
 from loader import _protocol as P
@@ -29,8 +28,9 @@ from loader._inline import InlineEpoch
 from loader._native import derived_seeds
 from loader._pinning import cuda_available
 from loader._procs import LoaderStartError
-from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
-from loader._sampler_feed import BatchFeed, SamplerFeed, sampler_length, streamable
+from loader._planning import Plan, PlanRules, offsets_word, order_of, plan_run, settled_plan
+from loader._progress import STATE_FORMAT, MapProgress
+from loader._sampler_feed import BatchFeed, sampler_length
 from loader._session import Session
 from loader._shared import LoaderConfig
 from loader._state import Expected, check_state
@@ -50,30 +50,9 @@ class _KeyErrorMessage(str):
         return self
 
 
-class _Plan(NamedTuple):
-    """What main decided about one pass: see NOTE [ Runs ]."""
-    epoch: int
-    size: int                  # the dataset's length (a computed order), or the shipped
-                               # order's; -1 iterable
-    kept: int                  # positions delivered
-    units: int                 # what workers claim
-    nbatches: int              # -1 iterable
-    order_kind: int
-    order_seed: int
-    shipped: np.ndarray | None  # the order written out for the workers (iterable: skips)
-    offsets: np.ndarray | None  # a batch sampler's batch offsets
-    base_seed: int
-    rng: dict                  # generator states at the epoch's start (state_dict)
-    progress: object           # MapProgress or StreamProgress of the run
-    snapshot: object = None    # the dataset's snapshot of the epoch (FileDataset: its files)
-    remaining: O.Remaining | None = None  # a resumed computed order: the positions left
-    feed: SamplerFeed | None = None  # a streamed sampler (NOTE [ Streamed samplers ])
-    claims_batches: bool = False  # workers claim whole batches (UNITS are batches)
-
-
 class _Run(NamedTuple):
     id: int
-    plan: _Plan
+    plan: Plan
     batches: O.Batches | None  # None for an iterable dataset
 
 
@@ -451,7 +430,7 @@ class ShmLoader(FrozenState):
             return None
         return take(EpochInfo(epoch, self.seed, self._rank, self._world))
 
-    def _plan(self, epoch: int, resume: dict | None = None, snapshot=None) -> _Plan:
+    def _plan(self, epoch: int, resume: dict | None = None, snapshot=None) -> Plan:
         """Decide epoch's pass: which indices in which order (see NOTE
         [ Runs ]); with `resume`, only what the state says is left of it
         (NOTE [ Resuming an epoch ])."""
@@ -466,7 +445,7 @@ class ShmLoader(FrozenState):
                 plan = self._plan_drawn(epoch, resume)
         return plan._replace(snapshot=snapshot)
 
-    def _plan_drawn(self, epoch: int, resume: dict | None) -> _Plan:
+    def _plan_drawn(self, epoch: int, resume: dict | None) -> Plan:
         if resume is not None:
             if (resume["rank"], resume["world"]) != (self._rank, self._world):
                 raise ValueError(f"this state is of rank {resume['rank']} of {resume['world']}; "
@@ -477,143 +456,20 @@ class ShmLoader(FrozenState):
         # after the base seed, as torch draws it before the order: these are
         # the states the order is drawn from (NOTE [ Resuming an epoch ])
         rng = self._rng_states()
-        if self.iterable:
-            progress = StreamProgress(max(self.num_workers, 1), self._rows,
-                                      None if resume is None else resume["stream"])
-            shipped = None if resume is None else progress.skips()
-            return _Plan(epoch=epoch, size=-1, kept=-1 if shipped is None else len(shipped),
-                         units=-1, nbatches=-1,
-                         order_kind=O.ORDER_RANGE if shipped is None else O.ORDER_SHIPPED,
-                         order_seed=0, shipped=shipped, offsets=None, base_seed=base_seed,
-                         rng=rng, progress=progress)
-        shipped = offsets = stream = batch_stream = None
-        length = None if self.sampler is None else sampler_length(self.sampler)
-        if self.sampler is not None and not self._torch_rules:
-            streamed, stream = streamable(self.sampler)
-            if not streamed:  # drawn whole, from what streamable() started
-                stream = list(stream)
-        if self.batch_sampler is not None and not self._torch_rules:
-            # streamed, its batches pulled as LIMIT moves: OPEN, as the positions
-            # it covers are known only once it ends, even with a len()
-            batch_stream = iter(self.batch_sampler)
-            kind, order_seed, size = O.ORDER_SHIPPED, 0, O.OPEN_POSITIONS
-        elif self.batch_sampler is not None:
-            batches = [np.asarray(list(b), np.int64).reshape(-1) for b in self.batch_sampler]
-            shipped = np.concatenate(batches) if batches else np.zeros(0, np.int64)
-            offsets = np.zeros(len(batches) + 1, np.int64)
-            np.cumsum([len(b) for b in batches], out=offsets[1:])
-            kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
-        elif self.sampler is not None and not isinstance(stream, (list, type(None))):
-            # streamed; without len(), to a provisional bound until it ends (OPEN)
-            kind, order_seed = O.ORDER_SHIPPED, 0
-            size = O.OPEN_POSITIONS if length is None else length
-        elif self.sampler is not None:
-            items = stream if stream is not None else self._drawn_whole()
-            if isinstance(items, np.ndarray):  # torch's own sampler, drawn in one call
-                shipped, kind = items, O.ORDER_SHIPPED
-            elif all(isinstance(i, (int, np.integer)) for i in items):
-                shipped, kind = np.asarray(items, np.int64).reshape(-1), O.ORDER_SHIPPED
-            else:  # indices of other kinds (lists, keys): dataset[...] gets them as they are
-                shipped, kind = items, O.ORDER_OBJECTS
-            order_seed, size = 0, len(shipped)
-        elif self.shuffle and self.generator is not None:
-            import torch
+        return plan_run(self._plan_rules(), epoch=epoch, resume=resume, base_seed=base_seed,
+                        rng=rng)
 
-            # torch's RandomSampler(generator=...) yields randperm(n) of its
-            # generator (and draws the next randperm only once exhausted,
-            # which this loader, like np.fromiter of it, never asks for):
-            # the same draw, in one call, with no Python int per index
-            n = self._dataset_len()
-            shipped = torch.randperm(n, generator=self.generator).numpy()
-            shipped = O.shard(shipped, self._rank, self._world)
-            kind, order_seed, size = O.ORDER_SHIPPED, 0, len(shipped)
-        else:
-            # computed by the workers from the dataset's length (SIZE), then
-            # cut into this rank's share
-            kind = O.ORDER_PERMUTATION if self.shuffle else O.ORDER_RANGE
-            order_seed = O.order_seed_word(self.seed) if self.shuffle else 0
-            size = self._dataset_len()
-        share = size if kind in (O.ORDER_SHIPPED, O.ORDER_OBJECTS) else O.shard_size(
-            size, self._world)
-        if offsets is not None:
-            kept = share
-        else:
-            kept = share if self.batch_size is None else O.kept_of(share, self.batch_size,
-                                                                   self.drop_last)
-            if shipped is not None:
-                shipped = shipped[:kept]
-        done = remaining = None
-        open_ended = kind == O.ORDER_SHIPPED and shipped is None and (
-            length is None or batch_stream is not None)
-        if open_ended:  # its length is learnt when the sampler ends (_settled_plan)
-            kept = O.OPEN_POSITIONS
-        if resume is not None:  # the epoch's remaining positions, in its order
-            done = MapProgress.done_of(resume["map"])
-            positions = resume["map"]["positions"]
-            if positions != kept and not open_ended:
-                raise ValueError(f"this state is of an epoch of {positions} samples, but the "
-                                 f"loader's epoch {epoch} has {kept}: load it into a loader of "
-                                 f"the same dataset, sampler and batching")
-            remaining = O.Remaining(kept, *done.state())
-            if shipped is not None:  # written out anyway: write out what is left of it
-                remap = remaining.original(np.arange(remaining.count, dtype=np.int64))
-                if isinstance(shipped, list):
-                    shipped = [shipped[i] for i in remap]
-                else:
-                    shipped = np.ascontiguousarray(shipped[:kept][remap], np.int64)
-                if offsets is not None:  # each batch keeps its remaining positions
-                    counts = np.diff(np.searchsorted(remap, offsets))
-                    counts = counts[counts > 0]
-                    offsets = np.zeros(len(counts) + 1, np.int64)
-                    np.cumsum(counts, out=offsets[1:])
-                kind = O.ORDER_OBJECTS if isinstance(shipped, list) else O.ORDER_SHIPPED
-                order_seed, size = 0, remaining.count
-            # else a computed order stays computed: the workers get the few
-            # numbers of `remaining` (NOTE [ The seeded order ]); a streamed
-            # sampler skips the delivered positions as it is pulled
-            kept = remaining.count
-            if kind == O.ORDER_SHIPPED and shipped is None:
-                size = kept
-        feed = None
-        geometry = O.Batches(kept, self._rows, offsets)
-        if batch_stream is not None:
-            feed = BatchFeed(batch_stream, self._sampler_name(), kept, remaining)
-            geometry = feed.batches()
-        elif kind == O.ORDER_SHIPPED and shipped is None:
-            feed = SamplerFeed(stream, self._sampler_name(), length, kept, remaining)
-        nbatches = len(offsets) - 1 if offsets is not None else (
-            kept if self.batch_size is None or batch_stream is not None
-            else -(-kept // self.batch_size))
-        per_batch = self._per_batch()
-        claims_batches = self._claims_batches()
-        units = nbatches if claims_batches else kept
-        if units >= 1 << C.RUN_SHIFT:  # the cursor counts a run's units in 32 bits
-            raise ValueError(f"an epoch of {kept:,} samples is {units:,} units for the workers "
-                             f"to claim, and a run holds fewer than 2**32: pass a larger "
-                             f"batch_size with a collate_fn (workers then claim whole batches), "
-                             f"or split the dataset")
-        epoch_positions = kept if resume is None or open_ended else resume["map"]["positions"]
-        progress = MapProgress(epoch_positions, done, remaining, geometry, per_batch)
-        return _Plan(epoch=epoch, size=size, kept=kept, units=units, nbatches=nbatches,
-                     order_kind=kind, order_seed=order_seed, shipped=shipped, offsets=offsets,
-                     base_seed=base_seed, rng=rng, progress=progress,
-                     remaining=remaining if kind in (O.ORDER_RANGE, O.ORDER_PERMUTATION) else None,
-                     feed=feed, claims_batches=claims_batches)
-
-    def _drawn_whole(self):
-        """loader.DataLoader's order (NOTE [ Drawing the order as torch
-        does ] in _torch.py): an int64 array, or a list of indices."""
-        draw = getattr(self.sampler, "draw", None)
-        return draw() if callable(draw) else list(self.sampler)
-
-    def _per_batch(self) -> bool:
-        """A row's tag is its unit: a collate_fn, or samples unbatched."""
-        return self.collate_fn is not None or self.batch_size is None
-
-    def _claims_batches(self) -> bool:
-        """Workers claim whole batches (UNITS are batches), not positions."""
-        return self._per_batch() or (
-            (self._torch_rules or self._batched_fetch()) and self.num_workers > 0)
+    def _plan_rules(self) -> PlanRules:
+        per_batch = self.collate_fn is not None or self.batch_size is None
+        return PlanRules(
+            iterable=self.iterable, num_workers=self.num_workers, batch_size=self.batch_size,
+            drop_last=self.drop_last, per_batch=per_batch,
+            claims_batches=per_batch or ((self._torch_rules or self._batched_fetch())
+                                         and self.num_workers > 0),
+            sampler=self.sampler, batch_sampler=self.batch_sampler,
+            sampler_name=self._sampler_name(), shuffle=self.shuffle, generator=self.generator,
+            seed=self.seed, torch_rules=self._torch_rules, rank=self._rank, world=self._world,
+            dataset_len=self._dataset_len)
 
     def _limit(self, run: _Run, yielded: int) -> int:
         """Units workers may load once `yielded` batches were yielded: those
@@ -655,7 +511,7 @@ class ShmLoader(FrozenState):
         else:
             feed.feed(self._positions_below(run, self._limit(run, yielded)))
         feed.release_below(run.plan.progress.run_prefix())
-        plan = self._settled_plan(run.plan)
+        plan = settled_plan(run.plan, self._plan_rules())
         if plan is not None:
             run = run._replace(plan=plan, batches=plan.progress.batches)
         return run, self._limit(run, yielded)
@@ -666,28 +522,6 @@ class ShmLoader(FrozenState):
         if not run.plan.claims_batches:
             return limit
         return run.batches.span(limit - 1)[1] if limit > 0 else 0
-
-    def _settled_plan(self, plan: _Plan) -> _Plan | None:
-        """An OPEN plan (a sampler without len()) whose sampler has ended,
-        with its final length (and its progress told it); None otherwise."""
-        feed = plan.feed
-        if feed is None or feed.settled:
-            return None
-        end = feed.end(self.batch_size, self.drop_last)
-        if end is None:
-            return None
-        feed.settled = True
-        epoch_kept, kept = end
-        if isinstance(feed, BatchFeed):
-            nbatches = feed.batches_fed
-            batches = O.Batches(kept, self._rows, feed.offsets[:nbatches + 1].copy())
-        else:
-            nbatches = kept if self.batch_size is None else -(-kept // self.batch_size)
-            batches = O.Batches(kept, self._rows)
-        units = nbatches if plan.claims_batches else kept
-        plan.progress.kept = epoch_kept
-        plan.progress.batches = batches
-        return plan._replace(size=kept, kept=kept, units=units, nbatches=nbatches)
 
     def _start_run(self, epoch, resume: dict | None = None, snapshot=None,
                    yielded: int = 0) -> _Run:
@@ -716,17 +550,10 @@ class ShmLoader(FrozenState):
         self._inboxes[run_id] = collections.deque()
         self._session.shared.control.start_run(
             run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
-            plan.order_seed, self._shipped_word(plan), plan.base_seed, limit,
+            plan.order_seed, offsets_word(plan), plan.base_seed, limit,
             int(plan.snapshot is not None), int(plan.remaining is not None),
             int(plan.feed is not None and plan.feed.open and not plan.feed.settled))
         return run
-
-    @staticmethod
-    def _shipped_word(plan: _Plan) -> int:
-        """SHIPPED (NOTE [ Runs ]): where the run's batch offsets are, if any."""
-        if isinstance(plan.feed, BatchFeed):
-            return O.SHIPPED_STREAMED
-        return O.SHIPPED_WHOLE if plan.offsets is not None else 0
 
     def _end(self, run: _Run | None) -> None:
         """Main will read no more of this run: its workers stop, and its
@@ -889,21 +716,11 @@ class ShmLoader(FrozenState):
             return None
         if run.plan.feed is not None:
             return run.plan.feed.index(pos)
-        return O.index_getter(self._order_of(run.plan))(pos)
-
-    def _order_of(self, plan: _Plan):
-        """The order of a map-style plan's run: its shipped indices, a
-        computed order, or None (the position is the index)."""
-        if plan.shipped is not None:
-            return plan.shipped
-        if plan.feed is not None:
-            return plan.feed
-        return O.computed_order(plan.order_kind, plan.size, plan.order_seed, plan.epoch,
-                                self._rank, self._world, plan.kept, plan.remaining)
+        return O.index_getter(order_of(run.plan, self._rank, self._world))(pos)
 
     # --- resuming ---------------------------------------------------------------------
 
-    def _track(self, plan: _Plan):
+    def _track(self, plan: Plan):
         """The epoch of this plan is the one state_dict() describes now."""
         self._progress, self._progress_plan = plan.progress, plan
         return plan.progress
