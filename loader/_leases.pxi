@@ -37,7 +37,7 @@
 
 cimport cython
 from cpython.ref cimport PyObject
-from libc.stdlib cimport calloc, free, qsort, realloc
+from libc.stdlib cimport calloc, free, malloc, qsort, realloc
 from libc.string cimport memcpy
 
 cdef extern from "sys/mman.h" nogil:
@@ -164,16 +164,25 @@ cdef class ArenaMap:
         here and new ones are viewed elsewhere."""
         if self.current or self.retired or self.held_slabs:
             return
+        # Sorted in a copy: each KeptRun holds the index of its entry in
+        # self.runs, and run_gone(index) must still find that entry (sorting
+        # self.runs in place made a later death unmap another live run's
+        # pages: a kept leaf read garbage, or faulted).
+        cdef Run *by_addr = <Run *>malloc(max(1, self.nruns) * sizeof(Run))
+        if by_addr == NULL:
+            return  # not retired: its mapping stays whole until it is retired or freed
         self.retired = True
-        qsort(self.runs, self.nruns, sizeof(Run), _by_addr)
+        memcpy(by_addr, self.runs, self.nruns * sizeof(Run))
+        qsort(by_addr, self.nruns, sizeof(Run), _by_addr)
         cdef char *at = self.addr
         cdef Py_ssize_t i
         for i in range(self.nruns):
-            if self.runs[i].nbytes == 0:
+            if by_addr[i].nbytes == 0:
                 continue
-            if self.runs[i].addr > at:
-                munmap(at, self.runs[i].addr - at)
-            at = self.runs[i].addr + self.runs[i].nbytes
+            if by_addr[i].addr > at:
+                munmap(at, by_addr[i].addr - at)
+            at = by_addr[i].addr + by_addr[i].nbytes
+        free(by_addr)
         if self.addr + self.nbytes > at:
             munmap(at, self.addr + self.nbytes - at)
 
