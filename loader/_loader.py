@@ -29,10 +29,10 @@ from loader._errors import LoaderTimeout, WorkerError
 from loader._frozen_state import FrozenState
 from loader._epochs import EpochInfo
 from loader._inline import InlineEpoch
-from loader._layout import materialize
+from loader._layout import Materializer
 from loader._native import LeaseBook, derived_seeds
 from loader._pinning import PinnedChunks, cuda_available
-from loader._procs import LoaderStartError, fork_children, start_error, wait_all
+from loader._procs import LoaderStartError, fork_children, start_error, this_pid, wait_all
 from loader._progress import STATE_FORMAT, MapProgress, StreamProgress
 from loader._sampler_feed import SamplerFeed, streamable
 from loader._shared import LoaderConfig, SharedState
@@ -354,7 +354,7 @@ class ShmLoader(FrozenState):
     # --- processes ----------------------------------------------------------------------
 
     def _check_owner(self):
-        if os.getpid() != self._owner_pid:
+        if this_pid() != self._owner_pid and os.getpid() != self._owner_pid:
             raise RuntimeError(
                 f"this ShmLoader belongs to process {self._owner_pid}; a process forked from it "
                 f"(this is {os.getpid()}) cannot use it: create a new ShmLoader here")
@@ -1122,12 +1122,21 @@ class ShmLoader(FrozenState):
         if self._pinned is not None:
             self._pinned.pin(s.offset, s.nbytes)
         slab = self._leases.view(s.lease, s.generation, s.offset, s.nbytes)
-        batch = materialize(msg.spec, slab, self.output, self._torch_rules)
+        batch = self._materializer(msg.spec, slab)
         if self._leases.dropped_bytes * 4 >= self._shared.arena.nbytes:
             # Slabs mostly dropped (targets.append(y)) hold a quarter of the
             # pool: give them back before the pool runs short.
             self._move_kept_out(partial_only=True)
         return batch
+
+    @property
+    def _materializer(self) -> Materializer:
+        """Builds batches for this loader's output (its leaf plans kept
+        across batches); made again if output or torch's rules changed."""
+        m = self.__dict__.get("_materializer_made")
+        if m is None or m.output != self.output or m.torch_rules != self._torch_rules:
+            m = self.__dict__["_materializer_made"] = Materializer(self.output, self._torch_rules)
+        return m
 
     def _move_kept_out(self, partial_only: bool) -> int:
         """Move the parts of batches the training loop still holds out of
