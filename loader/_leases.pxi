@@ -447,7 +447,7 @@ cdef class SlabLease:
 
     def arrays(self, tuple leaves):
         """The arrays of a batch's array leaves, in one call (a cached
-        BatchBuilder's): leaves holds (start, nbytes, dtype, shape) per leaf,
+        Materializer's leaf plan): leaves holds (start, nbytes, dtype, shape) per leaf,
         each array views bytes start..start + nbytes of the slab as dtype
         and shape (C order), and each is leased as one leaf, as slab[a:b]
         is.  Equivalent to slab[a:b].view(dtype).reshape(shape), without
