@@ -169,18 +169,6 @@ cdef class Plan:
             return False
         return i == self.nleaves
 
-    cdef void warm_row(self, WarmChunks warm, Py_ssize_t slab_offset, Py_ssize_t row) noexcept nogil:
-        """Populate this process's mapping of the chunks row `row` of the
-        slab at slab_offset writes into (NOTE [ Warming the arena ]): the
-        row's chunks, not the slab's, so that the first row of a new slab
-        does not wait for a whole batch of page tables (W1: 154 MB)."""
-        cdef Py_ssize_t i
-        warm.ensure(slab_offset + self.tags_offset + row * 8, 8)
-        for i in range(self.nleaves):
-            if self.leaves[i].kind != K_OTHER:
-                warm.ensure(slab_offset + self.leaves[i].offset + row * self.leaves[i].row_nbytes,
-                            self.leaves[i].row_nbytes)
-
     cdef list write(self, char *slab, Py_ssize_t row, int64_t tag):
         """Write the leaves found by match() and the tag into their row;
         returns the non-numeric leaves.  Raises CollateError (through the
@@ -374,8 +362,7 @@ cdef class RowWriter:
     cdef WarmChunks warm
 
     def __init__(self, table, cnp.ndarray arena not None, cnp.ndarray hazards not None,
-                 int worker_id, channel, cnp.ndarray ctl=None, finished_words=(-1, -1),
-                 int arena_fd=-1):
+                 int worker_id, channel, cnp.ndarray ctl=None, finished_words=(-1, -1)):
         """ctl and finished_words: the ctl array and, per run parity, the
         index of its FINISHED word (NOTE [ Runs ]): a row of a batch below
         it is dropped."""
@@ -391,7 +378,7 @@ cdef class RowWriter:
         self.hazard = <int64_t *>cnp.PyArray_DATA(hazards) + worker_id
         self.base = <char *>cnp.PyArray_DATA(arena)
         self.arena_bytes = arena.nbytes
-        self.warm = WarmChunks(arena, arena_fd)
+        self.warm = WarmChunks(arena)
         self.plans = {}
         self.layouts = _layout.LayoutCache()
         self.last = None
@@ -480,7 +467,7 @@ cdef class RowWriter:
                     if __atomic_load_n64(e + W_SEQ, __ATOMIC_ACQUIRE) != seq:
                         continue  # changed meanwhile: look again
                     with nogil:  # page tables in bulk, once per chunk: NOTE [ Warming the arena ]
-                        plan.warm_row(self.warm, offset, row)
+                        self.warm.ensure(offset, nbytes)
                     values = plan.write(self.base + offset, row, pos)
                     if values:
                         self.channel.row_values(run, batch, row, plan.layout.values_key, values)

@@ -223,8 +223,7 @@ class Worker:
         self.sleeper = Sleeper(shared, worker_id, cfg.parent_pid)
         self.channel = Channel(shared, worker_id, self.sleeper)
         self.writer = RowWriter(shared.table, shared.arena, shared.hazards, worker_id, self.channel,
-                                shared.control.ctl, (C.word(0, C.FINISHED), C.word(1, C.FINISHED)),
-                                shared.warm_fd)
+                                shared.control.ctl, (C.word(0, C.FINISHED), C.word(1, C.FINISHED)))
         self.counters = RunCounters(shared.control.ctl, C.RUN_BASE, C.RUN_WORDS, C.CURSOR, C.LIMIT,
                                     C.ARRIVED, C.RUN_SHIFT)
         self.started = False   # seeded, worker_init_fn called

@@ -92,9 +92,9 @@ def test_pages_are_resident_ahead_of_the_writers():
         # the collator's thread allocates the slabs in flight ahead of need,
         # far more than the batches written so far
         assert wait_for(lambda: arena_allocated() >= target, 30), (arena_allocated(), target)
-        # every worker populated its page tables for the whole 2 MiB chunks of
-        # each row it wrote, and the rows of both workers share chunks: at
-        # least a slab's worth; the collator, which writes no row, maps no page
+        # every worker populated its page tables for whole 2 MiB chunks of each
+        # slab it wrote a row of: at least one slab, though it wrote only some
+        # of its rows; the collator, which writes no row, maps no page
         def rss():
             return sorted(arena_rss(pid) for pid in children)
         assert wait_for(lambda: rss()[1] >= slab, 30), (rss(), slab)  # (a worker may start late)
