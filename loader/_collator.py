@@ -23,7 +23,7 @@ from loader._layout import (
     promoted,
     signature_and_leaves,
 )
-from loader._shared import LoaderConfig, SharedState
+from loader._shared import LoaderConfig, SharedState, batch_ready_wire
 from loader._slabs import Slab, SlabAllocator, slab_bytes
 from loader._stats import WaitClock
 from loader._progress import stream_skips
@@ -261,6 +261,8 @@ class Collator:
         if self.spill is None:  # threads: the ring takes anything at once
             self.to_main.put(msg, timeout=0)
             return
+        if type(msg) is P.BatchReady:  # main unpickles it on every batch: the cheap form
+            msg = batch_ready_wire(msg)
         encoded = self.spill.encoded(msg)
         if not self.outbox:
             try:

@@ -657,6 +657,108 @@ def materialize(spec: Spec, slab: np.ndarray, output: str = "numpy", torch_rules
     return unflatten(spec.structure, leaves, torch_rules and output == "torch")
 
 
+class Materializer:
+    """materialize() for one loader's batches, on the per-batch path of
+    main: the array leaves of each distinct spec are compiled once into
+    (start, nbytes, dtype, shape) and a conversion each (LeafPlan), so a
+    batch's arrays come from one SlabLease.arrays() call instead of a
+    slice, a view and a reshape per leaf.  Each array still has its own
+    leaf lease (NOTE [ Kept batch memory ]), exactly as materialize() gives.
+
+    Keyed by the spec's leaves, which equal for batches of one layout and
+    row count; the structure is rebuilt from each batch's own spec (a
+    structure's dict keys 1 and True would compare equal).  Specs with
+    values (Value leaves) change every batch: they take materialize()."""
+
+    SIZE = 64  # distinct leaf sets remembered; more (varying shapes): start over
+
+    def __init__(self, output: str, torch_rules: bool):
+        self.output, self.torch_rules = output, torch_rules
+        self.lists = torch_rules and output == "torch"
+        self.plans: dict = {}
+
+    def __call__(self, spec: Spec, slab):
+        try:
+            plan = self.plans.get(spec.leaves)
+        except TypeError:  # unhashable values in a Value leaf
+            plan = None
+        if plan is None:
+            plan = self._compile(spec)
+            if plan is None:
+                return materialize(spec, slab, self.output, self.torch_rules)
+        arrays = slab.arrays(plan.leaves)
+        if plan.convert is not None:
+            arrays = [a if c is None else c(a) for a, c in zip(arrays, plan.convert)]
+        elif plan.from_numpy is not None:
+            arrays = list(map(plan.from_numpy, arrays))
+        return _assemble(spec.structure, arrays, self.lists)
+
+    def _compile(self, spec: Spec):
+        """The LeafPlan of spec (remembered), or None: a Value leaf, or a
+        leaf materialize() refuses (it raises there, with its words)."""
+        if type(spec.leaves) is not tuple or not all(type(x) is ArrayLeaf for x in spec.leaves):
+            return None
+        torch_out = self.output == "torch"
+        leaves, convert = [], []
+        for leaf in spec.leaves:
+            dtype = storage_dtype(leaf.dtype)
+            leaves.append((leaf.offset, dtype.itemsize * math.prod(leaf.shape), dtype,
+                           tuple(leaf.shape)))
+            as_torch = torch_out or (self.output == "keep" and leaf.tensor)
+            if leaf.dtype == BFLOAT16:
+                convert.append(_Bfloat16(as_torch))
+            elif as_torch and dtype.kind in "biufc":
+                import torch
+
+                convert.append(torch.from_numpy)
+            elif self.torch_rules and torch_out:
+                return None
+            else:
+                convert.append(None)
+        plan = LeafPlan.of(tuple(leaves), convert)
+        if len(self.plans) >= self.SIZE:
+            self.plans.clear()
+        self.plans[spec.leaves] = plan
+        return plan
+
+
+class LeafPlan(NamedTuple):
+    """A spec's array leaves, compiled (Materializer)."""
+    leaves: tuple          # (start, nbytes, dtype, shape) per leaf, for SlabLease.arrays
+    from_numpy: object     # every leaf becomes a tensor: torch.from_numpy
+    convert: list | None   # else per leaf: None (the array) or a function of it
+
+    @classmethod
+    def of(cls, leaves: tuple, convert: list):
+        first = convert[0] if convert else None
+        if all(c is first for c in convert):  # one conversion for all: map it
+            return cls(leaves, first, None)
+        return cls(leaves, None, convert)
+
+
+class _Bfloat16(NamedTuple):
+    as_torch: bool
+
+    def __call__(self, words):
+        return _bfloat16(words, self.as_torch)
+
+
+def _assemble(structure, arrays: list, lists: bool):
+    """unflatten(structure, arrays, lists), with the shapes of most batches
+    (one leaf, or a flat tuple, list or dict of leaves) built directly."""
+    if structure is None:
+        return arrays[0]
+    kind, children = structure[0], structure[-1]
+    if type(children) is tuple and children.count(None) == len(arrays):  # leaves only
+        if kind == TUPLE:
+            return arrays if lists else tuple(arrays)
+        if kind == LIST:
+            return arrays
+        if kind == DICT:
+            return dict(zip(structure[1], arrays))
+    return unflatten(structure, arrays, lists)
+
+
 def _leaf(leaf, slab: np.ndarray, output: str, torch_rules: bool):
     if isinstance(leaf, Value):
         if torch_rules and output == "torch":

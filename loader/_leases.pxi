@@ -36,8 +36,8 @@
 # keeps nothing never evicts, and W1's path is the one view per leaf.
 
 cimport cython
-from cpython.ref cimport PyObject
-from libc.stdlib cimport calloc, free, qsort, realloc
+from cpython.ref cimport PyObject, Py_INCREF
+from libc.stdlib cimport calloc, free, malloc, qsort, realloc
 from libc.string cimport memcpy
 
 cdef extern from "sys/mman.h" nogil:
@@ -53,6 +53,11 @@ cdef extern from "sys/mman.h" nogil:
 
 cdef extern from "unistd.h" nogil:
     int close_fd "close"(int fd)
+
+cdef extern from "numpy/arrayobject.h":
+    object _new_from_descr "PyArray_NewFromDescr"(void *subtype, void *descr, int nd,
+                                                  cnp.npy_intp *dims, cnp.npy_intp *strides,
+                                                  void *data, int flags, void *obj)
 
 cdef extern from "signal.h" nogil:
     int raise_signal "raise"(int sig)
@@ -164,16 +169,25 @@ cdef class ArenaMap:
         here and new ones are viewed elsewhere."""
         if self.current or self.retired or self.held_slabs:
             return
+        # Sorted in a copy: each KeptRun holds the index of its entry in
+        # self.runs, and run_gone(index) must still find that entry (sorting
+        # self.runs in place made a later death unmap another live run's
+        # pages: a kept leaf read garbage, or faulted).
+        cdef Run *by_addr = <Run *>malloc(max(1, self.nruns) * sizeof(Run))
+        if by_addr == NULL:
+            return  # not retired: its mapping stays whole until it is retired or freed
         self.retired = True
-        qsort(self.runs, self.nruns, sizeof(Run), _by_addr)
+        memcpy(by_addr, self.runs, self.nruns * sizeof(Run))
+        qsort(by_addr, self.nruns, sizeof(Run), _by_addr)
         cdef char *at = self.addr
         cdef Py_ssize_t i
         for i in range(self.nruns):
-            if self.runs[i].nbytes == 0:
+            if by_addr[i].nbytes == 0:
                 continue
-            if self.runs[i].addr > at:
-                munmap(at, self.runs[i].addr - at)
-            at = self.runs[i].addr + self.runs[i].nbytes
+            if by_addr[i].addr > at:
+                munmap(at, by_addr[i].addr - at)
+            at = by_addr[i].addr + by_addr[i].nbytes
+        free(by_addr)
         if self.addr + self.nbytes > at:
             munmap(at, self.addr + self.nbytes - at)
 
@@ -423,22 +437,59 @@ cdef class SlabLease:
         cdef Py_ssize_t start, stop
         start, stop, _ = key.indices(self.nbytes)
         stop = max(start, stop)
-        if self.evicted:
-            raise RuntimeError("this slab went back to the pool: no new views of it")
-        cdef LeafLease leaf = LeafLease.__new__(LeafLease)
-        leaf.slab = self
-        leaf.addr = self.map.addr + self.offset + start
-        leaf.nbytes = stop - start
-        leaf.prev, leaf.next = NULL, self.leaves
-        if self.leaves != NULL:
-            (<LeafLease>self.leaves).prev = <PyObject *>leaf
-        self.leaves = <PyObject *>leaf
+        cdef LeafLease leaf = self._leaf(start, stop - start)
         cdef cnp.npy_intp dims = stop - start
         arr = cnp.PyArray_SimpleNewFromData(1, &dims, cnp.NPY_UINT8, leaf.addr)
         # The base of every array viewing this one (numpy stops collapsing
         # .base chains at a non-array): the leaf's lease lives as long as any of them.
         cnp.set_array_base(arr, leaf)
         return arr
+
+    def arrays(self, tuple leaves):
+        """The arrays of a batch's array leaves, in one call (a cached
+        Materializer's leaf plan): leaves holds (start, nbytes, dtype, shape) per leaf,
+        each array views bytes start..start + nbytes of the slab as dtype
+        and shape (C order), and each is leased as one leaf, as slab[a:b]
+        is.  Equivalent to slab[a:b].view(dtype).reshape(shape), without
+        the two intermediate arrays."""
+        cdef list out = []
+        cdef Py_ssize_t start, nbytes, i, nd, items
+        cdef cnp.npy_intp dims[32]
+        cdef cnp.dtype dt
+        cdef LeafLease leaf
+        for start, nbytes, dt, shape in leaves:
+            nd = len(shape)
+            if nd > 32:
+                raise ValueError(f"a leaf of {nd} dimensions (numpy allows 32)")
+            items = 1
+            for i in range(nd):
+                dims[i] = shape[i]
+                items *= dims[i]
+            if start < 0 or nbytes < 0 or start + nbytes > self.nbytes or \
+                    items * dt.itemsize != nbytes:
+                raise ValueError(f"leaf [{start}, {start + nbytes}) as {dt} {tuple(shape)} does "
+                                 f"not fit the slab of {self.nbytes} bytes")
+            leaf = self._leaf(start, nbytes)
+            Py_INCREF(dt)  # PyArray_NewFromDescr steals a reference
+            arr = _new_from_descr(<void *>np.ndarray, <void *>dt, <int>nd, dims, NULL,
+                                  <void *>leaf.addr, cnp.NPY_ARRAY_CARRAY, NULL)
+            cnp.set_array_base(arr, leaf)  # as in __getitem__
+            out.append(arr)
+        return out
+
+    cdef LeafLease _leaf(self, Py_ssize_t start, Py_ssize_t nbytes):
+        """A new leaf lease over bytes start..start + nbytes, linked in."""
+        if self.evicted:
+            raise RuntimeError("this slab went back to the pool: no new views of it")
+        cdef LeafLease leaf = LeafLease.__new__(LeafLease)
+        leaf.slab = self
+        leaf.addr = self.map.addr + self.offset + start
+        leaf.nbytes = nbytes
+        leaf.prev, leaf.next = NULL, self.leaves
+        if self.leaves != NULL:
+            (<LeafLease>self.leaves).prev = <PyObject *>leaf
+        self.leaves = <PyObject *>leaf
+        return leaf
 
     cdef Py_ssize_t evict(self) except -1:
         """Copy the pages of the live leaves to private memory at the same

@@ -25,9 +25,10 @@ from loader._errors import LoaderTimeout, WorkerError
 from loader._frozen_state import FrozenState
 from loader._epochs import EpochInfo
 from loader._inline import InlineEpoch
+from loader._layout import Materializer
 from loader._native import derived_seeds
 from loader._pinning import cuda_available
-from loader._procs import LoaderStartError
+from loader._procs import LoaderStartError, this_pid
 from loader._planning import Plan, PlanRules, offsets_word, order_of, plan_run, settled_plan
 from loader._progress import STATE_FORMAT, MapProgress
 from loader._sampler_feed import BatchFeed, sampler_length
@@ -259,7 +260,7 @@ class ShmLoader(FrozenState):
     # --- processes ----------------------------------------------------------------------
 
     def _check_owner(self):
-        if os.getpid() != self._owner_pid:
+        if this_pid() != self._owner_pid and os.getpid() != self._owner_pid:
             raise RuntimeError(
                 f"this ShmLoader belongs to process {self._owner_pid}; a process forked from it "
                 f"(this is {os.getpid()}) cannot use it: create a new ShmLoader here")
@@ -289,7 +290,7 @@ class ShmLoader(FrozenState):
             batched_fetch=self._batched_fetch(),
             shuffle_buffer=self.shuffle_buffer, trace=self._trace)
         self._session = Session(cfg, timeout=self.timeout, torch_rules=self._torch_rules,
-                                pin_memory=self.pin_memory, output=self.output)
+                                pin_memory=self.pin_memory)
         if self.auto:
             self._session.shared.control.set_active(self.num_workers)
             self._autoscaler = Autoscaler(self, self.num_workers, self.max_workers)
@@ -718,6 +719,15 @@ class ShmLoader(FrozenState):
             return run.plan.feed.index(pos)
         return O.index_getter(order_of(run.plan, self._rank, self._world))(pos)
 
+    @property
+    def _materializer(self) -> Materializer:
+        """Builds batches for this loader's output (its leaf plans kept
+        across batches); made again if output or torch's rules changed."""
+        m = self.__dict__.get("_materializer_made")
+        if m is None or m.output != self.output or m.torch_rules != self._torch_rules:
+            m = self.__dict__["_materializer_made"] = Materializer(self.output, self._torch_rules)
+        return m
+
     # --- resuming ---------------------------------------------------------------------
 
     def _track(self, plan: Plan):
@@ -862,7 +872,7 @@ class EpochHost:
         scaler = self._loader._autoscaler
         if scaler is not None:
             scaler.batch_handed_out()
-        return self._loader._session.batch(msg)
+        return self._loader._session.batch(msg, self._loader._materializer)
 
     def tags(self, msg: P.BatchReady) -> np.ndarray:
         return self._loader._session.tags(msg)

@@ -24,7 +24,6 @@ from loader import _control as C
 from loader import _protocol as P
 from loader._collator import collator_main
 from loader._errors import LoaderTimeout, WorkerError
-from loader._layout import materialize
 from loader._native import LeaseBook
 from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import fork_children, start_error, wait_all
@@ -41,9 +40,9 @@ class Session:
     errors, torch's seeding advice at fork)."""
 
     def __init__(self, cfg: LoaderConfig, *, timeout: float | None, torch_rules: bool,
-                 pin_memory: bool, output: str):
+                 pin_memory: bool):
         self.cfg, self.timeout, self.torch_rules = cfg, timeout, torch_rules
-        self.output, self.pin_memory = output, pin_memory
+        self.pin_memory = pin_memory
         try:
             self.shared = SharedState(cfg)
         except BaseException as e:
@@ -198,14 +197,14 @@ class Session:
         off = msg.slab.offset + msg.tags
         return self.shared.arena[off:off + 8 * msg.rows].view(np.int64).copy()
 
-    def batch(self, msg: P.BatchReady):
+    def batch(self, msg: P.BatchReady, build):
         """The user's batch: views of its slab, leased until every array of
-        it is gone."""
+        it is gone; build: the loader's Materializer (_layout.py)."""
         s = msg.slab
         if self.pinned is not None:
             self.pinned.pin(s.offset, s.nbytes)
         slab = self.leases.view(s.lease, s.generation, s.offset, s.nbytes)
-        batch = materialize(msg.spec, slab, self.output, self.torch_rules)
+        batch = build(msg.spec, slab)
         if self.leases.dropped_bytes * 4 >= self.shared.arena.nbytes:
             # Slabs mostly dropped (targets.append(y)) hold a quarter of the
             # pool: give them back before the pool runs short.
