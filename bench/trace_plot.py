@@ -9,7 +9,7 @@ flip of locally made 500x375 JPEGs, batch 64, 2 workers), for a few epochs,
 with an optional busy "train step" per batch.  The JSON is the one to open
 in https://ui.perfetto.dev; the PNG draws the same events with matplotlib:
 one lane per worker (each sample's load, then its write into the slab),
-the collator's batches (laid out -> sent to main), the training loop's waits
+the batcher's batches (laid out -> sent to main), the training loop's waits
 in next(), epochs, and the slab pool's occupancy.
 """
 
@@ -51,7 +51,7 @@ def draw(events: list[dict], png: str, title: str) -> None:
 
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
     workers = sorted({k for k, v in names.items() if v.startswith("worker")}, key=names.get)
-    lanes = [names[k] for k in workers] + ["collator: batches", "training loop: next()",
+    lanes = [names[k] for k in workers] + ["batcher: batches", "training loop: next()",
                                            "epochs"]
     y = {name: len(lanes) - 1 - i for i, name in enumerate(lanes)}
     fig, (ax, pool) = plt.subplots(2, 1, figsize=(13, 5.2), sharex=True,
@@ -72,7 +72,7 @@ def draw(events: list[dict], png: str, title: str) -> None:
             b = begins[e["id"]]
             k = b["args"]["batch"]
             row = (k % 6 - 2.5) * 0.12  # batches in flight overlap: six sub-rows
-            bars("collator: batches", [(b["ts"], e["ts"] - b["ts"])],
+            bars("batcher: batches", [(b["ts"], e["ts"] - b["ts"])],
                  "tab:green" if k % 2 else "tab:olive", 0.1, row)
     bars("training loop: next()", [(e["ts"], e["dur"]) for e in events if e["name"] == "next()"],
          "tab:red")

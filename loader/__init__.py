@@ -6,7 +6,46 @@
 
     from loader import DataLoader   # torch.utils.data.DataLoader, on ShmLoader (needs torch)
 
-Linux only; workers are forked.
+Linux only; workers are forked.  How it works: docs/architecture.md.
+
+NOTE [ The loader's words ]
+===========================
+
+One word per thing, in code, comments, messages and docs:
+
+- epoch: the user's count of passes (iter(loader), or a boundary in
+  steps()); it picks the order and the seeds, nothing else.
+- run: one pass over the data as the processes carry it out: an epoch,
+  or what is left of one after load_state_dict.  Runs have ids never
+  reused in a loader's life; two can be live (the next epoch's, started
+  ahead).  NOTE [ Runs ] in _control.py.
+- plan: what main decided about a run before starting it: the order,
+  how positions fall into batches, what the workers claim (_planning.py).
+- position: a place in a run's order; index: what dataset[...] gets at
+  that position (order[position]).
+- unit: what a worker claims at once with the run's CURSOR: a position,
+  or a whole batch (a collate_fn, __getitems__, loader.DataLoader).
+- LIMIT: main's word that says which units may be loaded now (prefetch
+  batches past what the loop has taken).
+- arena: the one shared memory region batches live in; slab: one batch's
+  bytes in it; the pool: the arena's slabs, at most memory_cap_bytes.
+- layout: where each array of a batch goes in its slab, decided from
+  the first sample's structure and dtypes (_layout.py).
+- batcher: the child process that lays batches out: it picks a slab for
+  each batch, publishes its layout in the table so that workers write
+  rows straight into it, and tells main when every row is written.  It
+  writes a row itself only when a sample does not fit the layout.
+- table: the shared batch table, one entry per batch in flight (slab
+  offset, layout digest, row count) (_table.py).
+- lease: main's hold on a slab while any array of its batch is alive;
+  kept batch: one the loop still holds after asking for the next
+  (NOTE [ Kept batch memory ] in _leases.pxi).
+- bell: a futex word a process sleeps on and another rings after a
+  change (shmq_sync.h).
+- spill: a worker's region for what does not fit a ring message, large
+  bytes and str leaves (NOTE [ Spilled messages ] in _spill.py).
+- session: a started loader's processes and shared memory, from its
+  first iter() to its shutdown (_session.py).
 """
 
 from loader._files import FileArray, FileDataset

@@ -7,12 +7,12 @@ NOTE [ Runs ]
 A *run* is one pass over the data; runs have ids that are never reused in
 a loader's life.  The user's epoch number only picks the order and the
 seeds.  Main starts a run by filling a block of ctl words and storing the
-run id into LATEST_RUN last (release); workers and the collator read
+run id into LATEST_RUN last (release); workers and the batcher read
 LATEST_RUN (acquire) and then the block.  Nothing is sent: main never
 blocks on a send, whatever the children are doing.
 
   ctl[LATEST_RUN] ──► run block (run % 2): ID EPOCH SIZE KEPT UNITS NBATCHES ORDER ORDER_SEED
-                                             SHIPPED BASE_SEED SNAPSHOT CURSOR LIMIT ARRIVED
+                                             OFFSETS BASE_SEED SNAPSHOT CURSOR LIMIT ARRIVED
                                              FINISHED RESUMED OPEN
 
 - SIZE: the dataset's length, from which a computed order is made (or
@@ -23,12 +23,12 @@ blocks on a send, whatever the children are doing.
   (default collate), or batches (with a collate_fn, or batch_size=None, a
   worker loads a whole batch, as PyTorch's workers do).
 - NBATCHES: batches the run delivers.  They are KEPT // batch size
-  (rounded up), unless a batch sampler made them (see SHIPPED).
+  (rounded up), unless a batch sampler made them (see OFFSETS).
 - ORDER: how a worker finds the dataset index of a position without being
   sent anything (_order.py): RANGE (i), PERMUTATION (the same seeded
   permutation, from (ORDER_SEED, EPOCH), computed by every worker per
   position and, with distributed=True, cut into this rank's share: NOTE
-  [ The seeded order ]), or SHIPPED: main wrote the order into the run's
+  [ The seeded order ]), or SHIPPED (ORDER_SHIPPED): main wrote the order into the run's
   order file (a user sampler, a torch.Generator's shuffle, the rest of a
   resumed epoch of those); the workers map the file, so the order is in
   memory once whatever the number of workers.
@@ -44,16 +44,17 @@ blocks on a send, whatever the children are doing.
   loads only below LIMIT, so it never loads a position by a provisional
   length, and one waiting for a unit past the end wakes (the limit bell)
   and finds it past UNITS.
-- SHIPPED: 1 when the order file also holds batch offsets (a batch
-  sampler's batches, of any sizes): batch k covers positions
-  [offsets[k], offsets[k + 1]).
+- OFFSETS: where batch k's positions [offsets[k], offsets[k + 1]) are
+  written when a batch sampler made the batches (of any sizes): 0 none,
+  OFFSETS_WHOLE all in the order file, OFFSETS_STREAMED as they are pulled
+  (_order.py).
 - BASE_SEED: drawn by main for each epoch, as torch's DataLoader draws
   one per iterator; a worker process seeds itself from the first run it
   sees (see seed_worker in _worker.py).
 - SNAPSHOT: 1 when the dataset gave main a snapshot of itself for the
   epoch, written into the run's snapshot file; each worker hands it to
   dataset.restore_snapshot() before loading the run (NOTE [ Datasets that
-  change with the epoch ] in _epochs.py).
+  change with the epoch ] in _epoch_snapshot.py).
 - CURSOR: (run << 32) | next unit, claimed by compare-and-swap.  A worker
   still busy in an ended run can never take a unit of a newer one, and
   ending a run is one store of an untagged value.
@@ -63,7 +64,7 @@ blocks on a send, whatever the children are doing.
   order (first-ready mode): the k-th goes to row k % B of batch k // B.
 - FINISHED: map-style runs: every batch below it is sent, or given up (a
   sample of it failed, or it cannot be collated: main raises its error
-  and goes on with the next batch).  Written by the collator; a worker
+  and goes on with the next batch).  Written by the batcher; a worker
   drops a row of such a batch, so a batch that will never be sent does
   not keep its table entry, or the worker, waiting.
 
@@ -96,12 +97,12 @@ from loader._native import Bell  # an eventcount: see its docstring
 # --- ctl words (int64) ---------------------------------------------------------
 STOP = 0            # 1 once main stops the loader (see NOTE [ ShmLoader processes and shutdown ])
 LATEST_RUN = 1      # id of the latest run started
-OUTBOX = 2          # 1 while the collator holds messages main's full ring could not take
+OUTBOX = 2          # 1 while the batcher holds messages main's full ring could not take
 ACTIVE = 3          # num_workers="auto": workers with a lower id claim units (see _autoscale.py)
 MEMORY_WAIT = 4     # 1 while a batch waits for slab memory (NOTE [ Kept batch memory ])
 RUN_BASE = 8
 RUN_WORDS = 17
-(ID, EPOCH, SIZE, KEPT, UNITS, NBATCHES, ORDER, ORDER_SEED, SHIPPED, BASE_SEED, SNAPSHOT,
+(ID, EPOCH, SIZE, KEPT, UNITS, NBATCHES, ORDER, ORDER_SEED, OFFSETS, BASE_SEED, SNAPSHOT,
  CURSOR, LIMIT, ARRIVED, FINISHED, RESUMED, OPEN) = range(17)
 CTL_WORDS = RUN_BASE + 2 * RUN_WORDS
 RUN_SHIFT = 32      # units per run < 2**32
@@ -110,7 +111,7 @@ RUN_SHIFT = 32      # units per run < 2**32
 RUN_BELL = 0        # a run started, or STOP: idle workers
 LIMIT_BELL = 2      # LIMIT rose, or a run ended: workers waiting to load
 TABLE_BELL = 4      # a table entry changed: workers waiting for a layout
-COLLATOR_BELL = 6   # a message, a released slab, a new run, STOP: the collator
+BATCHER_BELL = 6   # a message, a released slab, a new run, STOP: the batcher
 BELL_WORDS = 8
 
 
@@ -135,10 +136,10 @@ class Control:
         self.run_bell = Bell(self.bells, RUN_BELL)
         self.limit_bell = Bell(self.bells, LIMIT_BELL)
         self.table_bell = Bell(self.bells, TABLE_BELL)
-        self.collator_bell = Bell(self.bells, COLLATOR_BELL)
+        self.batcher_bell = Bell(self.bells, BATCHER_BELL)
 
     def ring_all(self) -> None:
-        for bell in (self.run_bell, self.limit_bell, self.table_bell, self.collator_bell):
+        for bell in (self.run_bell, self.limit_bell, self.table_bell, self.batcher_bell):
             bell.ring()
 
     # --- main --------------------------------------------------------------
@@ -153,7 +154,7 @@ class Control:
         per_worker = isinstance(limit, (list, tuple))
         for which, value in ((ID, run), (EPOCH, epoch), (SIZE, size), (KEPT, kept),
                              (UNITS, units), (NBATCHES, nbatches), (ORDER, order),
-                             (ORDER_SEED, order_seed), (SHIPPED, shipped),
+                             (ORDER_SEED, order_seed), (OFFSETS, shipped),
                              (BASE_SEED, base_seed), (SNAPSHOT, snapshot), (FINISHED, 0),
                              (RESUMED, resumed), (OPEN, open_ended),
                              (LIMIT, -1 if per_worker else limit),
@@ -165,7 +166,7 @@ class Control:
         shmq.atomic_store(c, word(run, CURSOR), tagged(run))
         shmq.atomic_store(c, LATEST_RUN, run)  # SYNC POINT: last; pairs with latest_run()
         self.run_bell.ring()
-        self.collator_bell.ring()
+        self.batcher_bell.ring()
 
     def end_run(self, run: int) -> None:
         """Workers stop claiming units of the run.  A plain store is enough:

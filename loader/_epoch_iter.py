@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 
-from loader import _protocol as P
+from loader import _protocol
 from loader._errors import WorkerError
 from loader._layout import align
 from loader._stats import EpochClock
@@ -79,7 +79,7 @@ class _Epoch:
         if self.run is None:
             self._begin()
 
-    def _failed(self, msg: P.Failed) -> None:
+    def _failed(self, msg: _protocol.Failed) -> None:
         """In order, a batch's error is raised when its turn comes; else at once."""
         if self.in_order and msg.batch is not None:
             self.errors.setdefault(msg.batch, msg)
@@ -89,12 +89,12 @@ class _Epoch:
     def _receive(self):
         return self.host.next_message(self.run)
 
-    def _hand_out(self, msg: P.BatchReady):
+    def _hand_out(self, msg: _protocol.BatchReady):
         self.clock.bytes += align(msg.tags + 8 * msg.rows)  # the batch, not its whole pages
         self.clock.spilled_bytes += msg.values_bytes
         return self.host.hand_out(msg)
 
-    def _run_ended(self, msg: P.RunEnded) -> None:
+    def _run_ended(self, msg: _protocol.RunEnded) -> None:
         self.ended = True
         self.run_ended = msg
 
@@ -152,11 +152,11 @@ class MapEpoch(_Epoch):
             msg = self._receive()
             self._maybe_run_ahead()
             kind = type(msg)
-            if kind is P.Failed:
+            if kind is _protocol.Failed:
                 if self.in_order and msg.batch is not None:
                     self.failed.add(msg.batch)
                 self._failed(msg)
-            elif kind is P.RunEnded:
+            elif kind is _protocol.RunEnded:
                 if self.in_order and msg.batches != self.total - len(self.failed):
                     raise WorkerError(
                         f"ShmLoader: epoch {self.epoch} ended after {msg.batches} of "
@@ -241,11 +241,11 @@ class StreamEpoch(_Epoch):
                 self._done()
             msg = self._receive()
             kind = type(msg)
-            if kind is P.Failed:
+            if kind is _protocol.Failed:
                 self._failed(msg)
-            elif kind is P.StreamEnded:
+            elif kind is _protocol.StreamEnded:
                 self.ends[msg.worker] = (msg.batches, set(msg.dropped))
-            elif kind is P.RunEnded:
+            elif kind is _protocol.RunEnded:
                 self._run_ended(msg)
             else:
                 self.pending[msg.batch] = msg

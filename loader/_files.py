@@ -12,7 +12,7 @@ files are read the same way as uint8 arrays of their bytes, or given to
 The epoch's file list is made in main (epoch_snapshot) and handed to the
 workers with the epoch's run, so every process loads the same list even
 while files come and go (NOTE [ Datasets that change with the epoch ] in
-_epochs.py).
+_epoch_snapshot.py).
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ class FileDataset:
     def epoch_snapshot(self, info=None) -> list[str]:
         """Called in the main process as each epoch starts: match the
         pattern again; the list is what every worker loads this epoch
-        (NOTE [ Datasets that change with the epoch ] in _epochs.py)."""
+        (NOTE [ Datasets that change with the epoch ] in _epoch_snapshot.py)."""
         files = self._match()
         gone = sorted(set(self.files) - set(files))
         if gone:

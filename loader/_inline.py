@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 
-from loader import _fetch as F
-from loader import _order as O
+from loader import _fetch
+from loader import _order
 from loader._stats import EpochClock
 from loader._trace import EPOCH, WAIT
 from loader._layout import Layout, LayoutCache, materialize, signature_and_leaves, stack
@@ -68,9 +68,9 @@ class InlineEpoch:
             return
         order = order_of(plan, ld._rank, ld._world)
         self.geometry = plan.progress.batches  # (a streamed batch sampler's: as it is pulled)
-        self.index_of = O.index_getter(order)
+        self.index_of = _order.index_getter(order)
         self.order = order
-        self.fetch = F.batch_fetcher(ld.dataset, ld.batch_size, False)
+        self.fetch = _fetch.batch_fetcher(ld.dataset, ld.batch_size, False)
 
     def __next__(self):
         t0 = time.perf_counter_ns()  # all of next() is the training loop waiting
@@ -112,7 +112,7 @@ class InlineEpoch:
         saved = _SavedGenerators() if self.seeder is not None else None
         try:
             if self.fetch is not None:
-                samples = self._fetch(F.indices_of(self.order, start, stop), start)
+                samples = self._fetch(_fetch.indices_of(self.order, start, stop), start)
             else:
                 samples = [self._load(self.index_of(pos), pos) for pos in range(start, stop)]
         finally:
@@ -144,13 +144,13 @@ class InlineEpoch:
         _fetch.py); its error is raised as it is, as torch raises it, with
         a note naming the batch's indices."""
         if self.seeder is not None:
-            F.seed_call(self.seeder, self.epoch, indices, start)
+            _fetch.seed_call(self.seeder, self.epoch, indices, start)
         try:
             samples = self.fetch(indices)
         except Exception as e:
-            e.add_note(F.where(self.loader.dataset, indices))
+            e.add_note(_fetch.where(self.loader.dataset, indices))
             raise
-        return F.checked(self.loader.dataset, indices, samples)
+        return _fetch.checked(self.loader.dataset, indices, samples)
 
     def _next_of_stream(self):
         ld = self.loader

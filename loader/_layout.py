@@ -52,7 +52,7 @@ BFLOAT16 = "bf16"
 # NOTE [ Dtype codes ]
 # A signature names each array leaf's dtype by a string code, and the code
 # alone must give the dtype back exactly in every process (signatures
-# travel to the collator, specs to main).  dtype.str does for a plain
+# travel to the batcher, specs to main).  dtype.str does for a plain
 # dtype, but says only "|V12" for a structured one, losing its fields:
 # those are named by str(dtype) instead, which numpy writes as the literal
 # np.dtype() takes back (names, formats, offsets, itemsize, titles,
@@ -262,11 +262,11 @@ def leaf_meta(leaf):
             return (TENSOR, BFLOAT16, arr.shape)
         if arr.dtype.hasobject:
             raise UnsupportedLeaf(f"cannot stack arrays of dtype {arr.dtype} into shared memory "
-                               f"(their elements are Python objects); convert them to a numeric "
-                               f"dtype, or return a list")
+                                  f"(their elements are Python objects); convert them to a numeric "
+                                  f"dtype, or return a list")
         if type(arr) is not np.ndarray and not is_deferred(arr):
             raise UnsupportedLeaf(f"cannot stack {type(arr).__name__} arrays (an ndarray subclass "
-                               f"would lose its type); return np.asarray(x), or pass collate_fn")
+                                  f"would lose its type); return np.asarray(x), or pass collate_fn")
         if arr.dtype.itemsize == 0:
             # No bytes to lay out, and numpy makes no view of dtype V0 over a slab.
             raise UnsupportedLeaf(f"cannot stack arrays of dtype {arr.dtype} (its items have no "
@@ -383,7 +383,7 @@ def misfit(batch: int, row: int, batch_sig, sig, leaves=None) -> "CollateError":
 def stack(samples: list, cache: "LayoutCache", buffer=np.empty, batch: int = 0,
           index_of=None):
     """Default collate in one process (num_workers=0): the samples stacked
-    by the rules the workers and the collator follow (promotion, refusal),
+    by the rules the workers and the batcher follow (promotion, refusal),
     as (spec, buffer).  index_of: row -> the sample's dataset index, for errors."""
     sig, rows = None, []
     for r, sample in enumerate(samples):
@@ -611,7 +611,7 @@ def castable(sig, layout: Layout) -> bool:
     if structure != layout.structure:
         return False
     for (kind, code, shape), lkind, lcode, lshape in zip(meta, layout.kinds, layout.codes,
-                                                        layout.shapes):
+                                                         layout.shapes):
         if kind != lkind or shape != lshape:
             return False
         if kind == OTHER or code == lcode:

@@ -16,7 +16,7 @@
 # own, so main knows which parts of a slab the training loop still holds:
 # `targets.append(y)` keeps y's lease, not x's.  A slab goes back to the
 # pool when its last leaf dies, as before.  When the pool is short of
-# memory (the collator holds MEMORY_WAIT at 1), or slabs that are mostly dropped
+# memory (the batcher holds MEMORY_WAIT at 1), or slabs that are mostly dropped
 # hold a quarter of the cap, main *evicts* the slabs the user still holds:
 #
 #   for each live leaf: its pages  ─ copy ─►  private pages  ─ mremap(MREMAP_FIXED) ─►
@@ -228,8 +228,8 @@ cdef class LeaseBook:
     SlabLease; slicing it gives a leaf's uint8 array, and every array made
     from that keeps the leaf's lease (and so the slab's) alive.  When the
     last leaf of a slab dies the slab is released: its generation stored
-    into released[lease] (the collator may reuse the slab once it sees
-    that) and the collator's bell rung.  evict() moves what the user still
+    into released[lease] (the batcher may reuse the slab once it sees
+    that) and the batcher's bell rung.  evict() moves what the user still
     holds out of the pool (NOTE [ Kept batch memory ]).
 
     After close(), the arena's pages that no held slab uses are given back
@@ -328,7 +328,7 @@ cdef class LeaseBook:
             if _sigint_on_release == 0:
                 raise_signal(2)  # SIGINT
         if not self.closed:
-            # SYNC POINT: release store; the collator's acquire load of
+            # SYNC POINT: release store; the batcher's acquire load of
             # released[lease] (SlabAllocator.reclaim) pairs with it.
             __atomic_store_n64(self.released + lease, slab.generation, __ATOMIC_RELEASE)
             (<Bell>self.bell).ring_c()

@@ -15,15 +15,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from loader import _fetch as F
-from loader import _order as O
-from loader import _protocol as P
+from loader import _fetch
+from loader import _order
+from loader import _protocol
 from loader._arguments import check_arguments, positive_int
 from loader._autoscale import Autoscaler
 from loader._epoch_iter import MapEpoch, StreamEpoch
 from loader._errors import LoaderTimeout, WorkerError
 from loader._frozen_state import FrozenState
-from loader._epochs import EpochInfo
+from loader._epoch_snapshot import EpochInfo
 from loader._inline import InlineEpoch
 from loader._layout import Materializer
 from loader._native import derived_seeds
@@ -40,6 +40,11 @@ from loader._trace import EPOCH, ROLE_MAIN, TraceLog, tracer_of
 
 __all__ = ["ShmLoader", "WorkerError", "LoaderTimeout", "LoaderStartError"]
 
+# stats() keys under the batcher's former name ("the collator"), kept so that
+# code reading them goes on working: old name -> the key it repeats
+RENAMED_STATS = {"collator_busy_share": "batcher_busy_share",
+                 "samples_written_by_collator": "samples_written_by_batcher"}
+
 _live_loaders: "weakref.WeakSet[ShmLoader]" = weakref.WeakSet()
 
 
@@ -54,7 +59,7 @@ class _KeyErrorMessage(str):
 class _Run(NamedTuple):
     id: int
     plan: Plan
-    batches: O.Batches | None  # None for an iterable dataset
+    batches: _order.Batches | None  # None for an iterable dataset
 
 
 def distributed_rank() -> tuple[int, int]:
@@ -62,8 +67,9 @@ def distributed_rank() -> tuple[int, int]:
     torch.distributed process group, else the RANK and WORLD_SIZE
     environment variables torchrun sets, else (0, 1)."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    dist = None if torch is None else torch.distributed
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
     try:
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError as e:
@@ -79,7 +85,7 @@ class ShmLoader(FrozenState):
 
     Forked workers run ``dataset[i]`` (or iterate an iterable dataset) and
     write each sample straight into its row of a batch slab in shared
-    memory (a collator process lays the slabs out); iterating yields numpy
+    memory (a batcher process lays the slabs out); iterating yields numpy
     arrays (or torch tensors with ``output="torch"``) that view those slabs:
     no copy, no unpickling in the training loop.  A slab is reused only when
     every array of its batch is gone, so batches you keep stay intact.
@@ -196,10 +202,10 @@ class ShmLoader(FrozenState):
         if self.batch_sampler is not None:
             return len(self.batch_sampler)
         n = self._sampler_len() if self.sampler is not None else self._dataset_len()
-        n = O.shard_size(n, self._ranks()[1])
+        n = _order.shard_size(n, self._ranks()[1])
         if self.batch_size is None:
             return n
-        return -(-O.kept_of(n, self.batch_size, self.drop_last) // self.batch_size)
+        return -(-_order.kept_of(n, self.batch_size, self.drop_last) // self.batch_size)
 
     def _sampler_len(self) -> int:
         """len(sampler), or a TypeError that says why there is none."""
@@ -227,20 +233,22 @@ class ShmLoader(FrozenState):
         - "loop_wait_seconds", "loop_wait_share": how long the training loop
           waited in next() for a batch (num_workers=0: loading them).  Above
           half of an epoch of 5 s or more, a DataStallWarning says why, once.
-        - "workers_busy_share", "collator_busy_share": the share of the
-          epoch the workers (on average) and the collator were not waiting;
+        - "workers_busy_share", "batcher_busy_share": the share of the
+          epoch the workers (on average) and the batcher were not waiting;
           None with num_workers=0.
         - "peak_slab_bytes" of "memory_cap_bytes": the most batch memory in
           use (batches being filled, ready, or still referenced by you).
-        - "samples_written_by_workers" / "samples_written_by_collator":
+        - "samples_written_by_workers" / "samples_written_by_batcher":
           samples whose dtypes or structure differ from the batch's layout
-          are written by the collator, slower; "relayouts": batches laid out
+          are written by the batcher, slower; "relayouts": batches laid out
           again (shapes that change between batches, promotions).
         - "workers": the workers loading now (num_workers="auto": the count
           it chose, and "worker_counts": the counts it went through).
 
         The busy shares include the next epoch's loading once it starts
-        early (persistent workers run ahead into it)."""
+        early (persistent workers run ahead into it).  "collator_busy_share"
+        and "samples_written_by_collator", the batcher's figures under the
+        process's former name, are still given, with the same values."""
         if self._stats is None:
             return None
         out = dict(self._stats)
@@ -248,6 +256,8 @@ class ShmLoader(FrozenState):
         out["kept_slabs_moved_out"], out["kept_bytes_moved_out"] = self._kept_moved_out()
         if self._autoscaler is not None:
             out["worker_counts"] = list(self._autoscaler.history)
+        for old, new in RENAMED_STATS.items():  # the batcher's figures, by their old names
+            out[old] = out[new]
         return out
 
     def _kept_moved_out(self) -> tuple[int, int]:
@@ -267,7 +277,7 @@ class ShmLoader(FrozenState):
 
     def _batched_fetch(self) -> bool:
         """One dataset.__getitems__ call per batch (NOTE [ Batched fetch ])."""
-        return F.batch_fetcher(self.dataset, self.batch_size, self.iterable) is not None
+        return _fetch.batch_fetcher(self.dataset, self.batch_size, self.iterable) is not None
 
     def _ranks(self) -> tuple[int, int]:
         """(rank, world size) this loader shards epochs for."""
@@ -317,7 +327,7 @@ class ShmLoader(FrozenState):
         self._current = self._ahead = None
 
     def close(self):
-        """Stop the workers and the collator.  Batches you hold stay valid.
+        """Stop the workers and the batcher.  Batches you hold stay valid.
         Safe to call again, e.g. after a Ctrl-C interrupted it."""
         self._closed = True
         if os.getpid() != self._owner_pid:
@@ -350,18 +360,18 @@ class ShmLoader(FrozenState):
         """File a message under its run: the runs main still reads get it;
         a batch of a run main abandoned is released at once."""
         kind = type(msg)
-        if kind is P.MemoryWait:
+        if kind is _protocol.MemoryWait:
             # A wake-up only: every caller receives again, and _receive
             # moves what the loop keeps out of the pool while MEMORY_WAIT is
             # set.  (If the loop keeps nothing, the pool is full of batches
             # loading ahead, a cap under prefetch's needs: stats() says so.)
             return
-        if kind is P.RunEnded:
+        if kind is _protocol.RunEnded:
             self._unended.discard(msg.run)
         inbox = self._inboxes.get(msg.run)
         if inbox is not None:
             inbox.append(msg)
-        elif kind is P.BatchReady:
+        elif kind is _protocol.BatchReady:
             self._session.give_back(msg)
 
     def _next_of(self, run: int, deadline):
@@ -425,7 +435,7 @@ class ShmLoader(FrozenState):
 
     def _snapshot(self, epoch: int):
         """The dataset's own view of the epoch starting, or None: see NOTE
-        [ Datasets that change with the epoch ] in _epochs.py."""
+        [ Datasets that change with the epoch ] in _epoch_snapshot.py."""
         take = getattr(self.dataset, "epoch_snapshot", None)
         if not callable(take):
             return None
@@ -563,7 +573,7 @@ class ShmLoader(FrozenState):
             return
         self._session.shared.control.end_run(run.id)
         for msg in self._inboxes.pop(run.id, ()):
-            if type(msg) is P.BatchReady:
+            if type(msg) is _protocol.BatchReady:
                 self._session.give_back(msg)
 
     def _runs_ahead(self) -> bool:
@@ -648,20 +658,20 @@ class ShmLoader(FrozenState):
         scaler = self._autoscaler
         return scaler.active if scaler is not None else self.num_workers
 
-    def _record_stats(self, epoch: int, msg: P.RunEnded | None, clock: EpochClock,
+    def _record_stats(self, epoch: int, msg: _protocol.RunEnded | None, clock: EpochClock,
                       batches: int = 0, samples: int = 0) -> None:
         """An epoch ran to its end: keep its figures for stats() (msg: the
-        collator's account; None when the epoch was loaded in this process,
+        batcher's account; None when the epoch was loaded in this process,
         which counted `batches` and `samples` itself)."""
-        by_collator = relayouts = peak = cap = 0
+        by_batcher = relayouts = peak = cap = 0
         if msg is not None:
-            batches, samples, by_collator, relayouts = (msg.batches, msg.samples,
-                                                        msg.rows_by_collator, msg.relayouts)
+            batches, samples, by_batcher, relayouts = (msg.batches, msg.samples,
+                                                       msg.rows_by_batcher, msg.relayouts)
             peak, cap = msg.peak_slab_bytes, self.memory_cap_bytes
         workers = self._workers_loading()
         s = {"epoch": epoch, "batches": batches, "samples": samples,
-             "samples_written_by_workers": samples - by_collator,
-             "samples_written_by_collator": by_collator, "relayouts": relayouts,
+             "samples_written_by_workers": samples - by_batcher,
+             "samples_written_by_batcher": by_batcher, "relayouts": relayouts,
              "workers": workers, **clock.figures(workers, peak, cap)}
         s["summary"] = summary_line(s)
         self._stats = s
@@ -682,14 +692,14 @@ class ShmLoader(FrozenState):
             raise RuntimeError("this ShmLoader iterator was superseded: iter(loader) was called "
                                "again, which starts a new epoch; use one iterator at a time")
 
-    def _raise_failed(self, msg: P.Failed):
-        """Raise what a worker (or the collator) reported: its exception's
+    def _raise_failed(self, msg: _protocol.Failed):
+        """Raise what a worker (or the batcher) reported: its exception's
         own type when main can build one with a message, as PyTorch does,
         with the worker's traceback in the message; else WorkerError."""
         err = msg.error
         index = msg.index
         if index is None and msg.pos is not None:
-            index = self._index_at(msg.run, msg.pos)  # the collator knows positions only
+            index = self._index_at(msg.run, msg.pos)  # the batcher knows positions only
         if index is not None:
             at = f" on sample index {index} (position {msg.pos})"
         elif msg.batch is not None:
@@ -717,7 +727,7 @@ class ShmLoader(FrozenState):
             return None
         if run.plan.feed is not None:
             return run.plan.feed.index(pos)
-        return O.index_getter(order_of(run.plan, self._rank, self._world))(pos)
+        return _order.index_getter(order_of(run.plan, self._rank, self._world))(pos)
 
     @property
     def _materializer(self) -> Materializer:
@@ -808,9 +818,9 @@ class ShmLoader(FrozenState):
         n = sampler_length(self.sampler) if self.sampler is not None else self._map_len()
         if n is None:
             return None
-        share = n if self.sampler is not None else O.shard_size(n, world)
-        return share if self.batch_size is None else O.kept_of(share, self.batch_size,
-                                                                  self.drop_last)
+        share = n if self.sampler is not None else _order.shard_size(n, world)
+        return share if self.batch_size is None else _order.kept_of(share, self.batch_size,
+                                                                    self.drop_last)
 
     def _expected_state(self) -> Expected:
         rank, world = self._ranks()
@@ -851,7 +861,7 @@ class EpochHost:
     def check_current(self, epoch: int) -> None:
         self._loader._check_current(epoch)
 
-    def raise_failed(self, msg: P.Failed):
+    def raise_failed(self, msg: _protocol.Failed):
         self._loader._raise_failed(msg)
 
     def next_message(self, run: _Run):
@@ -867,14 +877,14 @@ class EpochHost:
         finally:
             scaler.waited_for(time.perf_counter() - t0)
 
-    def hand_out(self, msg: P.BatchReady):
+    def hand_out(self, msg: _protocol.BatchReady):
         """The user's batch of msg."""
         scaler = self._loader._autoscaler
         if scaler is not None:
             scaler.batch_handed_out()
         return self._loader._session.batch(msg, self._loader._materializer)
 
-    def tags(self, msg: P.BatchReady) -> np.ndarray:
+    def tags(self, msg: _protocol.BatchReady) -> np.ndarray:
         return self._loader._session.tags(msg)
 
     def advance(self, run: _Run, yielded: int, left: int) -> _Run:
@@ -898,7 +908,7 @@ class EpochHost:
         if ld._ahead is None and ld._runs_ahead() and run.id - 1 not in ld._unended:
             ld._ahead = ld._start_run(next_epoch, yielded=left)
 
-    def epoch_ended(self, epoch: int, msg: P.RunEnded, clock: EpochClock) -> None:
+    def epoch_ended(self, epoch: int, msg: _protocol.RunEnded, clock: EpochClock) -> None:
         """The epoch ran to its end: its figures for stats() and the trace."""
         ld = self._loader
         ld._record_stats(epoch, msg, clock)

@@ -47,7 +47,7 @@ import numpy as np
 from loader._native import SeededOrder
 
 # How a run's order is described (its ORDER word): computed (RANGE,
-# PERMUTATION), or written out by main as int64 indices (SHIPPED) or as
+# PERMUTATION), or written out by main as int64 indices (ORDER_SHIPPED) or as
 # pickled index objects (OBJECTS: a sampler's indices that are not ints,
 # which torch passes to dataset[...] as they are)
 ORDER_RANGE, ORDER_PERMUTATION, ORDER_SHIPPED, ORDER_OBJECTS = 0, 1, 2, 3
@@ -234,7 +234,7 @@ class Batches:
 
 
 class OpenBatches(Batches):
-    """The batches of an OPEN run as a worker or the collator sees them:
+    """The batches of an OPEN run as a worker or the batcher sees them:
     `size` at a time up to the run's KEPT, read again at every use (main
     stores the final one once the sampler ends: NOTE [ Runs ])."""
 
@@ -252,11 +252,11 @@ class OpenBatches(Batches):
         return -(-self.kept_now() // self.size)
 
 
-# A streamed batch sampler's run (SHIPPED == SHIPPED_STREAMED): its order file
+# A streamed batch sampler's run (OFFSETS == OFFSETS_STREAMED): its order file
 # holds the positions' indices in words [0, OPEN_POSITIONS) and the batch
 # offsets from word OPEN_POSITIONS, each stored as offset - OFFSET_BIAS, so
 # that the words not written yet (0) sort after every written one
-SHIPPED_WHOLE, SHIPPED_STREAMED = 1, 2
+OFFSETS_WHOLE, OFFSETS_STREAMED = 1, 2
 OFFSET_BIAS = 1 << 62
 
 

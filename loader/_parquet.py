@@ -1,7 +1,7 @@
 """ParquetDataset: Parquet files read as a stream of rows, on pyarrow (the
 optional [parquet] extra).
 
-Each epoch (NOTE [ Datasets that change with the epoch ] in _epochs.py)
+Each epoch (NOTE [ Datasets that change with the epoch ] in _epoch_snapshot.py)
 main lists the files' row groups and shuffles their order with the
 loader's seed and the epoch.  The rows of that order are then cut into
 equal contiguous shares: one per rank (padded, as torch's
@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from loader._epochs import EpochInfo
+from loader._epoch_snapshot import EpochInfo
 from loader._files import match_files, open_regular
 
 

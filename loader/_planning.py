@@ -208,7 +208,7 @@ def _kept(rules: PlanRules, order: _Order) -> int:
     short last batch; a batch sampler's batches are kept whole)."""
     shipped_kinds = (_order.ORDER_SHIPPED, _order.ORDER_OBJECTS)
     share = order.size if order.kind in shipped_kinds else _order.shard_size(order.size,
-                                                                            rules.world)
+                                                                             rules.world)
     if order.offsets is not None or rules.batch_size is None:
         return share
     return _order.kept_of(share, rules.batch_size, rules.drop_last)
@@ -280,10 +280,10 @@ def settled_plan(plan: Plan, rules: PlanRules) -> Plan | None:
 
 
 def offsets_word(plan: Plan) -> int:
-    """SHIPPED (NOTE [ Runs ]): where the run's batch offsets are, if any."""
+    """OFFSETS (NOTE [ Runs ]): where the run's batch offsets are, if any."""
     if isinstance(plan.feed, BatchFeed):
-        return _order.SHIPPED_STREAMED
-    return _order.SHIPPED_WHOLE if plan.offsets is not None else 0
+        return _order.OFFSETS_STREAMED
+    return _order.OFFSETS_WHOLE if plan.offsets is not None else 0
 
 
 def order_of(plan: Plan, rank: int, world: int):

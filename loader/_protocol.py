@@ -9,8 +9,8 @@ NOTE [ ShmLoader processes and shutdown ]
    │ BatchReady / StreamEnded / RunEnded / Failed         worker 0..N-1: claim a unit, load it,
    │ / MemoryWait (to_main: SPSC)                         write its row (NOTE [ Direct row writes ]
    │                                                      in _table.py)
-  collator ◄── LayoutRequest / RowValues / Filled / SampleRow / Failed / Done / Joined ─┘
-               (to_collator: MPSC)
+  batcher ◄── LayoutRequest / RowValues / Filled / SampleRow / Failed / Done / Joined ─┘
+               (to_batcher: MPSC)
    └── lays out slabs in the shared arena and publishes them in the batch table
 
 Main never sends anything: it starts runs, raises limits and stops the
@@ -22,16 +22,16 @@ rings carry small records only: a message larger than SPILL_BYTES travels
 in its sender's region of the spill heap (NOTE [ Spilled messages ] in
 _spill.py).
 
-Slab leases: the collator allocates a slab per batch from the arena under
+Slab leases: the batcher allocates a slab per batch from the arena under
 (lease, generation).  Main views the slab through a SlabLease (_leases.pxi)
 and each array leaf through a leaf lease that keeps it alive; when the
 last leaf dies, compiled code stores the generation into released[lease]
-(release) and rings the collator's bell, running no Python bytecode, so a
-Ctrl-C there is not lost.  The collator reuses a slab only after its
+(release) and rings the batcher's bell, running no Python bytecode, so a
+Ctrl-C there is not lost.  The batcher reuses a slab only after its
 acquire load sees that store.  Main also releases a slab whose live leaves
 it has moved out of the pool (NOTE [ Kept batch memory ] in _leases.pxi).
 
-The collator never blocks its loop: it takes messages without waiting,
+The batcher never blocks its loop: it takes messages without waiting,
 sleeps only on its bell, and keeps what main's ring cannot take in an
 outbox (main rings the bell when it has made room).  A batch that needs
 memory the user still holds waits in a queue while other messages are
@@ -71,7 +71,7 @@ WAIT_SLICE_S = 0.1    # main: longest wait before re-checking children and deadl
 IDLE_SLICE_S = 0.5    # children: longest sleep before re-checking their parent
 JOIN_TIMEOUT_S = 5.0
 
-# --- worker -> collator ----------------------------------------------------------
+# --- worker -> batcher ----------------------------------------------------------
 
 
 NO_VERSION = -1  # LayoutRequest.version: the worker saw no published entry
@@ -107,7 +107,7 @@ class Filled(NamedTuple):
 
 
 class SampleRow(NamedTuple):
-    """A sample the collator must place itself: the batch's confirmed layout
+    """A sample the batcher must place itself: the batch's confirmed layout
     differs from it (promote or refuse)."""
     run: int
     batch: int
@@ -139,7 +139,7 @@ class Done(NamedTuple):
     last_rows: int
 
 
-# --- collator -> main --------------------------------------------------------------
+# --- batcher -> main --------------------------------------------------------------
 
 
 class BatchReady(NamedTuple):
@@ -156,7 +156,7 @@ class RunEnded(NamedTuple):
     run: int
     batches: int
     samples: int
-    rows_by_collator: int   # rows the collator wrote itself (SampleRow)
+    rows_by_batcher: int   # rows the batcher wrote itself (SampleRow)
     relayouts: int          # batches laid out again (a wrong guess, or promotion)
     peak_slab_bytes: int    # most slab memory in use while the run went on
 
@@ -209,12 +209,12 @@ class ErrorReport(NamedTuple):
 
 class Failed(NamedTuple):
     """Something raised: a sample (pos and index known), worker_init_fn, a
-    collate_fn, or the collator (worker None)."""
+    collate_fn, or the batcher (worker None)."""
     run: int
     batch: int | None   # the batch it spoils, in in-order mode: main raises when it gets
                         # there; None: raise at once
     pos: int | None     # position in the run's order; None when not about one sample
     index: int | None   # dataset index; None when not known
-    worker: int | None  # None: the collator
+    worker: int | None  # None: the batcher
     pid: int
     error: ErrorReport

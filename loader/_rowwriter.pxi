@@ -417,7 +417,7 @@ cdef class RowWriter:
     def place(self, int64_t run, int64_t batch, Py_ssize_t row, Py_ssize_t rows, int64_t pos,
               sample, bint batched=True):
         """Place sample in row `row` of batch `batch` (which has `rows`
-        rows).  Returns WRITTEN, SENT (the collator has it), DROPPED (the
+        rows).  Returns WRITTEN, SENT (the batcher has it), DROPPED (the
         batch was refused) or ENDED (the run ended meanwhile).  Raises
         CollateError for a sample no batch could take."""
         cdef Plan plan = self._plan(sample, rows, batched)
@@ -435,7 +435,7 @@ cdef class RowWriter:
                     self.ctl + self.finished_word[run % 2], __ATOMIC_ACQUIRE):
                 return P_DROPPED  # given up (a sample of it failed): see FINISHED in NOTE [ Runs ]
             seq = __atomic_load_n64(e + W_SEQ, __ATOMIC_ACQUIRE)
-            if seq & 1:  # the collator is changing it
+            if seq & 1:  # the batcher is changing it
                 if not self.channel.wait_for_entry(run, batch, entry * ENTRY_WORDS, seq):
                     return P_ENDED
                 continue
@@ -448,7 +448,7 @@ cdef class RowWriter:
             if __atomic_load_n64(e + W_SEQ, __ATOMIC_ACQUIRE) != seq:
                 continue  # changed while we read it
             if stamp != want:
-                if asked == -2:  # once: the collator remembers the batch
+                if asked == -2:  # once: the batcher remembers the batch
                     self.channel.request_layout(run, batch, row, plan.layout.signature, NO_VERSION,
                                                 rows, batched)
                     asked = seq

@@ -28,7 +28,7 @@ LIMIT moves (NOTE [ Runs ]):
   passes the end, so a worker never loads a position by a provisional
   length: it reads KEPT again for a batch's rows (OpenBatches,
   StreamedBatches), and one that claimed a unit past the end wakes on the
-  limit bell and finds it past UNITS.  The collator lays out no batch past
+  limit bell and finds it past UNITS.  The batcher lays out no batch past
   LIMIT for such a run (the next may be the short last one).  The epoch
   ends after the sampler's last index (the last batch short unless
   drop_last), len(loader) is a TypeError as torch's, and steps(n) takes n
@@ -186,7 +186,7 @@ class SamplerFeed:
         if not (self.open and self.exhausted):
             return None
         epoch_kept = self.pulled if batch_size is None else kept_of(self.pulled, batch_size,
-                                                                     drop_last)
+                                                                    drop_last)
         if self.remaining is None:
             return epoch_kept, min(epoch_kept, self.kept)
         return epoch_kept, self.remaining.run_position(epoch_kept)

@@ -2,9 +2,9 @@
 
 A Session exists from the loader's first iter() (or the first after a
 shutdown) until its shutdown: the shared state (_shared.py), the workers
-and the collator (forked processes, or threads: _procs.py, _threads.py),
+and the batcher (forked processes, or threads: _procs.py, _threads.py),
 main's lease book of the slabs it hands out (_leases.pxi) and the pinned
-view of the arena.  It starts them, receives the collator's messages while
+view of the arena.  It starts them, receives the batcher's messages while
 watching the children, turns a BatchReady into the user's batch, and stops
 everything (NOTE [ ShmLoader processes and shutdown ] in _protocol.py).
 What a pass over the data is and which runs main reads are the loader's
@@ -20,9 +20,9 @@ import time
 import numpy as np
 
 import shmq
-from loader import _control as C
-from loader import _protocol as P
-from loader._collator import collator_main
+from loader import _control
+from loader import _protocol
+from loader._batcher import batcher_main
 from loader._errors import LoaderTimeout, WorkerError
 from loader._native import LeaseBook
 from loader._pinning import PinnedChunks, cuda_available
@@ -31,7 +31,7 @@ from loader._shared import LoaderConfig, SharedState
 from loader._threads import start_threads
 from loader._worker import worker_main
 
-COLLATOR_ROLE = "the collator"
+BATCHER_ROLE = "the batcher"
 
 
 class Session:
@@ -49,14 +49,14 @@ class Session:
             raise start_error(e, "create its shared memory") from e
         try:
             self.leases = LeaseBook(self.shared.take_arena_fd(), self.shared.arena.nbytes,
-                                    self.shared.released, self.shared.control.collator_bell)
+                                    self.shared.released, self.shared.control.batcher_bell)
         except BaseException as e:
             self.shared.close()
             raise start_error(e, "create its shared memory") from e
         try:
             specs = [(f"worker {i}", worker_main, (cfg, self.shared, i))
                      for i in range(cfg.num_workers)]
-            specs.append((COLLATOR_ROLE, collator_main, (cfg, self.shared)))
+            specs.append((BATCHER_ROLE, batcher_main, (cfg, self.shared)))
             self.procs = (start_threads(specs) if cfg.threads
                           else fork_children(specs, advise=not torch_rules))
         except BaseException:
@@ -68,9 +68,9 @@ class Session:
     # --- the children -------------------------------------------------------------------
 
     def worker_children(self) -> list:
-        """The worker processes (or threads), without the collator
+        """The worker processes (or threads), without the batcher
         (loader.DataLoader's iterator shows them as `_workers`)."""
-        return [c for c in self.procs if c.role != COLLATOR_ROLE]
+        return [c for c in self.procs if c.role != BATCHER_ROLE]
 
     def add_workers(self, active: int, first_run: int) -> int:
         """num_workers="auto": let `active` workers claim units, starting
@@ -81,7 +81,7 @@ class Session:
             specs = [(f"worker {i}", worker_main, (self.cfg, self.shared, i, first_run))
                      for i in range(len(workers), active)]
             started = start_threads(specs) if self.cfg.threads else fork_children(specs)
-            self.procs[len(workers):len(workers)] = started  # before the collator
+            self.procs[len(workers):len(workers)] = started  # before the batcher
         self.shared.control.set_active(active)
         return max(active, len(workers))
 
@@ -94,7 +94,7 @@ class Session:
         words = child.last_words()
         text = f"ShmLoader: {child.role} (pid {child.pid}) {child.how_it_ended()}"
         code = child.exitcode
-        if self.torch_rules and code is not None and child.role != COLLATOR_ROLE:
+        if self.torch_rules and code is not None and child.role != BATCHER_ROLE:
             # torch's own words first, for code that matches them
             if code < 0:
                 torch_text = (f"DataLoader worker (pid {child.pid}) is killed by signal: "
@@ -109,7 +109,7 @@ class Session:
         may still be dying: wait a little for their exit status)."""
         wait_all(self.procs, 1.0)
         self.check_children()
-        raise WorkerError(f"ShmLoader: the collator's ring to main ended ({cause}) while every "
+        raise WorkerError(f"ShmLoader: the batcher's ring to main ended ({cause}) while every "
                           f"process is still running") from cause
 
     def worker_stacks(self) -> str:
@@ -140,10 +140,10 @@ class Session:
                 if run > 0:
                     control.end_run(run)
             control.stop()
-            if not wait_all(self.procs, P.JOIN_TIMEOUT_S):
+            if not wait_all(self.procs, _protocol.JOIN_TIMEOUT_S):
                 for c in self.procs:
                     c.kill()
-                wait_all(self.procs, P.JOIN_TIMEOUT_S)
+                wait_all(self.procs, _protocol.JOIN_TIMEOUT_S)
             for c in self.procs:
                 c.exitcode  # reaped
                 c.close()
@@ -157,14 +157,14 @@ class Session:
     # --- messages and batches -----------------------------------------------------------
 
     def receive(self, deadline=None):
-        """The next message from the collator.  Waits in bounded slices,
+        """The next message from the batcher.  Waits in bounded slices,
         checking the children and the deadline (the loader's timeout)."""
         control = self.shared.control
         while True:
-            if shmq.atomic_load(control.ctl, C.MEMORY_WAIT):
+            if shmq.atomic_load(control.ctl, _control.MEMORY_WAIT):
                 self.move_kept_out(partial_only=False)  # NOTE [ Kept batch memory ]
             try:
-                msg = self.shared.receive(self.shared.to_main.get(timeout=P.WAIT_SLICE_S))
+                msg = self.shared.receive(self.shared.to_main.get(timeout=_protocol.WAIT_SLICE_S))
             except shmq.Empty:
                 self.check_children()
                 if deadline is not None and time.monotonic() > deadline:
@@ -177,27 +177,27 @@ class Session:
                 continue
             except (shmq.PeerLost, shmq.Closed) as e:
                 self._report_dead_children(e)
-            if shmq.atomic_load(control.ctl, C.OUTBOX):
-                control.collator_bell.ring()  # it has messages our full ring could not take
+            if shmq.atomic_load(control.ctl, _control.OUTBOX):
+                control.batcher_bell.ring()  # it has messages our full ring could not take
             now = time.monotonic()
             if now >= self.next_child_check:
                 # Batches may never stop coming while a worker is dead (in
                 # first-ready mode the others fill them): look anyway.
-                self.next_child_check = now + P.WAIT_SLICE_S
+                self.next_child_check = now + _protocol.WAIT_SLICE_S
                 self.check_children()
             return msg
 
-    def give_back(self, msg: P.BatchReady) -> None:
+    def give_back(self, msg: _protocol.BatchReady) -> None:
         """A batch nobody will see: its slab is free at once."""
         shmq.atomic_store(self.shared.released, msg.slab.lease, msg.slab.generation)
-        self.shared.control.collator_bell.ring()
+        self.shared.control.batcher_bell.ring()
 
-    def tags(self, msg: P.BatchReady) -> np.ndarray:
+    def tags(self, msg: _protocol.BatchReady) -> np.ndarray:
         """The tags the writers gave the batch's rows (see _layout.Layout)."""
         off = msg.slab.offset + msg.tags
         return self.shared.arena[off:off + 8 * msg.rows].view(np.int64).copy()
 
-    def batch(self, msg: P.BatchReady, build):
+    def batch(self, msg: _protocol.BatchReady, build):
         """The user's batch: views of its slab, leased until every array of
         it is gone; build: the loader's Materializer (_layout.py)."""
         s = msg.slab
@@ -213,7 +213,7 @@ class Session:
 
     def move_kept_out(self, partial_only: bool) -> int:
         """Move the parts of batches the training loop still holds out of
-        the pool, at the same addresses, and let the collator reuse their
+        the pool, at the same addresses, and let the batcher reuse their
         slabs: see NOTE [ Kept batch memory ] in _leases.pxi.  Returns the
         slabs given back."""
         slabs, _ = self.leases.evict(partial_only)

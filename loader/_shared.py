@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 import shmq
-from loader import _protocol as P
+from loader import _protocol
 from loader._control import Control
 from loader._native import arena_array
 from loader._slabs import MAX_LEASES, Slab
@@ -52,7 +52,7 @@ class LoaderConfig:
     whole_batches: bool = False   # a worker loads whole batches of samples (torch's way):
                                   # in order, worker w batches w, w + W, ...; else as claimed
     shuffle_buffer: int = 0       # iterable datasets: samples mixed in each worker's window
-    threads: bool = False         # worker_mode="thread": workers and collator are threads
+    threads: bool = False         # worker_mode="thread": workers and batcher are threads
     max_workers: int = 0          # num_workers="auto": the most workers there can be (else 0)
     batched_fetch: bool = False   # one dataset.__getitems__ call per batch (NOTE [ Batched
                                   # fetch ] in _fetch.py)
@@ -89,7 +89,7 @@ class LoaderConfig:
 
     @property
     def publish_window(self) -> int:
-        """How many batches past those sent the collator lays out ahead:
+        """How many batches past those sent the batcher lays out ahead:
         workers load units below main's limit, `prefetch` batches past what
         it has yielded, plus one claim each that waits; two more batches
         of slack let the next be ready as the window moves.  (Iterable
@@ -100,7 +100,7 @@ class LoaderConfig:
 
     @property
     def slabs_in_flight(self) -> int:
-        """The slabs a steady loop keeps alive, which the collator faults in
+        """The slabs a steady loop keeps alive, which the batcher faults in
         ahead (NOTE [ Warming the arena ]): map-style, `prefetch` loading, one
         laid out past main's limit and two the loop holds as next() hands
         out a batch (runs started ahead share the prefetch); iterable, two
@@ -130,7 +130,7 @@ class SharedState:
         # The batch memory, in a memfd: main maps it again to view slabs, and
         # again after moving kept batches out of it (NOTE [ Kept batch memory ]).
         self.arena_fd = os.memfd_create("shmloader-arena", os.MFD_CLOEXEC)
-        self.warm_fd = -1  # the collator's, to allocate pages ahead (NOTE [ Warming the arena ])
+        self.warm_fd = -1  # the batcher's, to allocate pages ahead (NOTE [ Warming the arena ])
         try:
             os.ftruncate(self.arena_fd, cfg.memory_cap_bytes)
             self.arena = arena_array(self.arena_fd, cfg.memory_cap_bytes)
@@ -141,13 +141,13 @@ class SharedState:
         self.released = shmq.shared_array(MAX_LEASES, np.int64)
         workers = max(cfg.num_workers, cfg.max_workers, 1)  # ids of workers added later too
         self.hazards = shmq.shared_array(workers, np.int64)
-        # wait clocks, one per worker id and the collator's last (NOTE [ Wait clocks ]
+        # wait clocks, one per worker id and the batcher's last (NOTE [ Wait clocks ]
         # in _stats.py): for stats() and num_workers="auto"
         self.waited = shmq.shared_array(workers + 1, np.int64)
         start_idle(self.waited)
-        # Process mode: a spill region per worker id, and the collator's last.
+        # Process mode: a spill region per worker id, and the batcher's last.
         self.spill = None if cfg.threads else SpillHeap(workers + 1)
-        self.collator_region = workers
+        self.batcher_region = workers
         self.order_fds: list[int] = []
         self.snapshot_fds: list[int] = []
         self.rings: list[shmq.Queue] = []
@@ -166,7 +166,7 @@ class SharedState:
         except BaseException:
             self.close()
             raise
-        self.to_collator, self.to_main = self.rings
+        self.to_batcher, self.to_main = self.rings
 
     def take_arena_fd(self) -> int:
         """The arena's memfd, for main's LeaseBook, which closes it."""
@@ -187,7 +187,7 @@ class SharedState:
         msg = self.spill.receive(msg)
         if type(msg) is tuple:
             msg = batch_ready_from_wire(msg)
-        if type(msg) is P.BatchReady and msg.spec.rows_values is not None:
+        if type(msg) is _protocol.BatchReady and msg.spec.rows_values is not None:
             spec = msg.spec
             rows = [None] * len(spec.rows_values)
             try:
@@ -208,7 +208,7 @@ class SharedState:
 
     def write_order(self, run: int, order: np.ndarray, offsets: np.ndarray | None) -> None:
         """The run's order (and a batch sampler's offsets), for the workers
-        and the collator: see SHIPPED in NOTE [ Runs ]."""
+        and the batcher: see OFFSETS in NOTE [ Runs ]."""
         parts = [np.ascontiguousarray(p, np.int64) for p in
                  ([order] if offsets is None else [order, offsets])]
         fd = self.order_fds[run % 2]
@@ -267,7 +267,7 @@ class SharedState:
         self.rings, self.order_fds, self.snapshot_fds = [], [], []
 
 
-# A BatchReady as the collator puts it into the to_main ring: plain tuples
+# A BatchReady as the batcher puts it into the to_main ring: plain tuples
 # and ints, no class.  Unpickling a class costs an import lookup and a call
 # of its Python __new__; the BatchReady of a W12 batch (5 named tuples)
 # took 4.4-7.5 us to unpickle in main, on every batch, its wire form 0.4 us.
@@ -276,7 +276,7 @@ class SharedState:
 # No other message travels as a plain tuple: receive() tells them apart so.
 
 
-def batch_ready_wire(msg: P.BatchReady) -> tuple:
+def batch_ready_wire(msg: _protocol.BatchReady) -> tuple:
     s, spec = msg.slab, msg.spec
     leaves = tuple(tuple(leaf) if type(leaf) is ArrayLeaf else (leaf.value, leaf.batched)
                    for leaf in spec.leaves)
@@ -284,13 +284,13 @@ def batch_ready_wire(msg: P.BatchReady) -> tuple:
             leaves, spec.rows_values, msg.tags, msg.rows, msg.values_bytes)
 
 
-def batch_ready_from_wire(w: tuple) -> P.BatchReady:
+def batch_ready_from_wire(w: tuple) -> _protocol.BatchReady:
     """batch_ready_wire's message again (named tuples built by tuple.__new__:
     no Python frame each)."""
     new = tuple.__new__
     leaves = tuple([new(ArrayLeaf, leaf) if len(leaf) == 4 else new(Value, leaf) for leaf in w[7]])
-    return new(P.BatchReady, (w[0], w[1], new(Slab, w[2:6]), new(Spec, (w[6], leaves, w[8])),
-                              w[9], w[10], w[11]))
+    spec = new(Spec, (w[6], leaves, w[8]))
+    return new(_protocol.BatchReady, (w[0], w[1], new(Slab, w[2:6]), spec, w[9], w[10], w[11]))
 
 
 def _write_pickle(fd: int, obj) -> None:

@@ -1,8 +1,8 @@
-"""Batch memory: the collator's slab allocator.  Main's side, the leases
+"""Batch memory: the batcher's slab allocator.  Main's side, the leases
 of the slabs it hands to the user, is compiled (LeaseBook in _leases.pxi).
 
 See NOTE [ ShmLoader processes and shutdown ] in _protocol.py for how a
-slab travels from the collator to the user and back, and NOTE [ Direct row
+slab travels from the batcher to the user and back, and NOTE [ Direct row
 writes ] in _table.py for why a retired slab waits for the hazards.
 """
 
@@ -48,7 +48,7 @@ class Slab(NamedTuple):
 
 
 class SlabAllocator:
-    """First-fit allocation of slabs in the shared arena (collator side).
+    """First-fit allocation of slabs in the shared arena (batcher side).
 
     Low offsets are preferred, so the pages in use stay few and warm: a
     slab freed by main is reused by the next batch of similar size."""

@@ -3,7 +3,7 @@
 NOTE [ Spilled messages ]
 =========================
 
-The two rings (to_collator, to_main) have a fixed size, but what a message
+The two rings (to_batcher, to_main) have a fixed size, but what a message
 carries does not: a row's values can be a 100 MB string, a batch's spec
 the values of 1,024 rows, a SampleRow a whole sample.  So the rings carry
 only small records.  Anything larger than SPILL_BYTES is written instead
@@ -13,14 +13,14 @@ record (region, pos, nbytes) travels in its place:
   * a whole message (SpillWriter.encoded): its receiver decodes the block
     when it takes the record from the ring, then frees it;
   * a row's values (SpillWriter.values_ref, sent inside a RowValues): the
-    collator does not open the block.  It keeps the record, puts it into
+    batcher does not open the block.  It keeps the record, puts it into
     the batch's spec, and main decodes it once, at receipt of the batch
-    (SpillHeap.resolve).  A batch the collator drops frees its rows'
+    (SpillHeap.resolve).  A batch the batcher drops frees its rows'
     blocks unopened (SpillHeap.free).  One copy into the heap, one copy
     out, whatever the size: bytes and str leaves are stored raw (not
     pickled) and come back as a new bytes or str.
 
-  sender (a worker, or the collator)     its region                        reader
+  sender (a worker, or the batcher)     its region                        reader
   ──────────────────────────────────     ──────────────────────────────    ──────
   off = allocate(n): free bytes,         [hdr|payload] [hdr|payload] ...
     after freed blocks are reclaimed
@@ -30,7 +30,7 @@ record (region, pos, nbytes) travels in its place:
 
 Each block has one reader (whoever ends up holding its record) and is
 freed by a flag in its own header, so blocks may be freed in any order
-(main frees a batch's rows when the batch arrives, the collator those of
+(main frees a batch's rows when the batch arrives, the batcher those of
 batches it drops).  Only the writer allocates: it keeps the region's live
 blocks in the order it wrote them and, before each allocation, reclaims
 the oldest ones whose FREED flag is set (a block freed early waits for

@@ -3,9 +3,9 @@ makes of them for ShmLoader.stats() and DataStallWarning.
 
 NOTE [ Wait clocks ]
 ~~~~~~~~~~~~~~~~~~~~
-Each worker and the collator count the nanoseconds they spend waiting in
+Each worker and the batcher count the nanoseconds they spend waiting in
 one shared int64 word (SharedState.waited: one per worker id, the last one
-the collator's).  Busy time is the rest.  Main reads the words at any
+the batcher's).  Busy time is the rest.  Main reads the words at any
 moment, also while their owner is in the middle of a wait, so a wait is
 published when it starts, not only when it ends, and in one word (a pair
 of words could be read torn):
@@ -85,7 +85,7 @@ class WaitClock:
 class EpochClock:
     """Main's account of one epoch, from its first next() to its end: the
     time the training loop waited in next(), the slab bytes handed out,
-    and the wait clocks of the workers and the collator (None: the epoch
+    and the wait clocks of the workers and the batcher (None: the epoch
     is loaded in the training process, num_workers=0)."""
 
     def __init__(self, words, t0: int):
@@ -112,12 +112,12 @@ class EpochClock:
                "bytes": self.bytes + self.spilled_bytes,
                "bytes_per_second": (self.bytes + self.spilled_bytes) * 1e9 / wall,
                "spilled_bytes": self.spilled_bytes,
-               "workers_busy_share": None, "collator_busy_share": None,
+               "workers_busy_share": None, "batcher_busy_share": None,
                "peak_slab_bytes": peak_slab_bytes, "memory_cap_bytes": cap_bytes}
         if self.words is not None:
             d = [w - w0 for w, w0 in zip(waits, self.waits0)]
             out["workers_busy_share"] = _share(1 - sum(d[:workers]) / (wall * max(workers, 1)))
-            out["collator_busy_share"] = _share(1 - d[-1] / wall)
+            out["batcher_busy_share"] = _share(1 - d[-1] / wall)
         return out
 
 
@@ -131,8 +131,8 @@ def summary_line(s: dict) -> str:
             f"{s['seconds']:.2f} s ({_size(s['bytes_per_second'])}/s); the training loop "
             f"waited {s['loop_wait_share']:.0%} of it")
     if s["workers"]:
-        line += (f"; {s['workers']} workers busy {s['workers_busy_share']:.0%}, collator busy "
-                 f"{s['collator_busy_share']:.0%}; slab pool peak "
+        line += (f"; {s['workers']} workers busy {s['workers_busy_share']:.0%}, batcher busy "
+                 f"{s['batcher_busy_share']:.0%}; slab pool peak "
                  f"{_size(s['peak_slab_bytes'])} of {_size(s['memory_cap_bytes'])}")
     return line
 
@@ -146,11 +146,11 @@ def stall_advice(s: dict) -> str | None:
     if not s["workers"]:
         return head + ("num_workers=0 loads in the training process itself: use worker "
                        "processes (num_workers='auto' picks a count).")
-    collator_busy = s["collator_busy_share"] >= BUSY
-    if collator_busy and s["samples_written_by_collator"]:
-        # (before the workers: a worker blocked sending to a busy collator looks busy too)
-        return head + (f"The collator was busy {s['collator_busy_share']:.0%} of the time: "
-                       f"{s['samples_written_by_collator']} of {s['samples']} samples were "
+    batcher_busy = s["batcher_busy_share"] >= BUSY
+    if batcher_busy and s["samples_written_by_batcher"]:
+        # (before the workers: a worker blocked sending to a busy batcher looks busy too)
+        return head + (f"The batcher was busy {s['batcher_busy_share']:.0%} of the time: "
+                       f"{s['samples_written_by_batcher']} of {s['samples']} samples were "
                        f"written by it because their dtypes or structure differ from the "
                        f"batch's layout; give every sample the same dtypes and keys, or a "
                        f"collate_fn.")
@@ -158,8 +158,8 @@ def stall_advice(s: dict) -> str | None:
         return head + (f"Its {s['workers']} workers were busy {s['workers_busy_share']:.0%} of "
                        f"the time: they are the bottleneck. Use more workers "
                        f"(num_workers='auto' finds a count), or make dataset[i] cheaper.")
-    if collator_busy:
-        return head + (f"The collator was busy {s['collator_busy_share']:.0%} of the time: it "
+    if batcher_busy:
+        return head + (f"The batcher was busy {s['batcher_busy_share']:.0%} of the time: it "
                        f"lays out and hands over every batch, so many small batches keep it "
                        f"busy; use fewer, larger batches.")
     if s["peak_slab_bytes"] >= 0.9 * s["memory_cap_bytes"]:
@@ -167,7 +167,7 @@ def stall_advice(s: dict) -> str | None:
                        f"memory_cap_bytes={_size(s['memory_cap_bytes'])}): raise "
                        f"memory_cap_bytes, or drop references to old batches sooner.")
     return head + (f"Neither the {s['workers']} workers ({s['workers_busy_share']:.0%} busy) "
-                   f"nor the collator ({s['collator_busy_share']:.0%}) were saturated: the "
+                   f"nor the batcher ({s['batcher_busy_share']:.0%}) were saturated: the "
                    f"wait is in start-up or in latency; raise prefetch, or use "
                    f"persistent_workers=True if it is off.")
 

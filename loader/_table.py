@@ -1,4 +1,4 @@
-"""The batch table: slabs the collator has laid out, which workers fill row
+"""The batch table: slabs the batcher has laid out, which workers fill row
 by row themselves.  See NOTE [ Direct row writes ] below; the workers' side
 of it is compiled (RowWriter in _rowwriter.pxi).
 
@@ -7,10 +7,10 @@ NOTE [ Direct row writes ]
 
 Every sample is written once, by the worker that loaded it, straight into
 its row of its batch's slab.  Samples never travel through a ring, so no
-sample size is too large; the collator only lays out slabs and hears one
+sample size is too large; the batcher only lays out slabs and hears one
 message per batch.
 
-  collator                               table entry of (run, batch)          worker
+  batcher                               table entry of (run, batch)          worker
   ────────                               ───────────────────────────          ──────
   lays out the batch with a layout:      OFFSET ROWS DIGEST TOKEN             STAMP == (run, batch)?
   the latest one (a *provisional*        FILLED = (flags|version, count)      no: send LayoutRequest(sig),
@@ -25,28 +25,28 @@ message per batch.
 
 When the digest differs:
 - the entry is provisional and no row is counted: the worker sends a
-  LayoutRequest with its signature and waits; the collator lays the batch
+  LayoutRequest with its signature and waits; the batcher lays the batch
   out again with it (a new slab, version + 1, confirmed).  This is what
   happens at the first batch with a new shape (bucketing) and at the first
   batch of all: the first sample's small signature is enough.
 - otherwise (confirmed, or a row already counted): the worker sends the
-  whole sample as a SampleRow.  The collator writes it itself, casting when
+  whole sample as a SampleRow.  The batcher writes it itself, casting when
   that is safe, or promotes the batch's dtypes (np.result_type: an int in a
   float batch, say; version + 1, rows copied over), or refuses the batch
   (CollateError to main, entry REFUSED: every worker drops its row).  Only
   samples of a batch whose dtypes differ take this path.
 
 Why it is safe:
-- The collator changes an entry only between two increments of its SEQ
+- The batcher changes an entry only between two increments of its SEQ
   word (odd while changing).  A worker reads SEQ, the entry, SEQ again,
   and acts only on a snapshot taken under one even SEQ (a seqlock).
 - A version bump is a CAS on FILLED, so after it no count of the old
   version can succeed: a worker whose count fails wrote into a replaced
   slab and starts over.  The replaced slab is retired, not freed: it is
   reused only once no worker's hazard word names its TOKEN (hazard
-  pointers: the worker's hazard store and the collator's CAS are both
+  pointers: the worker's hazard store and the batcher's CAS are both
   sequentially consistent, so either the worker sees the new version or
-  the collator sees the hazard).  The worker re-reads SEQ after setting
+  the batcher sees the hazard).  The worker re-reads SEQ after setting
   its hazard, so a change that began before is seen.
 - A completed batch needs the row of every worker still writing into it;
   a run's entries are kept until every worker has said Done for it, and a
@@ -54,7 +54,7 @@ Why it is safe:
   slab handed out again, even when main abandoned the run midway.
 - Non-numeric leaves (strings, None, objects) travel in a small
   RowValues message sent before the row is counted; the worker that counts
-  the last row sends Filled after its count, so the collator sees every
+  the last row sends Filled after its count, so the batcher sees every
   RowValues of a batch before its Filled (one ring, ordered by claim).
 """
 
@@ -93,7 +93,7 @@ def count_of(filled: int) -> int:
 class BatchTable:
     """`per_run` entries for each run parity (two runs can be live: see
     NOTE [ Runs ] in _control.py), in a shared int64 array made before the
-    fork.  The collator changes an entry only inside a window of its SEQ
+    fork.  The batcher changes an entry only inside a window of its SEQ
     word (odd while changing), so workers read consistent snapshots."""
 
     def __init__(self, per_run: int):
@@ -109,7 +109,7 @@ class BatchTable:
     def filled_word(self, run: int, batch: int) -> int:
         return shmq.atomic_load(self.words, self.base(run, batch) + FILLED)
 
-    # --- collator side: every change inside a SEQ window -----------------------
+    # --- batcher side: every change inside a SEQ window -----------------------
 
     def _begin(self, base: int) -> None:
         shmq.atomic_add(self.words, base + SEQ, 1)  # SYNC POINT: odd; seq_cst (hazards)

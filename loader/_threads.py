@@ -1,4 +1,4 @@
-"""worker_mode="thread": the workers and the collator are threads of the
+"""worker_mode="thread": the workers and the batcher are threads of the
 main process instead of forked processes.
 
 Everything else is the same: the batch slabs, the batch table and the
@@ -52,7 +52,7 @@ class ThreadRing:
 
 
 class ThreadChild:
-    """One worker or collator thread, with the interface of a forked Child
+    """One worker or batcher thread, with the interface of a forked Child
     (_procs.py): how it ended, what it left to say."""
 
     def __init__(self, role: str, target, args):

@@ -53,8 +53,8 @@ LOAD = 2      # dataset[i] / __getitems__: a = index (-1: a batch), b = position
               # c = samples, d = epoch
 WRITE = 3     # a worker's write into the slab: a = position, b = batch, c = run, d = rows
 COLLATE = 4   # a collate_fn in a worker: a = batch, b = samples, c = run
-BATCH = 5     # the collator: t0 = laid out, t1 = sent to main; a = batch, b = rows, c = run
-RUN = 6       # the collator saw a run start: a = run, b = epoch
+BATCH = 5     # the batcher: t0 = laid out, t1 = sent to main; a = batch, b = rows, c = run
+RUN = 6       # the batcher saw a run start: a = run, b = epoch
 POOL = 7      # slab pool occupancy: a = bytes in use, b = capacity
 WAIT = 8      # the training loop in next(): a = epoch
 EPOCH = 9     # an epoch from its first next() to its end: a = epoch, b = batches,
@@ -187,7 +187,7 @@ class Tracer:
         return traced
 
     def batch_laid_out(self, run: int, batch: int, when: dict) -> None:
-        """The collator published a batch for the workers: its BATCH record
+        """The batcher published a batch for the workers: its BATCH record
         starts here (the first layout counts; a relayout does not)."""
         when.setdefault((run, batch), now())
 
@@ -219,7 +219,7 @@ class TracedWriter:
 
 
 class NoTracer:
-    """Trace off: every hook does nothing (the collator's and main's few
+    """Trace off: every hook does nothing (the batcher's and main's few
     per-batch calls; the per-sample paths are not wrapped at all)."""
 
     def record(self, *args) -> None:

@@ -8,7 +8,7 @@ The events, by process:
                                (args.samples: the batch's)
                     "write"    the sample (or a collate_fn's output) into its slab
                     "collate"  a collate_fn
-    the collator    "batch"    async slice from its slab being laid out to BatchReady
+    the batcher    "batch"    async slice from its slab being laid out to BatchReady
                     "run"      instant: a pass over the data (its epoch) starts
                     "slab pool" counter: bytes of batch memory in use
     main            "next()"   the training loop waiting in next() (stats'
@@ -32,7 +32,7 @@ def _role_name(role: int) -> str:
     if role == ROLE_MAIN:
         return "training loop (main)"
     if role == ROLE_COLLATOR:
-        return "collator"
+        return "batcher"
     return f"worker {role}"
 
 
@@ -69,15 +69,15 @@ def trace_events(records, origin_ns: int) -> list[dict]:
         elif kind == BATCH:
             ident = f"{c}:{a}"
             args = {"batch": a, "rows": b, "run": c, "epoch": epoch_of_run.get(c, -1)}
-            events.append({"name": "batch", "cat": "collator", "ph": "b", "id": ident, **at,
+            events.append({"name": "batch", "cat": "batcher", "ph": "b", "id": ident, **at,
                            "args": args})
-            events.append({"name": "batch", "cat": "collator", "ph": "e", "id": ident,
+            events.append({"name": "batch", "cat": "batcher", "ph": "e", "id": ident,
                            "pid": pid, "tid": tid, "ts": us(t1)})
         elif kind == RUN:
-            events.append({"name": "run", "cat": "collator", "ph": "i", "s": "t", **at,
+            events.append({"name": "run", "cat": "batcher", "ph": "i", "s": "t", **at,
                            "args": {"run": a, "epoch": b}})
         elif kind == POOL:
-            events.append({"name": "slab pool", "cat": "collator", "ph": "C", **at,
+            events.append({"name": "slab pool", "cat": "batcher", "ph": "C", **at,
                            "args": {"bytes in use": a}})
         elif kind == WAIT:
             events.append({"name": "next()", "cat": "main", "ph": "X", **at,

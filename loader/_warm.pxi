@@ -15,7 +15,7 @@
 # (W1 epochs 1, 2, 3: 2.8, 10.3, 23.5 GB/s).  Now the work is done in bulk,
 # ahead of the copies, and only once per page per process:
 #
-#   the collator  a background thread (ArenaWarmer, _warmup.py) allocates
+#   the batcher  a background thread (ArenaWarmer, _warmup.py) allocates
 #                 the arena's pages with fallocate() on its memfd, from the
 #                 low offsets up (first fit hands those out first), up to
 #                 the slabs one run keeps in flight, as soon as the first
@@ -31,7 +31,7 @@
 # other processes are writing.  On older kernels writers fault as before.
 # Main's eviction of kept batches (NOTE [ Kept batch memory ]) remaps pages
 # in main's mapping only, which nothing here touches; the warmer stops with
-# the collator, before close() gives pages back.
+# the batcher, before close() gives pages back.
 
 cdef extern from *:
     """

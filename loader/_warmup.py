@@ -1,4 +1,4 @@
-"""The collator's half of NOTE [ Warming the arena ] (in _warm.pxi): a
+"""The batcher's half of NOTE [ Warming the arena ] (in _warm.pxi): a
 background thread that allocates the batch arena's pages ahead of the
 slab allocator, so that a new loader's first epochs do not pay for fresh
 memory inside the workers' copies."""
@@ -29,7 +29,7 @@ class ArenaWarmer:
         self.thread = None
 
     def want(self, target: int) -> None:
-        """Have [0, target) allocated (the collator calls it as slabs are
+        """Have [0, target) allocated (the batcher calls it as slabs are
         taken: cheap when the target did not grow)."""
         if target <= self.target or self.stopped:
             return

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 import shmq
-from loader import _control as C
-from loader import _fetch as F
-from loader import _order as O
-from loader import _protocol as P
+from loader import _control
+from loader import _fetch
+from loader import _order
+from loader import _protocol
 from loader._native import DROPPED, ENDED, RowWriter, RunCounters, StreamSlots, derived_seeds
 from loader._progress import stream_skips
 from loader._shared import LoaderConfig, SharedState
@@ -152,18 +152,18 @@ class Sleeper:
             return
         self.clock.begin()
         try:
-            while not bell.wait(ready, P.IDLE_SLICE_S):
+            while not bell.wait(ready, _protocol.IDLE_SLICE_S):
                 exit_if_orphaned(self.parent_pid)
         finally:
             self.clock.end()
 
 
 class Channel:
-    """A worker's messages to the collator (each followed by a ring of the
-    collator's bell) and its waits for table entries."""
+    """A worker's messages to the batcher (each followed by a ring of the
+    batcher's bell) and its waits for table entries."""
 
     def __init__(self, shared: SharedState, worker_id: int, sleeper: Sleeper):
-        self.ring, self.control, self.table = shared.to_collator, shared.control, shared.table
+        self.ring, self.control, self.table = shared.to_batcher, shared.control, shared.table
         self.me, self.pid, self.sleeper = worker_id, os.getpid(), sleeper
         self.spill = shared.spill_writer(worker_id)  # NOTE [ Spilled messages ]
 
@@ -172,42 +172,43 @@ class Channel:
             self.ring.put(msg)
         else:
             self.spill.put(self.ring, msg)
-        self.control.collator_bell.ring()
+        self.control.batcher_bell.ring()
 
     def request_layout(self, run, batch, row, sig, version, rows, batched):
-        self.send(P.LayoutRequest(run=run, batch=batch, row=row, signature=sig, version=version,
-                                  rows=rows, batched=batched))
+        self.send(_protocol.LayoutRequest(run=run, batch=batch, row=row, signature=sig,
+                                          version=version, rows=rows, batched=batched))
 
     def row_values(self, run, batch, row, values_key, values):
         if self.spill is not None:  # large bytes and str go to main by reference
             values = self.spill.values_ref(values)
-        self.send(P.RowValues(run=run, batch=batch, row=row, values_key=values_key,
-                              values=values))
+        self.send(_protocol.RowValues(run=run, batch=batch, row=row, values_key=values_key,
+                                      values=values))
 
     def filled(self, run, batch):
-        self.send(P.Filled(run=run, batch=batch))
+        self.send(_protocol.Filled(run=run, batch=batch))
 
     def sample_row(self, run, batch, row, pos, sample, version):
-        self.send(P.SampleRow(run=run, batch=batch, row=row, pos=pos, sample=sample,
-                              version=version))
+        self.send(_protocol.SampleRow(run=run, batch=batch, row=row, pos=pos, sample=sample,
+                                      version=version))
 
     def failed(self, exc: BaseException, where: str, *, run: int, batch: int | None = None,
                pos: int | None = None, index=None):
-        """Report exc to main (through the collator); batch, pos, index:
+        """Report exc to main (through the batcher); batch, pos, index:
         what it spoils, where known (Failed)."""
         if index is not None and type(index) is not int:  # a sampler's index object:
             where, index = f"{where}, on dataset[{index!r}]"[:500], None  # named in the text
-        self.send(P.Failed(run=run, batch=batch, pos=pos, index=index, worker=self.me,
-                           pid=self.pid, error=P.ErrorReport.of(exc, where)))
+        self.send(_protocol.Failed(run=run, batch=batch, pos=pos, index=index, worker=self.me,
+                                   pid=self.pid, error=_protocol.ErrorReport.of(exc, where)))
 
-    def done(self, run, last_batch=P.NO_SHORT_BATCH, last_rows=0):
-        self.send(P.Done(run=run, worker=self.me, last_batch=last_batch, last_rows=last_rows))
+    def done(self, run, last_batch=_protocol.NO_SHORT_BATCH, last_rows=0):
+        self.send(_protocol.Done(run=run, worker=self.me, last_batch=last_batch,
+                                 last_rows=last_rows))
 
     def wait_for_entry(self, run, batch, base, seq_seen) -> bool:
         """Until the table entry at `base` changes (its SEQ word), the batch
         is given up (FINISHED), or the run ended.  False if it ended."""
         c, words = self.control, self.table.words
-        finished = C.word(run, C.FINISHED)
+        finished = _control.word(run, _control.FINISHED)
 
         def ready():
             return (not c.live(run) or c.stopped or shmq.atomic_load(words, base + SEQ) != seq_seen
@@ -227,10 +228,12 @@ class Worker:
         self.control = shared.control
         self.sleeper = Sleeper(shared, worker_id, cfg.parent_pid)
         self.channel = Channel(shared, worker_id, self.sleeper)
+        finished = (_control.word(0, _control.FINISHED), _control.word(1, _control.FINISHED))
         self.writer = RowWriter(shared.table, shared.arena, shared.hazards, worker_id, self.channel,
-                                shared.control.ctl, (C.word(0, C.FINISHED), C.word(1, C.FINISHED)))
-        self.counters = RunCounters(shared.control.ctl, C.RUN_BASE, C.RUN_WORDS, C.CURSOR, C.LIMIT,
-                                    C.ARRIVED, C.RUN_SHIFT)
+                                shared.control.ctl, finished)
+        self.counters = RunCounters(shared.control.ctl, _control.RUN_BASE, _control.RUN_WORDS,
+                                    _control.CURSOR, _control.LIMIT, _control.ARRIVED,
+                                    _control.RUN_SHIFT)
         self.started = False   # seeded, worker_init_fn called
         self.broken = False    # worker_init_fn raised: load nothing more
         self.seeder = None     # reproducible=True: made at the start (a thread's own generators)
@@ -250,8 +253,8 @@ class Worker:
             # parent's thread pool does not survive the fork.
             torch.set_num_threads(1)
         seen = max(self.joining_run - 1, 0)
-        if self.joining_run:  # added while the loader runs: one more Done for the collator
-            self.channel.send(P.Joined(self.id, self.joining_run))
+        if self.joining_run:  # added while the loader runs: one more Done for the batcher
+            self.channel.send(_protocol.Joined(self.id, self.joining_run))
         while (latest := self._wait_for_run(seen)) is not None:
             for run in range(seen + 1, latest + 1):
                 ended = self._one_run(run)
@@ -268,7 +271,7 @@ class Worker:
         worker_init_fn (as PyTorch does, in that order)."""
         cfg = self.cfg
         self.started = True
-        base_seed = self.control.read(run, C.BASE_SEED)
+        base_seed = self.control.read(run, _control.BASE_SEED)
         if cfg.threads:
             seed = (base_seed + self.id) & _U64
             rng = Generators(seed)
@@ -291,16 +294,16 @@ class Worker:
         """Load this worker's part of the run.  Returns what Done says of an
         iterable run's stream (see _stream_run), else (NO_SHORT_BATCH, 0)."""
         if not self.control.live(run):
-            return P.NO_SHORT_BATCH, 0
+            return _protocol.NO_SHORT_BATCH, 0
         if not self.started:
             self._start(run)
         if self.broken:
-            return P.NO_SHORT_BATCH, 0
-        if self.control.read(run, C.SNAPSHOT):  # the epoch's view of the dataset (FileDataset)
+            return _protocol.NO_SHORT_BATCH, 0
+        if self.control.read(run, _control.SNAPSHOT):  # the epoch's dataset view (FileDataset)
             self.cfg.dataset.restore_snapshot(self.shared.read_snapshot(run))
         if self.cfg.iterable:
             return self._stream_run(run)
-        epoch = self.control.read(run, C.EPOCH)
+        epoch = self.control.read(run, _control.EPOCH)
         order, batches = self._order(run)
         if self.cfg.whole_batches or self.cfg.batched_fetch:
             self._whole_batch_run(run, epoch, order, batches)
@@ -308,32 +311,37 @@ class Worker:
             self._batch_run(run, epoch, order, batches)
         else:
             self._sample_run(run, epoch, order, batches)
-        return P.NO_SHORT_BATCH, 0
+        return _protocol.NO_SHORT_BATCH, 0
 
-    def _order(self, run: int) -> tuple[np.ndarray | None, O.Batches]:
+    def _order(self, run: int) -> tuple[np.ndarray | None, _order.Batches]:
         """The run's dataset index per position (None: the position is the
         index), and its batches."""
         c, cfg = self.control, self.cfg
-        kept, kind = c.read(run, C.KEPT), c.read(run, C.ORDER)
+        kept, kind = c.read(run, _control.KEPT), c.read(run, _control.ORDER)
         offsets = None
-        if kind == O.ORDER_OBJECTS:
+        if kind == _order.ORDER_OBJECTS:
             order = self.shared.read_objects(run)
-        elif kind == O.ORDER_SHIPPED and c.read(run, C.SHIPPED) == O.SHIPPED_STREAMED:
+        elif kind == _order.ORDER_SHIPPED and \
+                c.read(run, _control.OFFSETS) == _order.OFFSETS_STREAMED:
             # a streamed batch sampler's: offsets written as main pulls it
-            order, stored = self.shared.read_order(run, O.OPEN_POSITIONS, O.OPEN_POSITIONS, True)
-            return order, O.StreamedBatches(stored, lambda: c.kept(run), lambda: c.nbatches(run))
-        elif kind == O.ORDER_SHIPPED:
-            order, offsets = self.shared.read_order(run, kept, c.read(run, C.NBATCHES),
-                                                    bool(c.read(run, C.SHIPPED)))
+            open_positions = _order.OPEN_POSITIONS
+            order, stored = self.shared.read_order(run, open_positions, open_positions, True)
+            return order, _order.StreamedBatches(stored, lambda: c.kept(run),
+                                                 lambda: c.nbatches(run))
+        elif kind == _order.ORDER_SHIPPED:
+            order, offsets = self.shared.read_order(run, kept, c.read(run, _control.NBATCHES),
+                                                    bool(c.read(run, _control.OFFSETS)))
         else:
             remaining = None
-            if c.read(run, C.RESUMED):
-                remaining = O.Remaining.from_words(self.shared.read_words(run))
-            order = O.computed_order(kind, c.read(run, C.SIZE), c.read(run, C.ORDER_SEED),
-                                     c.read(run, C.EPOCH), cfg.rank, cfg.world, kept, remaining)
-        if c.read(run, C.OPEN):  # its length is learnt late: KEPT is read at every use
-            return order, O.OpenBatches(cfg.rows_per_batch, lambda: c.kept(run))
-        return order, O.Batches(kept, cfg.rows_per_batch, offsets)
+            if c.read(run, _control.RESUMED):
+                remaining = _order.Remaining.from_words(self.shared.read_words(run))
+            order = _order.computed_order(kind, c.read(run, _control.SIZE),
+                                          c.read(run, _control.ORDER_SEED),
+                                          c.read(run, _control.EPOCH), cfg.rank, cfg.world, kept,
+                                          remaining)
+        if c.read(run, _control.OPEN):  # its length is learnt late: KEPT is read at every use
+            return order, _order.OpenBatches(cfg.rows_per_batch, lambda: c.kept(run))
+        return order, _order.Batches(kept, cfg.rows_per_batch, offsets)
 
     def _wait_to_load(self, run: int, unit: int) -> bool:
         """Until unit is below main's limit (prefetch); False if the run ended."""
@@ -365,11 +373,11 @@ class Worker:
         self.sleeper.until(c.run_bell, ready)
         return c.live(run) and not c.stopped
 
-    def _sample_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
+    def _sample_run(self, run: int, epoch: int, order, batches: _order.Batches) -> None:
         """Default collate: claim a position, load it, place it in its row."""
-        index_of = O.index_getter(order)
+        index_of = _order.index_getter(order)
         counters, place, in_order = self.counters, self.writer.place, self.cfg.in_order
-        units = self.control.read(run, C.UNITS)
+        units = self.control.read(run, _control.UNITS)
         while self._may_claim(run, units):
             pos = counters.claim(run)
             if pos < 0 or pos >= units:  # a unit past the end is never waited for
@@ -392,18 +400,18 @@ class Worker:
                 if place(run, batch, row, batches.rows(batch), pos, sample) == ENDED:
                     return
             except Exception as e:  # a CollateError, or a file read failing (FileDataset)
-                # (first-ready too: the batch's slot is taken, so the collator must give
+                # (first-ready too: the batch's slot is taken, so the batcher must give
                 # the batch up; main raises at once all the same)
                 self.channel.failed(e, f"in worker {self.id}, placing sample {index} in its batch",
                                     run=run, batch=batch, pos=pos, index=index)
 
-    def _batch_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
+    def _batch_run(self, run: int, epoch: int, order, batches: _order.Batches) -> None:
         """A collate_fn (or batch_size=None): claim a batch, load its
         samples, collate them here (as PyTorch's workers do), place the
         output as the batch."""
-        index_of = O.index_getter(order)
+        index_of = _order.index_getter(order)
         cfg, counters = self.cfg, self.counters
-        units = self.control.read(run, C.UNITS)
+        units = self.control.read(run, _control.UNITS)
         while self._may_claim(run, units):
             unit = counters.claim(run)
             if unit < 0 or unit >= units or not self._wait_to_load(run, unit):
@@ -439,18 +447,18 @@ class Worker:
         while self._may_claim(run, count) and 0 <= (unit := self.counters.claim(run)) < count:
             yield unit
 
-    def _whole_batch_run(self, run: int, epoch: int, order, batches: O.Batches) -> None:
+    def _whole_batch_run(self, run: int, epoch: int, order, batches: _order.Batches) -> None:
         """DataLoader: a worker loads whole batches (their composition is
         the sampler's, in either ordering mode), writing each sample into
         its row."""
-        index_of = O.index_getter(order)
+        index_of = _order.index_getter(order)
         cfg = self.cfg
         for batch in self._next_batches(run, batches.count):
             if not self._wait_to_load(run, batch):
                 return
             start, stop = batches.span(batch)
             if cfg.batched_fetch:
-                if not self._fetched_batch(run, epoch, batch, F.indices_of(order, start, stop),
+                if not self._fetched_batch(run, epoch, batch, _fetch.indices_of(order, start, stop),
                                            start):
                     return
                 continue
@@ -486,12 +494,12 @@ class Worker:
         run ended.  See NOTE [ Batched fetch ] in _fetch.py."""
         dataset = self.cfg.dataset
         if self.seeder is not None:
-            F.seed_call(self.seeder, epoch, indices, start)
+            _fetch.seed_call(self.seeder, epoch, indices, start)
         t0 = now()
         try:
-            samples = F.checked(dataset, indices, dataset.__getitems__(indices))
+            samples = _fetch.checked(dataset, indices, dataset.__getitems__(indices))
         except Exception as e:
-            self.channel.failed(e, f"{F.where(dataset, indices)}, in worker {self.id}",
+            self.channel.failed(e, f"{_fetch.where(dataset, indices)}, in worker {self.id}",
                                 run=run, batch=batch)
             return True
         if self.tracer is not None:
@@ -549,20 +557,20 @@ class Worker:
         batches (see NOTE [ Runs ]).  Returns what Done says: (its short
         last batch, its rows) when rows fill in order, (NO_SHORT_BATCH, 0)
         when there is none or the run ended first; with a shuffle buffer,
-        (HOLES_TO_CLOSE, 0): its last batches have holes the collator
+        (HOLES_TO_CLOSE, 0): its last batches have holes the batcher
         closes up."""
         cfg, c, N, w = self.cfg, self.control, max(self.cfg.num_workers, 1), self.id
         B = cfg.rows_per_batch
-        epoch = c.read(run, C.EPOCH)
+        epoch = c.read(run, _control.EPOCH)
         j0, done_below, done_past = 0, 0, set()   # a resumed epoch: what was delivered
-        if c.read(run, C.ORDER) == O.ORDER_SHIPPED:
-            words, _ = self.shared.read_order(run, c.read(run, C.KEPT), 0, False)
+        if c.read(run, _control.ORDER) == _order.ORDER_SHIPPED:
+            words, _ = self.shared.read_order(run, c.read(run, _control.KEPT), 0, False)
             j0, done_below, done_past = stream_skips(words, N, w)
         slots = None if cfg.per_batch else StreamSlots(
             j0, B, cfg.shuffle_batches, derived_seeds(cfg.seed & _U64, epoch, w + 1, 1 << 62)[0],
             lambda j: self._wait_for_room(run, j))
         j, pending, seq = j0, [], 0   # per_batch: batch j's samples so far
-        ended = (P.NO_SHORT_BATCH, 0)
+        ended = (_protocol.NO_SHORT_BATCH, 0)
         try:
             it = iter(cfg.dataset)
         except Exception as e:
@@ -603,7 +611,7 @@ class Worker:
             batch, row = slot[0] * N + w, slot[1]
             try:
                 if self.writer.place(run, batch, row, B, seq - 1, sample) in (ENDED, DROPPED):
-                    # ended, or the collator gave up a batch of this stream (it cannot
+                    # ended, or the batcher gave up a batch of this stream (it cannot
                     # collate it): the stream is over for this epoch; main raises the
                     # batch's error and goes on with the other workers' batches
                     return ended
@@ -613,14 +621,14 @@ class Worker:
         if slots is None:
             if pending and not cfg.drop_last:
                 if not self._wait_for_room(run, j) or not self._place_stream_batch(run, j,
-                                                                                    pending):
+                                                                                   pending):
                     return ended
             return ended
         written = slots.written()
         if not written:
             return ended
         if cfg.shuffle_batches:
-            return P.HOLES_TO_CLOSE, 0            # the collator closes up the holes
+            return _protocol.HOLES_TO_CLOSE, 0            # the batcher closes up the holes
         return slots.current * N + w, written     # the short last batch
 
     def _place_stream_batch(self, run: int, j: int, samples: list) -> bool:
@@ -636,4 +644,4 @@ _FAILED = object()  # a collate_fn raised (and it was reported)
 def worker_main(cfg: LoaderConfig, shared: SharedState, worker_id: int,
                 joining_run: int = 0) -> None:
     Worker(cfg, shared, worker_id, joining_run).run()
-    shared.to_collator.close()
+    shared.to_batcher.close()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from loader import DataLoader, ShmLoader
-from loader import _protocol as P
+from loader import _protocol
 from loader._layout import ArrayLeaf, Materializer, Spec, Value
 from loader._shared import batch_ready_from_wire, batch_ready_wire
 from loader._slabs import Slab
@@ -189,14 +189,14 @@ def test_materializer_rebuilds_each_batch_structure_of_one_leaf_plan():
 
 
 def test_batch_ready_wire_round_trip():
-    msg = P.BatchReady(3, 7, Slab(5, 2, 4096, 8192),
-                       Spec(("tuple", (None, None, ("list", (None,)))),
-                            (ArrayLeaf(0, "<i8", (4, 2), False), Value(["a", "b", "c", "d"], True),
-                             ArrayLeaf(128, "|b1", (4,), True)), None), 1024, 4, 99)
+    msg = _protocol.BatchReady(3, 7, Slab(5, 2, 4096, 8192),
+                               Spec(("tuple", (None, None, ("list", (None,)))),
+                                    (ArrayLeaf(0, "<i8", (4, 2), False), Value(["a", "b", "c", "d"], True),
+                                     ArrayLeaf(128, "|b1", (4,), True)), None), 1024, 4, 99)
     wire = batch_ready_wire(msg)
     assert type(wire) is tuple and all(type(x) in (int, str, tuple, type(None))
                                        for x in wire)
     back = batch_ready_from_wire(pickle.loads(pickle.dumps(wire, protocol=5)))
-    assert back == msg and type(back) is P.BatchReady and type(back.slab) is Slab
+    assert back == msg and type(back) is _protocol.BatchReady and type(back.slab) is Slab
     assert [type(x) for x in back.spec.leaves] == [ArrayLeaf, Value, ArrayLeaf]
     assert type(back.spec) is Spec and back.spec.leaves[2].tensor is True

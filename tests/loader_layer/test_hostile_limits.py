@@ -230,7 +230,7 @@ def test_a_3_gib_single_sample_arrives_whole():
     """One sample of 3 GiB: it arrives whole (never SIGBUS, never the
     training process OOM-killed); the batch is a view of shared memory, so
     the training process holds only what it touches."""
-    need = 12 << 30  # the worker's array, the slab, the collator's touch, headroom
+    need = 12 << 30  # the worker's array, the slab, the batcher's touch, headroom
     if _available_bytes() < need:
         pytest.skip(f"needs {need >> 30} GiB of available memory, "
                     f"{_available_bytes() >> 30} GiB here")

@@ -106,7 +106,7 @@ def test_rows_of_bytes_go_to_main_by_reference_and_the_heap_stays_warm_and_small
             # and the slabs: 8 batches of 64 int64 labels and 64 row tags
             assert s["bytes"] - s["spilled_bytes"] == 8 * (64 * 8 + 64 * 8)
         heap = ld._session.shared.spill
-        assert resident_bytes(heap.data) <= 3 * RETAIN_BYTES  # two workers' windows, the collator's
+        assert resident_bytes(heap.data) <= 3 * RETAIN_BYTES  # two workers' windows, the batcher's
 
 
 @more_workers_than_cores
@@ -374,9 +374,9 @@ def test_repro_keep_labels_in_its_own_form():
     assert len(targets) == 40 and torch.equal(torch.cat(targets), torch.arange(4000))
 
 
-@pytest.mark.parametrize("victim", ["worker 0", "the collator"])
+@pytest.mark.parametrize("victim", ["worker 0", "the batcher"])
 def test_a_child_killed_while_kept_batches_move_out(victim, monkeypatch):
-    """The collator or a worker dies just as main moves kept batches out of
+    """The batcher or a worker dies just as main moves kept batches out of
     the pool: what the user holds stays intact, the death is reported as
     any death is, and nothing leaks."""
     real = Session.move_kept_out

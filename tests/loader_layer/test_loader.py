@@ -101,7 +101,7 @@ def test_every_sample_is_written_by_its_worker_from_the_first_batch_on():
                 stats = loader.stats()
                 assert stats["batches"] == 15 and stats["samples"] == 100
                 assert stats["samples_written_by_workers"] == 100, stats
-                assert stats["samples_written_by_collator"] == 0 and stats["relayouts"] == 0
+                assert stats["samples_written_by_batcher"] == 0 and stats["relayouts"] == 0
 
 
 class Buckets:
@@ -408,12 +408,12 @@ def test_worker_death_is_reported_within_two_seconds(how, expect):
         assert "pid" in str(info.value)
 
 
-def test_collator_killed_is_reported():
+def test_batcher_killed_is_reported():
     with ShmLoader(Numbers(10_000), batch_size=4, num_workers=2) as loader:
         it = iter(loader)
         next(it)
         os.kill(loader._session.procs[-1].pid, signal.SIGKILL)
-        with pytest.raises(WorkerError, match="collator .* signal SIGKILL"):
+        with pytest.raises(WorkerError, match="batcher .* signal SIGKILL"):
             for _ in it:
                 pass
 
@@ -510,7 +510,7 @@ def _gone(pids):
 
 
 def test_main_killed_children_exit_within_two_seconds():
-    """R4: SIGKILL to main; workers and collator die with it."""
+    """R4: SIGKILL to main; workers and batcher die with it."""
     p = subprocess.Popen([sys.executable, "-c", CHILD, "sleep"], stdout=subprocess.PIPE, text=True)
     pids = [int(x) for x in p.stdout.readline().split()]
     assert len(pids) == 3

@@ -154,7 +154,7 @@ def test_batches_kept_past_the_cap_move_out_of_the_pool_without_a_wait():
             np.testing.assert_array_equal(b[:, 0, 0], np.arange(4 * k, 4 * k + 4))
 
 
-def test_close_is_prompt_while_the_collator_waits_for_memory():
+def test_close_is_prompt_while_the_batcher_waits_for_memory():
     B = 4
     with ShmLoader(Filled(**BIG), batch_size=B, num_workers=2,
                    memory_cap_bytes=2 * slab_bytes(Filled(**BIG)[0], B), prefetch=1) as loader:
@@ -162,7 +162,7 @@ def test_close_is_prompt_while_the_collator_waits_for_memory():
             warnings.simplefilter("ignore", RuntimeWarning)
             it = iter(loader)
             held = [next(it), next(it)]
-            time.sleep(0.3)  # the collator waits for memory, or moves on once main moved them out
+            time.sleep(0.3)  # the batcher waits for memory, or moves on once main moved them out
             t0 = time.monotonic()
             loader.close()
         assert time.monotonic() - t0 < 3
@@ -266,7 +266,7 @@ def test_a_crash_outside_the_per_sample_path_reaches_main_with_its_traceback():
 
 
 class Unpicklable:
-    """Pickles, but cannot be unpickled: it crashes the collator when it
+    """Pickles, but cannot be unpickled: it crashes the batcher when it
     arrives among a row's values."""
 
     def __reduce__(self):
@@ -277,7 +277,7 @@ def _refuse_to_load():
     raise RuntimeError("this object cannot be rebuilt")
 
 
-def test_a_collator_crash_reaches_main_with_its_traceback():
+def test_a_batcher_crash_reaches_main_with_its_traceback():
     class Odd(Pairs):
         def __getitem__(self, i):
             return {"x": super().__getitem__(i), "o": Unpicklable()}
@@ -286,11 +286,11 @@ def test_a_collator_crash_reaches_main_with_its_traceback():
         with pytest.raises(WorkerError) as info:
             list(loader)
     text = str(info.value)
-    assert "the collator" in text and "exit code 1" in text
+    assert "the batcher" in text and "exit code 1" in text
     assert "this object cannot be rebuilt" in text
 
 
-def test_workers_and_collator_are_reaped_at_close():
+def test_workers_and_batcher_are_reaped_at_close():
     loader = ShmLoader(Pairs(100), batch_size=10, num_workers=3)
     check_epoch(list(loader), 100, 10)
     pids = {p.pid for p in loader._session.procs}

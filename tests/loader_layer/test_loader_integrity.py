@@ -128,7 +128,7 @@ def test_every_leaf_and_container_type_comes_back_exact(in_order):
 
 
 def test_object_leaves_holding_arrays_never_see_another_samples_bytes():
-    """The collator keeps nothing that views ring memory: arrays inside
+    """The batcher keeps nothing that views ring memory: arrays inside
     leaf objects (here a dataclass) travel with their row's values and stay
     intact however many messages follow (the old loader's corruption)."""
     class Objects:
@@ -186,7 +186,7 @@ def test_numbers_whose_type_differs_within_a_batch_are_promoted_never_truncated(
                 assert b["u"].tolist() == [200 if k % 2 else -3 for k in ids]
                 if in_order:  # every batch mixes the types
                     assert [b[leaf].dtype for leaf in "ywau"] == [np.float64, np.int64, np.float64,
-                                                                   np.int16]
+                                                                  np.int16]
                 rows += 4
             assert rows == 32
 

@@ -132,8 +132,8 @@ def _signal_at_random_moment(rng, phase: str, sig: int, group: bool) -> tuple[Pr
 
 def _child_noise(err: str) -> list[str]:
     """Lines of stderr that come from the loader's children."""
-    markers = ("_worker.py", "_collator.py", "_child_main", "Fatal Python error", "ShmLoader worker",
-               "ShmLoader the collator")
+    markers = ("_worker.py", "_batcher.py", "_child_main", "Fatal Python error", "ShmLoader worker",
+               "ShmLoader the batcher")
     return [line for line in err.splitlines() if any(m in line for m in markers)]
 
 
@@ -254,7 +254,7 @@ def test_ctrl_c_during_start_up_of_eight_workers(count):
 WORK = 0.0005  # seconds per sample: a little work, so that deaths land mid-batch
 
 
-def _epochs(loader, n, batch_size, first=None):
+def _epoch_snapshot(loader, n, batch_size, first=None):
     """Batches of epoch after epoch (the first from iterator `first`, if
     given), each checked: every sample once, in order."""
     while True:
@@ -268,10 +268,10 @@ def _epochs(loader, n, batch_size, first=None):
 
 
 def _victims(loader, which: str):
-    workers = [c for c in loader._session.procs if c.role != "the collator"]
-    collator = [c for c in loader._session.procs if c.role == "the collator"]
-    return {"one worker": workers[1:2], "all workers": workers, "the collator": collator,
-            "everything": workers + collator}[which]
+    workers = [c for c in loader._session.procs if c.role != "the batcher"]
+    batcher = [c for c in loader._session.procs if c.role == "the batcher"]
+    return {"one worker": workers[1:2], "all workers": workers, "the batcher": batcher,
+            "everything": workers + batcher}[which]
 
 
 def _is_dead(pid: int) -> bool:
@@ -304,10 +304,10 @@ def _forked_without_fault_dumps(config):
 @pytest.mark.parametrize("count", reps(1, 10))
 @pytest.mark.parametrize("moment", ["between-batches", "while-main-waits"])
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSEGV], ids=["SIGKILL", "SIGSEGV"])
-@pytest.mark.parametrize("which", ["one worker", "all workers", "the collator", "everything"])
+@pytest.mark.parametrize("which", ["one worker", "all workers", "the batcher", "everything"])
 def test_child_killed_at_a_random_moment_raises_worker_error(which, how, moment, count,
-                                                            pytestconfig):
-    """A worker, every worker, the collator, or all of them die by a signal
+                                                             pytestconfig):
+    """A worker, every worker, the batcher, or all of them die by a signal
     at a random moment (right after iter(), mid-epoch, around an epoch's end
     and its run-ahead): main raises WorkerError within 2 s, never a raw
     shmq error nor a hang, naming role, pid and signal; close() then works
@@ -320,7 +320,7 @@ def test_child_killed_at_a_random_moment_raises_worker_error(which, how, moment,
         killer = batches = None
         try:
             with _forked_without_fault_dumps(pytestconfig):
-                batches = _epochs(loader, 96, 8, iter(loader))  # iter() forks the children
+                batches = _epoch_snapshot(loader, 96, 8, iter(loader))  # iter() forks the children
             # 0: right after the fork, the children maybe still starting; 12 batches an epoch
             for _ in range(rng.randrange(30)):
                 next(batches)
@@ -357,7 +357,7 @@ def test_child_killed_at_a_random_moment_raises_worker_error(which, how, moment,
             loader.close()
             assert not set(pids) & set(descendants())  # every child reaped
             assert not shm_entries_of({os.getpid(), *pids})
-            record("R5" if which == "the collator" else "R2",
+            record("R5" if which == "the batcher" else "R2",
                    f"{how.name} to {which}, {moment}: WorkerError naming role, pid, signal",
                    elapsed if moment == "between-batches" else None,
                    what="death → WorkerError in main")
@@ -516,7 +516,7 @@ def test_forked_child_exiting_or_touching_the_loader_leaves_the_epoch_intact():
                                    f"{prog.pid}"), said
             assert "cannot use it: create a new ShmLoader here" in said and code == 0
         assert children["close"] == ["returned", 0]
-        assert result["codes"] == [None, None, None]  # its 2 workers and collator still run
+        assert result["codes"] == [None, None, None]  # its 2 workers and batcher still run
         for epoch in (result["batches"], result["second"]):
             assert len(epoch) == 125 and all(len(b) == 16 for b in epoch)
             assert [k for b in epoch for k in b] == list(range(2000))
@@ -726,7 +726,7 @@ def test_the_smallest_fd_limit_that_fits_every_child_gives_a_working_loader():
     (shmq_ring.h) cannot open /proc/<pid>/stat (EMFILE) and returns 0,
     which shmq_owner_alive takes for 'dead', so shmq_retire_if_dead retires
     every live producer as GONE (irreversibly) and get() raises PeerLost:
-    WorkerError 'the collator's ring to main ended (... 6 producer(s) died
+    WorkerError 'the batcher's ring to main ended (... 6 producer(s) died
     without closing ...) while every process is still running'."""
     results = _sweep()
     started = [free for free, r in sorted(results.items())

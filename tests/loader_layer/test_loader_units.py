@@ -11,11 +11,11 @@ import time
 import numpy as np
 import pytest
 
-from loader import _control as C
-from loader import _layout as L
-from loader import _order as O
+from loader import _control
+from loader import _layout
+from loader import _order
 from loader import _native
-from loader import _table as T
+from loader import _table
 from loader._native import Bell, LeaseBook
 from loader._slabs import SlabAllocator
 
@@ -125,58 +125,58 @@ def test_leases_release_when_the_last_view_dies_and_discard_after_close():
 # --- the batch table ----------------------------------------------------------------------
 
 def layout_of(sample, rows=4, batched=True):
-    return L.Layout(L.signature(sample), rows, batched)
+    return _layout.Layout(_layout.signature(sample), rows, batched)
 
 
 def test_publish_and_unpublish_move_seq_through_an_odd_window():
-    t = T.BatchTable(4)
+    t = _table.BatchTable(4)
     lay = layout_of(np.zeros(3))
     base = t.base(run=3, batch=5)
     assert t.entry(3, 5) == 4 + 5 % 4 and t.entry(4, 5) == 5 % 4  # two parities
-    t.publish(3, 5, 128, 77, lay, version=2, flags=T.CONFIRMED, count=1)
+    t.publish(3, 5, 128, 77, lay, version=2, flags=_table.CONFIRMED, count=1)
     w = t.words
-    assert w[base + T.SEQ] == 2
-    assert w[base + T.STAMP] == T.stamp(3, 5) and w[base + T.OFFSET] == 128
-    assert (w[base + T.DIGEST0], w[base + T.DIGEST1]) == lay.digest and w[base + T.TOKEN] == 77
+    assert w[base + _table.SEQ] == 2
+    assert w[base + _table.STAMP] == _table.stamp(3, 5) and w[base + _table.OFFSET] == 128
+    assert (w[base + _table.DIGEST0], w[base + _table.DIGEST1]) == lay.digest and w[base + _table.TOKEN] == 77
     f = t.filled_word(3, 5)
-    assert T.version_of(f) == 2 and T.flags_of(f) == T.CONFIRMED and T.count_of(f) == 1
+    assert _table.version_of(f) == 2 and _table.flags_of(f) == _table.CONFIRMED and _table.count_of(f) == 1
     t.unpublish(3, 5)
-    assert w[base + T.STAMP] == 0 and w[base + T.SEQ] == 4
+    assert w[base + _table.STAMP] == 0 and w[base + _table.SEQ] == 4
 
 
 def test_counts_succeed_only_in_the_current_version():
-    t = T.BatchTable(4)
+    t = _table.BatchTable(4)
     lay = layout_of(np.zeros(3))
     t.publish(1, 0, 0, 1, lay, version=0, flags=0)
     assert t.count(1, 0, 0) == 1 and t.count(1, 0, 0) == 2
     assert t.freeze(1, 0) == 2                # version + 1, count kept, unpublished
     assert t.count(1, 0, 0) == -1             # a writer of the replaced slab must start over
     f = t.filled_word(1, 0)
-    assert T.version_of(f) == 1 and T.count_of(f) == 2
-    assert t.words[t.base(1, 0) + T.STAMP] == 0
+    assert _table.version_of(f) == 1 and _table.count_of(f) == 2
+    assert t.words[t.base(1, 0) + _table.STAMP] == 0
 
 
 def test_replace_if_uncounted():
-    t = T.BatchTable(4)
+    t = _table.BatchTable(4)
     lay = layout_of(np.zeros(3))
     t.publish(1, 0, 0, 1, lay, version=0, flags=0)
     assert t.replace_if_uncounted(1, 0) is True
     f = t.filled_word(1, 0)
-    assert T.version_of(f) == 1 and T.flags_of(f) == T.CONFIRMED and T.count_of(f) == 0
+    assert _table.version_of(f) == 1 and _table.flags_of(f) == _table.CONFIRMED and _table.count_of(f) == 0
     t.publish(1, 0, 0, 1, lay, version=1, flags=0)
     t.count(1, 0, 1)
     assert t.replace_if_uncounted(1, 0) is False  # a row is counted: the layout stands
     f = t.filled_word(1, 0)
-    assert T.version_of(f) == 1 and T.flags_of(f) == T.CONFIRMED and T.count_of(f) == 1
-    t.add_flags(1, 0, T.REFUSED)
-    assert T.flags_of(t.filled_word(1, 0)) == T.CONFIRMED | T.REFUSED
+    assert _table.version_of(f) == 1 and _table.flags_of(f) == _table.CONFIRMED and _table.count_of(f) == 1
+    t.add_flags(1, 0, _table.REFUSED)
+    assert _table.flags_of(t.filled_word(1, 0)) == _table.CONFIRMED | _table.REFUSED
 
 
 def test_the_compiled_writer_uses_the_tables_word_layout():
     k = _native.TABLE_CONSTANTS
     assert (k["STAMP"], k["OFFSET"], k["DIGEST0"], k["DIGEST1"], k["FILLED"], k["TOKEN"], k["SEQ"],
-            k["WORDS"]) == (T.STAMP, T.OFFSET, T.DIGEST0, T.DIGEST1, T.FILLED, T.TOKEN, T.SEQ, T.WORDS)
-    assert (k["CONFIRMED"], k["REFUSED"]) == (T.CONFIRMED, T.REFUSED)
+            k["WORDS"]) == (_table.STAMP, _table.OFFSET, _table.DIGEST0, _table.DIGEST1, _table.FILLED, _table.TOKEN, _table.SEQ, _table.WORDS)
+    assert (k["CONFIRMED"], k["REFUSED"]) == (_table.CONFIRMED, _table.REFUSED)
 
 
 class Recorder:
@@ -203,7 +203,7 @@ class Recorder:
 
 
 def writer(rows=2):
-    t = T.BatchTable(4)
+    t = _table.BatchTable(4)
     arena = shmq.shared_array(1 << 16, np.uint8)
     hazards = shmq.shared_array(2, np.int64)
     ch = Recorder()
@@ -218,9 +218,9 @@ def test_the_writer_asks_for_a_layout_once_then_writes_rows_and_says_filled():
     assert kind == "layout" and wait == "wait"
     run, batch, row, sig, version, rows, batched = args
     assert (run, batch, row, version, rows, batched) == (1, 0, 0, -1, 2, True)
-    assert sig == L.signature(sample)
-    lay = L.Layout(sig, 2)
-    t.publish(1, 0, 4096, 99, lay, 0, T.CONFIRMED)
+    assert sig == _layout.signature(sample)
+    lay = _layout.Layout(sig, 2)
+    t.publish(1, 0, 4096, 99, lay, 0, _table.CONFIRMED)
     ch.sent.clear()
     assert w.place(1, 0, 1, 2, 11, {"x": np.array([7, 8, 9], np.int16), "name": "b"}) == _native.WRITTEN
     assert w.place(1, 0, 0, 2, 10, sample) == _native.WRITTEN
@@ -228,17 +228,17 @@ def test_the_writer_asks_for_a_layout_once_then_writes_rows_and_says_filled():
     assert ch.sent[0][1] == (1, 0, 1, lay.values_key, ["b"]) and ch.sent[2][1] == (1, 0)
     views = lay.views(arena[4096:4096 + lay.nbytes])
     assert views[0].tolist() == [[0, 1, 2], [7, 8, 9]]
-    assert T.count_of(t.filled_word(1, 0)) == 2 and hazards.tolist() == [0, 0]
+    assert _table.count_of(t.filled_word(1, 0)) == 2 and hazards.tolist() == [0, 0]
 
 
 def test_a_provisional_layout_that_differs_is_asked_to_change_then_the_row_is_sent_whole():
     t, arena, hazards, ch, w = writer()
-    guess = L.Layout(L.signature(np.zeros(3)), 2)
+    guess = _layout.Layout(_layout.signature(np.zeros(3)), 2)
     t.publish(1, 0, 0, 5, guess, 0, 0)        # a guess from earlier batches
     sample = np.zeros(4)
     assert w.place(1, 0, 0, 2, 3, sample) == _native.ENDED
     assert ch.sent[0][0] == "layout" and ch.sent[0][1][4] == 0  # about version 0
-    t.add_flags(1, 0, T.CONFIRMED)           # the collator: a row was counted meanwhile
+    t.add_flags(1, 0, _table.CONFIRMED)           # the batcher: a row was counted meanwhile
     ch.sent.clear()
     assert w.place(1, 0, 0, 2, 3, sample) == _native.SENT
     kind, (run, batch, row, pos, sent, version) = ch.sent[0]
@@ -247,12 +247,12 @@ def test_a_provisional_layout_that_differs_is_asked_to_change_then_the_row_is_se
 
 def test_a_refused_batch_drops_rows_and_a_number_that_does_not_fit_is_a_collate_error():
     t, arena, hazards, ch, w = writer()
-    lay = L.Layout(L.signature(5), 2)
-    t.publish(1, 0, 0, 5, lay, 0, T.CONFIRMED)
-    with pytest.raises(L.CollateError, match="leaf 0 .*cannot be stored as int64"):
+    lay = _layout.Layout(_layout.signature(5), 2)
+    t.publish(1, 0, 0, 5, lay, 0, _table.CONFIRMED)
+    with pytest.raises(_layout.CollateError, match="leaf 0 .*cannot be stored as int64"):
         w.place(1, 0, 0, 2, 0, 2 ** 70)
-    assert hazards.tolist() == [0, 0] and T.count_of(t.filled_word(1, 0)) == 0
-    t.add_flags(1, 0, T.REFUSED)
+    assert hazards.tolist() == [0, 0] and _table.count_of(t.filled_word(1, 0)) == 0
+    t.add_flags(1, 0, _table.REFUSED)
     assert w.place(1, 0, 1, 2, 1, 3) == _native.DROPPED
 
 
@@ -263,9 +263,9 @@ def test_a_refused_batch_drops_rows_and_a_number_that_does_not_fit_is_a_collate_
 ])
 def test_the_compiled_writer_stores_exactly_what_the_reference_path_stores(sample):
     t, arena, hazards, ch, w = writer()
-    sig, leaves = L.signature_and_leaves(sample)
-    lay = L.Layout(sig, 2)
-    t.publish(1, 0, 0, 5, lay, 0, T.CONFIRMED)
+    sig, leaves = _layout.signature_and_leaves(sample)
+    lay = _layout.Layout(sig, 2)
+    t.publish(1, 0, 0, 5, lay, 0, _table.CONFIRMED)
     assert w.place(1, 0, 1, 2, 0, sample) == _native.WRITTEN
     reference = np.zeros(lay.nbytes, np.uint8)
     lay.write_row(reference, 1, leaves, 0)  # tag: the position given to place()
@@ -276,10 +276,10 @@ def test_torch_tensors_are_written_through_the_reference_path():
     torch = pytest.importorskip("torch")
     t, arena, hazards, ch, w = writer()
     sample = {"t": torch.arange(4, dtype=torch.float32), "s": torch.tensor(3)}
-    sig, leaves = L.signature_and_leaves(sample)
-    assert sig[1] == ((L.TENSOR, "<f4", (4,)), (L.TENSOR, "<i8", ()))  # a 0-d tensor stays 0-d
-    lay = L.Layout(sig, 2)
-    t.publish(1, 0, 0, 5, lay, 0, T.CONFIRMED)
+    sig, leaves = _layout.signature_and_leaves(sample)
+    assert sig[1] == ((_layout.TENSOR, "<f4", (4,)), (_layout.TENSOR, "<i8", ()))  # a 0-d tensor stays 0-d
+    lay = _layout.Layout(sig, 2)
+    t.publish(1, 0, 0, 5, lay, 0, _table.CONFIRMED)
     assert w.place(1, 0, 0, 2, 0, sample) == _native.WRITTEN
     views = lay.views(arena[:lay.nbytes])
     assert views[0][0].tolist() == [0, 1, 2, 3] and views[1][0] == 3
@@ -288,22 +288,22 @@ def test_torch_tensors_are_written_through_the_reference_path():
 # --- run words and bells ------------------------------------------------------------------
 
 def test_runs_are_claimed_by_tagged_cas_and_end_with_one_store():
-    c = C.Control(num_workers=2)
-    counters = _native.RunCounters(c.ctl, C.RUN_BASE, C.RUN_WORDS, C.CURSOR, C.LIMIT, C.ARRIVED,
-                                   C.RUN_SHIFT)
-    c.start_run(1, epoch=1, size=10, kept=8, units=8, nbatches=2, order=O.ORDER_PERMUTATION,
+    c = _control.Control(num_workers=2)
+    counters = _native.RunCounters(c.ctl, _control.RUN_BASE, _control.RUN_WORDS, _control.CURSOR, _control.LIMIT, _control.ARRIVED,
+                                   _control.RUN_SHIFT)
+    c.start_run(1, epoch=1, size=10, kept=8, units=8, nbatches=2, order=_order.ORDER_PERMUTATION,
                 order_seed=5, shipped=0, base_seed=11, limit=3)
     assert c.latest_run() == 1 and c.live(1)
-    assert [c.read(1, w) for w in (C.EPOCH, C.SIZE, C.KEPT, C.UNITS, C.NBATCHES, C.ORDER,
-                                   C.ORDER_SEED, C.BASE_SEED)] == \
-        [1, 10, 8, 8, 2, O.ORDER_PERMUTATION, 5, 11]
+    assert [c.read(1, w) for w in (_control.EPOCH, _control.SIZE, _control.KEPT, _control.UNITS, _control.NBATCHES, _control.ORDER,
+                                   _control.ORDER_SEED, _control.BASE_SEED)] == \
+        [1, 10, 8, 8, 2, _order.ORDER_PERMUTATION, 5, 11]
 
     assert [counters.claim(1) for _ in range(3)] == [0, 1, 2]
     assert counters.claim(1, True) == 0 and c.claimed(1) == 3
     assert counters.below_limit(1, 2) and not counters.below_limit(1, 3)
     c.set_limit(1, 4)
     assert counters.below_limit(1, 3)
-    c.start_run(2, 2, 10, 10, 10, 3, O.ORDER_RANGE, 0, 0, 0, 3)  # the other parity: both live
+    c.start_run(2, 2, 10, 10, 10, 3, _order.ORDER_RANGE, 0, 0, 0, 3)  # the other parity: both live
     assert counters.claim(2) == 0 and c.live(1)
     c.end_run(1)
     assert counters.claim(1) == -1 and counters.claim(1, True) == -1 and not c.live(1)
@@ -313,21 +313,21 @@ def test_runs_are_claimed_by_tagged_cas_and_end_with_one_store():
 
 
 def test_iterable_runs_have_a_limit_per_worker():
-    c = C.Control(num_workers=2)
-    c.start_run(1, 1, -1, -1, -1, -1, O.ORDER_RANGE, 0, 0, 0, [3, 5])
+    c = _control.Control(num_workers=2)
+    c.start_run(1, 1, -1, -1, -1, -1, _order.ORDER_RANGE, 0, 0, 0, [3, 5])
     assert c.limits.tolist() == [0, 0, 3, 5]  # run 1's parity: each worker's limit
     c.raise_worker_limit(1, 1)
     assert c.limits.tolist() == [0, 0, 3, 6]
-    c.start_run(2, 2, -1, -1, -1, -1, O.ORDER_RANGE, 0, 0, 0, [1, 1])
+    c.start_run(2, 2, -1, -1, -1, -1, _order.ORDER_RANGE, 0, 0, 0, [1, 1])
     assert c.limits.tolist() == [1, 1, 3, 6]
 
 
 def test_a_claim_of_an_old_run_fails_once_its_block_is_reused():
-    c = C.Control(num_workers=1)
-    counters = _native.RunCounters(c.ctl, C.RUN_BASE, C.RUN_WORDS, C.CURSOR, C.LIMIT, C.ARRIVED,
-                                   C.RUN_SHIFT)
-    c.start_run(1, 1, 5, 5, 5, 1, O.ORDER_RANGE, 0, 0, 0, 5)
-    c.start_run(3, 3, 5, 5, 5, 1, O.ORDER_RANGE, 0, 0, 0, 5)     # run 1's block, reused
+    c = _control.Control(num_workers=1)
+    counters = _native.RunCounters(c.ctl, _control.RUN_BASE, _control.RUN_WORDS, _control.CURSOR, _control.LIMIT, _control.ARRIVED,
+                                   _control.RUN_SHIFT)
+    c.start_run(1, 1, 5, 5, 5, 1, _order.ORDER_RANGE, 0, 0, 0, 5)
+    c.start_run(3, 3, 5, 5, 5, 1, _order.ORDER_RANGE, 0, 0, 0, 5)     # run 1's block, reused
     assert counters.claim(1) == -1 and counters.claim(3) == 0
 
 
@@ -354,47 +354,47 @@ def test_a_bell_wakes_a_sleeper_and_never_loses_a_ring():
 # --- layouts ------------------------------------------------------------------------------
 
 def test_layout_offsets_are_aligned_and_values_are_kept_apart():
-    sig = L.signature({"a": np.zeros((2, 3), np.float32), "b": "text", "c": 1})
-    lay = L.Layout(sig, rows=5)
+    sig = _layout.signature({"a": np.zeros((2, 3), np.float32), "b": "text", "c": 1})
+    lay = _layout.Layout(sig, rows=5)
     assert lay.offsets == [0, 128, 128]             # 5*24 bytes -> 128; "b" takes no room
     assert lay.row_nbytes == [24, 0, 8]
     assert lay.tags_offset == 192 and lay.nbytes == 256   # 5 int64 tags after the leaves
     assert lay.value_leaves == [1]
     spec = lay.spec(3, {0: ["x"], 1: ["y"], 2: ["z"]})
-    assert spec.leaves == (L.ArrayLeaf(0, "<f4", (3, 2, 3), False), L.Value(["x", "y", "z"]),
-                           L.ArrayLeaf(128, "<i8", (3,), False))
-    assert L.unflatten(spec.structure, [1, 2, 3]) == {"a": 1, "b": 2, "c": 3}
+    assert spec.leaves == (_layout.ArrayLeaf(0, "<f4", (3, 2, 3), False), _layout.Value(["x", "y", "z"]),
+                           _layout.ArrayLeaf(128, "<i8", (3,), False))
+    assert _layout.unflatten(spec.structure, [1, 2, 3]) == {"a": 1, "b": 2, "c": 3}
 
 
 def test_unbatched_layouts_keep_numbers_as_values_and_no_leading_axis():
-    sig = L.signature({"x": np.zeros((2, 2), np.int8), "n": 7})
-    lay = L.Layout(sig, rows=1, batched=False)
+    sig = _layout.signature({"x": np.zeros((2, 2), np.int8), "n": 7})
+    lay = _layout.Layout(sig, rows=1, batched=False)
     assert lay.value_leaves == [1]
-    assert lay.spec(1, {0: [7]}).leaves == (L.ArrayLeaf(0, "|i1", (2, 2), False), L.Value(7, False))
+    assert lay.spec(1, {0: [7]}).leaves == (_layout.ArrayLeaf(0, "|i1", (2, 2), False), _layout.Value(7, False))
 
 
 def test_digests_name_signature_rows_and_batching_exactly():
-    a, b = L.signature(-1), L.signature(-2)
-    assert L.Layout(a, 4).digest == L.Layout(b, 4).digest       # values do not matter
-    assert L.Layout(a, 4).digest != L.Layout(a, 5).digest
-    assert L.Layout(a, 1).digest != L.Layout(a, 1, batched=False).digest
-    assert L.Layout(L.signature(np.zeros(2, "<f4")), 4).digest != \
-        L.Layout(L.signature(np.zeros(2, "<f8")), 4).digest
+    a, b = _layout.signature(-1), _layout.signature(-2)
+    assert _layout.Layout(a, 4).digest == _layout.Layout(b, 4).digest       # values do not matter
+    assert _layout.Layout(a, 4).digest != _layout.Layout(a, 5).digest
+    assert _layout.Layout(a, 1).digest != _layout.Layout(a, 1, batched=False).digest
+    assert _layout.Layout(_layout.signature(np.zeros(2, "<f4")), 4).digest != \
+        _layout.Layout(_layout.signature(np.zeros(2, "<f8")), 4).digest
 
 
 def test_promotion_and_castability():
-    i, f = L.signature({"y": 1}), L.signature({"y": 1.5})
-    wide = L.promoted(i, f)
-    assert wide == f and L.promoted(f, i) == f
-    assert L.castable(i, L.Layout(f, 2)) and not L.castable(f, L.Layout(i, 2))
-    assert L.promoted(L.signature(np.zeros(2)), L.signature(np.zeros(3))) is None
-    assert L.promoted(L.signature(np.array(["a"])), L.signature(np.array([1.0]))) is None
-    assert L.promoted(L.signature((1,)), L.signature([1])) is None
-    assert "structure" in L.describe_difference(L.signature((1,)), L.signature([1]))
+    i, f = _layout.signature({"y": 1}), _layout.signature({"y": 1.5})
+    wide = _layout.promoted(i, f)
+    assert wide == f and _layout.promoted(f, i) == f
+    assert _layout.castable(i, _layout.Layout(f, 2)) and not _layout.castable(f, _layout.Layout(i, 2))
+    assert _layout.promoted(_layout.signature(np.zeros(2)), _layout.signature(np.zeros(3))) is None
+    assert _layout.promoted(_layout.signature(np.array(["a"])), _layout.signature(np.array([1.0]))) is None
+    assert _layout.promoted(_layout.signature((1,)), _layout.signature([1])) is None
+    assert "structure" in _layout.describe_difference(_layout.signature((1,)), _layout.signature([1]))
 
 
 def test_object_arrays_and_ndarray_subclasses_are_refused():
-    with pytest.raises(L.CollateError, match="Python objects"):
-        L.signature(np.array([None, 1]))
-    with pytest.raises(L.CollateError, match="subclass"):
-        L.signature(np.ma.masked_array([1, 2]))
+    with pytest.raises(_layout.CollateError, match="Python objects"):
+        _layout.signature(np.array([None, 1]))
+    with pytest.raises(_layout.CollateError, match="subclass"):
+        _layout.signature(np.ma.masked_array([1, 2]))

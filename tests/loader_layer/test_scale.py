@@ -159,7 +159,7 @@ class Ids:
         return i
 
 
-def _epochs(n, epochs=2, **kw):
+def _epoch_snapshot(n, epochs=2, **kw):
     out = []
     with ShmLoader(Ids(n), **kw) as ld:
         for _ in range(epochs):
@@ -176,10 +176,10 @@ def test_the_loader_gives_the_order_whatever_the_workers_and_mode():
     ref = [epoch_order(n, 42, e) for e in (1, 2)]
     assert not np.array_equal(ref[0], ref[1])
     for workers in (0, 1, 3):
-        got = _epochs(n, batch_size=1000, shuffle=True, seed=42, num_workers=workers)
+        got = _epoch_snapshot(n, batch_size=1000, shuffle=True, seed=42, num_workers=workers)
         for e in range(2):
             assert np.array_equal(np.concatenate(got[e]), ref[e]), (workers, e)
-    got = _epochs(n, batch_size=1000, shuffle=True, seed=42, num_workers=3, in_order=False)
+    got = _epoch_snapshot(n, batch_size=1000, shuffle=True, seed=42, num_workers=3, in_order=False)
     for e in range(2):
         assert np.array_equal(np.sort(np.concatenate(got[e])), np.arange(n))
 
@@ -187,8 +187,8 @@ def test_the_loader_gives_the_order_whatever_the_workers_and_mode():
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 def test_distributed_loaders_share_each_epoch_exactly(world):
     n = 50_001
-    per_rank = [_epochs(n, batch_size=500, shuffle=True, seed=8, num_workers=2,
-                        distributed=(r, world)) for r in range(world)]
+    per_rank = [_epoch_snapshot(n, batch_size=500, shuffle=True, seed=8, num_workers=2,
+                                distributed=(r, world)) for r in range(world)]
     for e in range(2):
         shares = [np.concatenate(per_rank[r][e]) for r in range(world)]
         assert {len(s) for s in shares} == {-(-n // world)}
@@ -319,14 +319,14 @@ _HUGE = textwrap.dedent("""
         state = ld.state_dict()
         after = [next(it).copy() for _ in range(2)]
         grown = tree_kb(ld) - base * 3   # main and two forks of it
-        collator = rss_kb(ld._session.procs[-1].pid)
+        batcher = rss_kb(ld._session.procs[-1].pid)
     with ShmLoader(Tiny(), **kw) as ld:
         ld.load_state_dict(state)
         it = iter(ld)
         resumed = [next(it).copy() for _ in range(2)]
     print(json.dumps({
         "first_batch_s": took, "state_bytes": len(pickle.dumps(state)),
-        "grown_kb": grown, "base_kb": base, "collator_kb": collator,
+        "grown_kb": grown, "base_kb": base, "batcher_kb": batcher,
         "head_ok": bool(np.array_equal(np.concatenate(batches),
                                        computed_order(1, 2_000_000_000, 2024, 1, 0, 1,
                                                       2_000_000_000)[0:5 * 4096])),
@@ -420,7 +420,7 @@ def test_a_streamed_sampler_gives_every_index_of_whole_epochs(workers):
     """100,003 indices in batches of 1,000, two epochs: exactly the
     sampler's sequence each epoch (the sampler is pulled again)."""
     n = 100_003
-    got = _epochs(n, batch_size=1000, sampler=Strided(n), num_workers=workers)
+    got = _epoch_snapshot(n, batch_size=1000, sampler=Strided(n), num_workers=workers)
     expect = (np.arange(n) * 7919) % n
     for e in range(2):
         assert np.array_equal(np.concatenate(got[e]), expect)

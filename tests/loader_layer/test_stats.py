@@ -44,7 +44,7 @@ def test_counts_bytes_and_pool_per_epoch():
         inline_stats = epochs(inline, 1)[0]
     for epoch, s in enumerate(all_stats, 1):
         assert s["epoch"] == epoch and s["batches"] == 200 and s["samples"] == 20_000, s
-        assert s["samples_written_by_workers"] == 20_000 and s["samples_written_by_collator"] == 0
+        assert s["samples_written_by_workers"] == 20_000 and s["samples_written_by_batcher"] == 0
         # every batch's slab: 100 rows of 64 bytes and 100 int64 tags, aligned
         assert s["bytes"] % 200 == 0 and 7200 <= s["bytes"] // 200 <= 7200 + 128, s
         assert s["bytes"] == inline_stats["bytes"]  # the same batches, without workers
@@ -53,8 +53,11 @@ def test_counts_bytes_and_pool_per_epoch():
         assert 0 < s["loop_wait_seconds"] <= s["seconds"]
         assert s["loop_wait_share"] == pytest.approx(s["loop_wait_seconds"] / s["seconds"])
         assert s["bytes_per_second"] == pytest.approx(s["bytes"] / s["seconds"])
-        for share in ("workers_busy_share", "collator_busy_share"):
+        for share in ("workers_busy_share", "batcher_busy_share"):
             assert 0.0 <= s[share] <= 1.0, s
+        # the batcher's figures under the process's former name, for code that reads them
+        assert s["collator_busy_share"] == s["batcher_busy_share"]
+        assert s["samples_written_by_collator"] == s["samples_written_by_batcher"] == 0
         assert s["workers"] == 2
         assert s["summary"].startswith(f"epoch {epoch}: 200 batches, 20000 samples in ")
         assert "2 workers busy" in s["summary"] and "slab pool peak" in s["summary"]
@@ -94,7 +97,7 @@ def test_slow_step_shows_idle_workers_and_a_loop_that_never_waits():
     assert s["seconds"] >= 40 * 0.02
     assert s["loop_wait_share"] < 0.3, s["summary"]
     assert s["workers_busy_share"] < 0.3, s["summary"]
-    assert s["collator_busy_share"] < 0.3, s["summary"]
+    assert s["batcher_busy_share"] < 0.3, s["summary"]
 
 
 def test_stall_warning_once_with_the_bottleneck(monkeypatch):
@@ -134,7 +137,7 @@ def test_no_stall_warning_from_the_torch_compatible_dataloader(monkeypatch):
 def _stalled(**over):
     s = {"epoch": 3, "batches": 10, "samples": 100, "seconds": 10.0, "loop_wait_seconds": 8.0,
          "loop_wait_share": 0.8, "workers": 4, "workers_busy_share": 0.5,
-         "collator_busy_share": 0.2, "samples_written_by_collator": 0,
+         "batcher_busy_share": 0.2, "samples_written_by_batcher": 0,
          "peak_slab_bytes": 1 << 20, "memory_cap_bytes": 1 << 30}
     s.update(over)
     return s
@@ -142,12 +145,12 @@ def _stalled(**over):
 
 @pytest.mark.parametrize("over, says", [
     ({"workers_busy_share": 0.97}, "4 workers were busy 97%"),
-    ({"collator_busy_share": 0.95, "samples_written_by_collator": 60},
+    ({"batcher_busy_share": 0.95, "samples_written_by_batcher": 60},
      "60 of 100 samples were written by it"),
-    # workers blocked sending to a saturated collator look busy: the collator is named
-    ({"workers_busy_share": 0.97, "collator_busy_share": 0.95, "samples_written_by_collator": 60},
+    # workers blocked sending to a saturated batcher look busy: the batcher is named
+    ({"workers_busy_share": 0.97, "batcher_busy_share": 0.95, "samples_written_by_batcher": 60},
      "60 of 100 samples were written by it"),
-    ({"collator_busy_share": 0.95}, "fewer, larger batches"),
+    ({"batcher_busy_share": 0.95}, "fewer, larger batches"),
     ({"peak_slab_bytes": 1 << 30}, "raise memory_cap_bytes"),
     ({}, "raise prefetch, or use persistent_workers=True"),
     ({"workers": 0, "workers_busy_share": None}, "num_workers=0 loads in the training process"),

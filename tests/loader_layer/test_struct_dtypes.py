@@ -15,7 +15,7 @@ import pytest
 
 import shmq
 from loader import BatchMismatch, FileDataset, ShmLoader, UnsupportedLeaf
-from loader import _layout as L
+from loader import _layout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -143,18 +143,18 @@ def test_structured_bare_and_unbatched(num_workers):
 
 def test_dtype_codes_are_exact_and_cached():
     for dt in list(DTYPES.values()) + [A, B]:
-        code = L.dtype_code(dt)
-        back = L.storage_dtype(code)
+        code = _layout.dtype_code(dt)
+        back = _layout.storage_dtype(code)
         assert back == dt and back.isalignedstruct == dt.isalignedstruct
-        assert L.storage_dtype(code) is back
-    assert L.dtype_code(np.dtype("<f4")) == "<f4"  # plain dtypes: dtype.str, as before
-    assert L.dtype_code(A) != L.dtype_code(B)
+        assert _layout.storage_dtype(code) is back
+    assert _layout.dtype_code(np.dtype("<f4")) == "<f4"  # plain dtypes: dtype.str, as before
+    assert _layout.dtype_code(A) != _layout.dtype_code(B)
     packed = np.dtype({"names": ["a", "b"], "formats": ["u1", "<f8"], "offsets": [0, 8],
                        "itemsize": 16})
     aligned = np.dtype([("a", "u1"), ("b", "<f8")], align=True)
     assert packed == aligned  # numpy's equality ignores the aligned flag; the code does not
-    assert L.storage_dtype(L.dtype_code(aligned)).isalignedstruct
-    assert not L.storage_dtype(L.dtype_code(packed)).isalignedstruct
+    assert _layout.storage_dtype(_layout.dtype_code(aligned)).isalignedstruct
+    assert not _layout.storage_dtype(_layout.dtype_code(packed)).isalignedstruct
 
 
 def test_structured_dtypes_are_never_promoted_or_cast():
@@ -164,12 +164,12 @@ def test_structured_dtypes_are_never_promoted_or_cast():
     pairs = [(A, B), (X, Y), (A, np.dtype("V12")), (np.dtype([("v", "<f8")]), np.dtype("<f8")),
              (np.dtype("<f8"), np.dtype([("v", "<f8")]))]
     for da, db in pairs:
-        sa, sb = L.signature(np.zeros(2, da)), L.signature(np.zeros(2, db))
-        assert L.promoted(sa, sb) is None, (da, db)     # ...the loader never does
-        assert not L.castable(sb, L.Layout(sa, 2)), (da, db)
-        assert str(da) in L.describe_difference(sa, sb) and str(db) in L.describe_difference(sa, sb)
+        sa, sb = _layout.signature(np.zeros(2, da)), _layout.signature(np.zeros(2, db))
+        assert _layout.promoted(sa, sb) is None, (da, db)     # ...the loader never does
+        assert not _layout.castable(sb, _layout.Layout(sa, 2)), (da, db)
+        assert str(da) in _layout.describe_difference(sa, sb) and str(db) in _layout.describe_difference(sa, sb)
     # numbers still promote as before
-    assert L.promoted(L.signature(np.zeros(2, "<i4")), L.signature(np.zeros(2, "<f4")))
+    assert _layout.promoted(_layout.signature(np.zeros(2, "<i4")), _layout.signature(np.zeros(2, "<f4")))
 
 
 def test_unusable_leaves_are_named_by_their_place_in_the_sample():
@@ -179,9 +179,9 @@ def test_unusable_leaves_are_named_by_their_place_in_the_sample():
     sample = {"x": [1, (np.zeros(2), Pair(3, np.zeros(2, "V0")))],
               "o": OrderedDict(k=np.zeros(1))}
     with pytest.raises(UnsupportedLeaf, match=r"leaf 3 \(sample\['x'\]\[1\]\[1\]\.b\)"):
-        L.signature(sample)
+        _layout.signature(sample)
     with pytest.raises(UnsupportedLeaf, match=r"leaf 0 \(the sample itself\)"):
-        L.signature(np.zeros(2, "V0"))
+        _layout.signature(np.zeros(2, "V0"))
 
 
 class Mixed:

@@ -1,5 +1,5 @@
 """worker_mode="thread" (issue 9): the same API, slabs and guarantees with
-the workers and the collator as threads of the main process."""
+the workers and the batcher as threads of the main process."""
 
 import threading
 import time
@@ -98,7 +98,7 @@ def test_threads_stop_at_close_and_streams_work():
                    shuffle_buffer=16, seed=2) as loader:
         rows = np.concatenate(list(loader)).tolist()
         assert sorted(map(tuple, rows)) == [(w, k) for w in range(3) for k in range(30)]
-        # 3 workers, the collator and its arena warm-up (NOTE [ Warming the arena ])
+        # 3 workers, the batcher and its arena warm-up (NOTE [ Warming the arena ])
         assert threading.active_count() == before + 5
     assert threading.active_count() == before
 

@@ -89,12 +89,12 @@ def test_pages_are_resident_ahead_of_the_writers():
         # the loader's own children (an earlier test's may still be exiting)
         children = [c for c in descendants(os.getpid()) if c in {p.pid for p in ld._session.procs}]
         assert len(children) == 3
-        # the collator's thread allocates the slabs in flight ahead of need,
+        # the batcher's thread allocates the slabs in flight ahead of need,
         # far more than the batches written so far
         assert wait_for(lambda: arena_allocated() >= target, 30), (arena_allocated(), target)
         # every worker populated its page tables for whole 2 MiB chunks of each
         # slab it wrote a row of: at least one slab, though it wrote only some
-        # of its rows; the collator, which writes no row, maps no page
+        # of its rows; the batcher, which writes no row, maps no page
         def rss():
             return sorted(arena_rss(pid) for pid in children)
         assert wait_for(lambda: rss()[1] >= slab, 30), (rss(), slab)  # (a worker may start late)

@@ -81,7 +81,7 @@ def test_datapipe_order_with_a_loader_generator_is_torchs():
 
 @pytest.mark.parametrize("batch_size", [2, None])
 def test_a_namedtuple_pickle_cannot_find_loads_with_two_workers(batch_size):
-    """The worker→collator messages name such a class by its identity (the
+    """The worker→batcher messages name such a class by its identity (the
     processes are forked, so it is the same object there), not by pickle."""
     got = []
     for b in DataLoader(NamedTupleDataset(), batch_size=batch_size, num_workers=2):

@@ -161,7 +161,7 @@ def test_kill_and_resume_mid_epoch_gives_every_sample_once_per_rank(ray_runs):
 def test_no_warnings_and_nothing_left_after_shutdown(ray_runs):
     """No rank saw a warning (the fork advice included: Ray's threads are
     its own); after ray.shutdown() no process of the cluster (Ray's own,
-    its workers, their loaders' workers and collators, those of killed
+    its workers, their loaders' workers and batchers, those of killed
     attempts too) is alive, and none left an entry in /dev/shm."""
     out, driver = ray_runs
     for phase in ("shards", "resume"):

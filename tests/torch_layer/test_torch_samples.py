@@ -23,7 +23,7 @@ def test_tensor_dataset_labels_are_zero_d_and_written_by_the_workers():
             assert torch.equal(torch.cat([b[1] for b in batches]), y)
             assert torch.equal(torch.cat([b[0] for b in batches]), x)
         stats = loader.stats()
-    assert stats["samples_written_by_workers"] == 64 and stats["samples_written_by_collator"] == 0
+    assert stats["samples_written_by_workers"] == 64 and stats["samples_written_by_batcher"] == 0
 
 
 def test_bfloat16_tensors_round_trip_and_numpy_output_says_what_to_do():

@@ -1,4 +1,4 @@
-"""The collator process: lays out batch slabs, publishes them for the
+"""The batcher process: lays out batch slabs, publishes them for the
 workers' direct writes, and tells main when a batch is complete.  See
 NOTE [ ShmLoader processes and shutdown ] in _protocol.py and NOTE [ Direct
 row writes ] in _table.py.  Its loop never blocks: it takes messages
@@ -12,9 +12,9 @@ import os
 import numpy as np
 
 import shmq
-from loader import _control as C
-from loader import _order as O
-from loader import _protocol as P
+from loader import _control
+from loader import _order
+from loader import _protocol
 from loader._layout import (
     CollateError,
     LayoutCache,
@@ -53,12 +53,12 @@ class _Batch:
         self.held_rows = []     # SampleRow messages waiting for memory to promote the batch
 
 
-class _Pass:
-    """One run, from the collator's side.  It lives until every worker has
+class _BatcherRun:
+    """One run, from the batcher's side.  It lives until every worker has
     said Done for it, even after main abandoned it: until then a worker may
     still write into its slabs."""
 
-    def __init__(self, run: int, control: C.Control, cfg: LoaderConfig, shared: SharedState):
+    def __init__(self, run: int, control: _control.Control, cfg: LoaderConfig, shared: SharedState):
         self.run = run
         self.control = control
         self.iterable = cfg.iterable
@@ -70,38 +70,41 @@ class _Pass:
             self.nbatches = None
             self.batches = None
         else:
-            kept = control.read(run, C.KEPT)
-            self.nbatches = control.read(run, C.NBATCHES)
+            kept = control.read(run, _control.KEPT)
+            self.nbatches = control.read(run, _control.NBATCHES)
             offsets = None
-            shipped = control.read(run, C.SHIPPED)
-            if shipped == O.SHIPPED_STREAMED:  # a streamed batch sampler's (NOTE [ Runs ])
-                _, stored = shared.read_order(run, O.OPEN_POSITIONS, O.OPEN_POSITIONS, True)
-                self.batches = O.StreamedBatches(stored, lambda: control.kept(run),
-                                                 lambda: control.nbatches(run))
-            elif control.read(run, C.OPEN):  # its length is learnt late (NOTE [ Runs ])
-                self.batches = O.OpenBatches(self.B, lambda: control.kept(run))
+            shipped = control.read(run, _control.OFFSETS)
+            if shipped == _order.OFFSETS_STREAMED:  # a streamed batch sampler's (NOTE [ Runs ])
+                open_positions = _order.OPEN_POSITIONS
+                _, stored = shared.read_order(run, open_positions, open_positions, True)
+                self.batches = _order.StreamedBatches(stored, lambda: control.kept(run),
+                                                      lambda: control.nbatches(run))
+            elif control.read(run, _control.OPEN):  # its length is learnt late (NOTE [ Runs ])
+                self.batches = _order.OpenBatches(self.B, lambda: control.kept(run))
             else:
                 if shipped:
                     _, offsets = shared.read_order(run, kept, self.nbatches, True)
-                self.batches = O.Batches(kept, self.B, offsets)
+                self.batches = _order.Batches(kept, self.B, offsets)
         self.open_ended = not self.iterable and (
-            bool(control.read(run, C.OPEN)) or control.read(run, C.SHIPPED) == O.SHIPPED_STREAMED)
+            bool(control.read(run, _control.OPEN))
+            or control.read(run, _control.OFFSETS) == _order.OFFSETS_STREAMED)
         self.open: dict[int, _Batch] = {}
-        self.lo, self.finished = 0, set()  # map-style: batches below lo, and those in `finished`, are sent
+        # map-style: batches below lo, and those in `finished`, are sent
+        self.lo, self.finished = 0, set()
         # iterable: per worker's stream, its batch numbers below low[w] are
         # all sent, and those in above[w] too (a shuffle buffer completes
         # batches out of order).  A resumed run's streams start past the
         # batches delivered before (see NOTE [ Runs ]).
         self.low = [0] * self.workers
         self.above: list[set] = [set() for _ in range(self.workers)]
-        if self.iterable and control.read(run, C.ORDER) == O.ORDER_SHIPPED:
-            words, _ = shared.read_order(run, control.read(run, C.KEPT), 0, False)
+        if self.iterable and control.read(run, _control.ORDER) == _order.ORDER_SHIPPED:
+            words, _ = shared.read_order(run, control.read(run, _control.KEPT), 0, False)
             self.low = [stream_skips(words, self.workers, w)[0] for w in range(self.workers)]
         self.given_up: dict[int, _Batch] = {}  # map-style: batches given up, entry still held
         self.expected: set[int] = set(range(self.workers))  # workers whose Done it waits for
-        self.done: dict[int, P.Done] = {}  # workers that said Done, not yet settled
+        self.done: dict[int, _protocol.Done] = {}  # workers that said Done, not yet settled
         self.settled: set[int] = set()     # workers whose batches are all sent or freed
-        self.sent = self.samples = self.rows_by_collator = self.relayouts = 0
+        self.sent = self.samples = self.rows_by_batcher = self.relayouts = 0
         self.peak_slab_bytes = 0
         self.ended = False
 
@@ -156,22 +159,22 @@ class _Pass:
         0: a slab laid out ahead that no worker may fill would keep memory
         an older run waits for."""
         # SYNC POINT: acquire load; main's store of LIMIT (Control.set_limit) pairs with it.
-        limit = shmq.atomic_load(self.control.ctl, C.word(self.run, C.LIMIT))
+        limit = shmq.atomic_load(self.control.ctl, _control.word(self.run, _control.LIMIT))
         if self.claims_batches or limit <= 0:
             return max(limit, 0)
         return self.batches.locate(min(limit, self.batches.kept) - 1)[0] + 1
 
 
-class Collator:
+class Batcher:
     def __init__(self, cfg: LoaderConfig, shared: SharedState):
         self.cfg, self.shared = cfg, shared
         self.control, self.table, self.arena = shared.control, shared.table, shared.arena
-        self.inbox, self.to_main = shared.to_collator, shared.to_main
+        self.inbox, self.to_main = shared.to_batcher, shared.to_main
         # Slabs the warm-up covers: NOTE [ Warming the arena ] in _warm.pxi
         self.slabs = SlabAllocator(shared.arena, shared.released, shared.hazards,
                                    cfg.slabs_in_flight)
         self.warmer = ArenaWarmer(shared.warm_fd, shared.arena.nbytes)
-        self.passes: dict[int, _Pass] = {}
+        self.passes: dict[int, _BatcherRun] = {}
         self.known_run = 0
         self.joined: dict[int, int] = {}  # workers added while running -> their first run
         self.taken: dict[int, tuple[int, int]] = {}   # table entry -> (run, batch) published there
@@ -180,7 +183,7 @@ class Collator:
         self.waiting: list[tuple[int, int]] = []      # (run, batch) waiting for memory or an entry
         self.told_memory_wait = False
         self.outbox: collections.deque = collections.deque()  # encoded (put_encoded)
-        self.spill = shared.spill_writer(shared.collator_region)  # NOTE [ Spilled messages ]
+        self.spill = shared.spill_writer(shared.batcher_region)  # NOTE [ Spilled messages ]
         self.early = None              # a message taken while checking whether to sleep
         self.freed = False             # memory was reclaimed while checking whether to sleep
         self.pid = os.getpid()
@@ -222,7 +225,7 @@ class Collator:
             return msg
         try:
             # get (a copy), never get_view: a message may hold arrays (a
-            # SampleRow, objects among a row's values) that the collator keeps
+            # SampleRow, objects among a row's values) that the batcher keeps
             # after the ring reuses their memory.
             return self.shared.receive(self.inbox.get(timeout=0))
         except shmq.Empty:
@@ -248,7 +251,7 @@ class Collator:
 
         self.clock.begin()
         try:
-            if not c.collator_bell.wait(ready, P.IDLE_SLICE_S):
+            if not c.batcher_bell.wait(ready, _protocol.IDLE_SLICE_S):
                 exit_if_orphaned(self.cfg.parent_pid)
         finally:
             self.clock.end()
@@ -261,7 +264,7 @@ class Collator:
         if self.spill is None:  # threads: the ring takes anything at once
             self.to_main.put(msg, timeout=0)
             return
-        if type(msg) is P.BatchReady:  # main unpickles it on every batch: the cheap form
+        if type(msg) is _protocol.BatchReady:  # main unpickles it on every batch: the cheap form
             msg = batch_ready_wire(msg)
         encoded = self.spill.encoded(msg)
         if not self.outbox:
@@ -271,7 +274,7 @@ class Collator:
             except shmq.Full:
                 pass
         self.outbox.append(encoded)
-        shmq.atomic_store(self.control.ctl, C.OUTBOX, 1)
+        shmq.atomic_store(self.control.ctl, _control.OUTBOX, 1)
 
     def _flush_outbox(self) -> bool:
         """Move what the ring takes; True if something moved."""
@@ -284,14 +287,14 @@ class Collator:
             self.outbox.popleft()
             moved = True
         if moved:
-            shmq.atomic_store(self.control.ctl, C.OUTBOX, 0)
+            shmq.atomic_store(self.control.ctl, _control.OUTBOX, 0)
         return moved
 
     def _fail(self, exc: BaseException, note: str, *, run: int, batch: int | None,
               pos: int | None) -> None:
-        self._send(P.Failed(run=run, batch=batch if self.cfg.in_order else None, pos=pos,
-                            index=None, worker=None, pid=self.pid,
-                            error=P.ErrorReport.of(exc, note)))
+        self._send(_protocol.Failed(run=run, batch=batch if self.cfg.in_order else None, pos=pos,
+                                    index=None, worker=None, pid=self.pid,
+                                    error=_protocol.ErrorReport.of(exc, note)))
 
     # --- runs -----------------------------------------------------------------------
 
@@ -299,18 +302,18 @@ class Collator:
         latest = self.control.latest_run()
         while self.known_run < latest:
             self.known_run += 1
-            p = self.passes[self.known_run] = _Pass(self.known_run, self.control, self.cfg,
-                                                    self.shared)
+            p = self.passes[self.known_run] = _BatcherRun(self.known_run, self.control, self.cfg,
+                                                          self.shared)
             p.expected |= {w for w, first in self.joined.items() if first <= p.run}
-            self.tracer.record(RUN, now(), 0, p.run, self.control.read(p.run, C.EPOCH))
+            self.tracer.record(RUN, now(), 0, p.run, self.control.read(p.run, _control.EPOCH))
             self._publish_ahead(p)
 
-    def _pass(self, run: int) -> _Pass:
+    def _pass(self, run: int) -> _BatcherRun:
         if run > self.known_run:
             self._look_at_runs()  # a worker saw the run before we did
         return self.passes[run]   # a run's messages all come before its workers' Done
 
-    def _settle(self, p: _Pass) -> None:
+    def _settle(self, p: _BatcherRun) -> None:
         """Act on the Done messages of workers whose batches no longer wait
         for anything (memory, a table entry): iterable runs send or free
         each such worker's last batches; once every worker is settled,
@@ -332,13 +335,13 @@ class Collator:
         if p.settled >= p.expected and not p.ended:
             self._end_pass(p)
 
-    def _end_stream(self, p: _Pass, w: int, done: P.Done, mine: list) -> None:
+    def _end_stream(self, p: _BatcherRun, w: int, done: _protocol.Done, mine: list) -> None:
         """Worker w's stream of an iterable run ended: send its short last
         batch, or close up the holes of a shuffle buffer's last batches
         (unless drop_last), free what it will never fill, and tell main
         which of its batches there are."""
         mine = sorted(mine, key=lambda b: b.index)
-        if done.last_batch == P.HOLES_TO_CLOSE:
+        if done.last_batch == _protocol.HOLES_TO_CLOSE:
             self._close_up(p, mine)
             mine = [b for b in mine if b.index in p.open]
         for b in mine:
@@ -349,9 +352,9 @@ class Collator:
             else:
                 self._drop(p, b)
         end, dropped = p.stream_end(w)
-        self._send(P.StreamEnded(p.run, w, end, dropped))
+        self._send(_protocol.StreamEnded(p.run, w, end, dropped))
 
-    def _close_up(self, p: _Pass, batches: list) -> None:
+    def _close_up(self, p: _BatcherRun, batches: list) -> None:
         """A shuffle buffer's last batches of one stream have rows here and
         there (holes are tagged -1): move their rows to the front, batch by
         batch in order, among batches of the same layout, and send the full
@@ -389,7 +392,7 @@ class Collator:
     def _values_complete(self, b: _Batch, rows: int) -> bool:
         return not b.layout.value_leaves or all(r in b.values for r in range(rows))
 
-    def _drop(self, p: _Pass, b: _Batch) -> None:
+    def _drop(self, p: _BatcherRun, b: _Batch) -> None:
         """A batch that will not be sent: no worker writes into it any more."""
         del p.open[b.index]
         self._unpublish(p, b)
@@ -397,7 +400,7 @@ class Collator:
         if b.slab is not None:
             self.slabs.release(b.slab.lease)
 
-    def _end_pass(self, p: _Pass) -> None:
+    def _end_pass(self, p: _BatcherRun) -> None:
         """Every worker is done: in first-ready mode send what is left of a
         partial batch (rows fill in arrival order, so the counted rows are
         a complete prefix; it is short when samples failed), free the
@@ -418,13 +421,13 @@ class Collator:
         self.waiting = [(r, i) for r, i in self.waiting if r != p.run]
         del self.passes[p.run]
         self.tracer.run_ended(p.run, self.laid_out)
-        self._send(P.RunEnded(run=p.run, batches=p.sent, samples=p.samples,
-                              rows_by_collator=p.rows_by_collator, relayouts=p.relayouts,
-                              peak_slab_bytes=p.peak_slab_bytes))
+        self._send(_protocol.RunEnded(run=p.run, batches=p.sent, samples=p.samples,
+                                      rows_by_batcher=p.rows_by_batcher, relayouts=p.relayouts,
+                                      peak_slab_bytes=p.peak_slab_bytes))
 
     # --- layouts, slabs and the table --------------------------------------------------
 
-    def _allocate(self, p: _Pass, b: _Batch, nbytes: int) -> Slab | None:
+    def _allocate(self, p: _BatcherRun, b: _Batch, nbytes: int) -> Slab | None:
         """A slab, or None: then (run, batch) waits in self.waiting.  A
         batch larger than the whole arena is refused at once."""
         nbytes = slab_bytes(nbytes)
@@ -440,11 +443,11 @@ class Collator:
                 self.waiting.append((p.run, b.index))
             # A level, not only the message: main may hand out the batch
             # that holds the memory only after it saw MemoryWait.
-            shmq.atomic_store(self.control.ctl, C.MEMORY_WAIT, 1)
+            shmq.atomic_store(self.control.ctl, _control.MEMORY_WAIT, 1)
             if not self.told_memory_wait:
                 self.told_memory_wait = True
-                self._send(P.MemoryWait(self.slabs.held_bytes, self.slabs.capacity,
-                                        len(self.slabs.live), nbytes))
+                self._send(_protocol.MemoryWait(self.slabs.held_bytes, self.slabs.capacity,
+                                                len(self.slabs.live), nbytes))
         return slab
 
     def _take_slab(self, nbytes: int) -> Slab | None:
@@ -471,9 +474,9 @@ class Collator:
             for msg in held:
                 self._sample_row(p, msg)
         if not self.waiting:
-            shmq.atomic_store(self.control.ctl, C.MEMORY_WAIT, 0)
+            shmq.atomic_store(self.control.ctl, _control.MEMORY_WAIT, 0)
 
-    def _entry_free(self, p: _Pass, b: _Batch) -> bool:
+    def _entry_free(self, p: _BatcherRun, b: _Batch) -> bool:
         entry = self.table.entry(p.run, b.index)
         owner = self.taken.get(entry)
         if owner is not None and owner != (p.run, b.index):
@@ -484,7 +487,7 @@ class Collator:
                 owner = None
         return owner is None or owner == (p.run, b.index)
 
-    def _give_up(self, p: _Pass, index: int) -> None:
+    def _give_up(self, p: _BatcherRun, index: int) -> None:
         """A map-style run's batch that will never be sent (a sample of it
         failed, or it cannot be collated): it counts as finished, so the
         FINISHED word passes it and workers drop its rows; its entry and
@@ -504,11 +507,11 @@ class Collator:
         p.finished.add(index)
         self._advance(p)
 
-    def _drop_given_up(self, p: _Pass, b: _Batch) -> None:
+    def _drop_given_up(self, p: _BatcherRun, b: _Batch) -> None:
         self._unpublish(p, b)
         self.slabs.retire(b.slab.lease)  # a worker may be inside it: freed once no hazard names it
 
-    def _advance(self, p: _Pass) -> None:
+    def _advance(self, p: _BatcherRun) -> None:
         """Move the run's finished prefix, and tell the workers (FINISHED)."""
         moved = False
         while p.lo in p.finished:
@@ -516,10 +519,11 @@ class Collator:
             p.lo += 1
             moved = True
         if moved:
-            shmq.atomic_store(self.control.ctl, C.word(p.run, C.FINISHED), p.lo)  # SYNC POINT
+            finished = _control.word(p.run, _control.FINISHED)
+            shmq.atomic_store(self.control.ctl, finished, p.lo)  # SYNC POINT
             self.control.table_bell.ring()  # workers waiting for a batch given up
 
-    def _lay_out(self, p: _Pass, b: _Batch, sig, provisional: bool = False) -> bool:
+    def _lay_out(self, p: _BatcherRun, b: _Batch, sig, provisional: bool = False) -> bool:
         """Give b a slab with sig's layout and publish it (first layout, or
         a provisional one replaced).  False if it must wait for memory or
         for its table entry."""
@@ -552,7 +556,7 @@ class Collator:
         self._publish(p, b)
         return True
 
-    def _publish(self, p: _Pass, b: _Batch, count: int = 0) -> None:
+    def _publish(self, p: _BatcherRun, b: _Batch, count: int = 0) -> None:
         flags = (CONFIRMED if b.confirmed else 0) | (REFUSED if b.refused else 0)
         self.table.publish(p.run, b.index, b.slab.offset, b.slab.token, b.layout, b.version, flags,
                            count)
@@ -561,14 +565,14 @@ class Collator:
         self.tracer.batch_laid_out(p.run, b.index, self.laid_out)
         self.control.table_bell.ring()
 
-    def _unpublish(self, p: _Pass, b: _Batch) -> None:
+    def _unpublish(self, p: _BatcherRun, b: _Batch) -> None:
         if b.published:
             self.table.unpublish(p.run, b.index)
             del self.taken[self.table.entry(p.run, b.index)]
             b.published = False
             self.control.table_bell.ring()
 
-    def _publish_ahead(self, p: _Pass) -> None:
+    def _publish_ahead(self, p: _BatcherRun) -> None:
         """Lay out the next batches with the latest layout, so workers can
         write their rows without asking (NOTE [ Direct row writes ])."""
         if self.guess is None or p.ended or any(r < p.run for r, _ in self.waiting):
@@ -598,13 +602,13 @@ class Collator:
 
     def _handle(self, msg) -> None:
         kind = type(msg)
-        if kind is P.Failed:
+        if kind is _protocol.Failed:
             self._send(msg)
             p = self.passes.get(msg.run)
             if p is not None and msg.batch is not None and not p.iterable:
                 self._give_up(p, msg.batch)  # main raises its error and goes on
             return
-        if kind is P.Joined:  # num_workers="auto" added a worker: its Done counts too
+        if kind is _protocol.Joined:  # num_workers="auto" added a worker: its Done counts too
             self._look_at_runs()
             self.joined[msg.worker] = msg.first_run
             for q in self.passes.values():
@@ -614,31 +618,31 @@ class Collator:
         if msg.run <= self.known_run and msg.run not in self.passes:
             # a run that ended before a worker added late said Done for it,
             # or a row's values arriving after the run ended
-            if kind is P.RowValues:
+            if kind is _protocol.RowValues:
                 self.shared.free_values(msg.values)
             return
         p = self._pass(msg.run)
-        if kind is P.Done:
+        if kind is _protocol.Done:
             p.done[msg.worker] = msg
             self._settle(p)
             return
         try:
-            if kind is P.RowValues:
+            if kind is _protocol.RowValues:
                 self._row_values(p, msg)
-            elif kind is P.Filled:
+            elif kind is _protocol.Filled:
                 b = p.open.get(msg.batch)
                 if b is not None:
                     b.counted = True
                     self._finish_if_complete(p, b)
-            elif kind is P.LayoutRequest:
+            elif kind is _protocol.LayoutRequest:
                 self._layout_request(p, msg)
-            elif kind is P.SampleRow:
+            elif kind is _protocol.SampleRow:
                 self._sample_row(p, msg)
         except Exception as e:
-            self._fail(e, f"in the collator, handling {kind.__name__}", run=p.run,
+            self._fail(e, f"in the batcher, handling {kind.__name__}", run=p.run,
                        batch=msg.batch, pos=getattr(msg, "pos", None))
 
-    def _layout_request(self, p: _Pass, m: P.LayoutRequest) -> None:
+    def _layout_request(self, p: _BatcherRun, m: _protocol.LayoutRequest) -> None:
         b = p.open.get(m.batch)
         if b is None:
             if m.batch < p.lo or m.batch in p.finished or p.ended:  # sent or given up
@@ -651,11 +655,11 @@ class Collator:
                 b.wanted = m.signature
                 self._lay_out(p, b, m.signature)
             return
-        if m.version == P.NO_VERSION or m.version != b.version or b.confirmed:
+        if m.version == _protocol.NO_VERSION or m.version != b.version or b.confirmed:
             return  # the entry changed since the worker looked: it looks again
         self._lay_out(p, b, m.signature)
 
-    def _row_values(self, p: _Pass, m: P.RowValues) -> None:
+    def _row_values(self, p: _BatcherRun, m: _protocol.RowValues) -> None:
         b = p.open.get(m.batch)
         if b is None or b.layout is None or m.values_key != b.layout.values_key:
             # given up, or written into a layout replaced since (its writer
@@ -672,7 +676,7 @@ class Collator:
         for r in [r for r in b.values if r >= keep]:
             self.shared.free_values(b.values.pop(r))
 
-    def _sample_row(self, p: _Pass, m: P.SampleRow) -> None:
+    def _sample_row(self, p: _BatcherRun, m: _protocol.SampleRow) -> None:
         """A sample whose batch's confirmed layout differs: write it with a
         safe cast, promote the batch's dtypes, or refuse the batch."""
         b = p.open.get(m.batch)
@@ -695,12 +699,12 @@ class Collator:
         if b.layout.value_leaves:
             self.shared.free_values(b.values.get(m.row))
             b.values[m.row] = values
-        p.rows_by_collator += 1
+        p.rows_by_batcher += 1
         if self.table.count(p.run, b.index, b.version) == b.rows:
             b.counted = True
         self._finish_if_complete(p, b)
 
-    def _promote(self, p: _Pass, b: _Batch, sig) -> bool:
+    def _promote(self, p: _BatcherRun, b: _Batch, sig) -> bool:
         """Lay b out again with wider dtypes, copying the rows counted so
         far (safe casts).  Workers still writing the old layout fail to count
         and send their samples whole.  False if it must wait for memory."""
@@ -723,7 +727,7 @@ class Collator:
         self._publish(p, b, counted)
         return True
 
-    def _refuse(self, p: _Pass, b: _Batch, pos: int | None, exc: BaseException) -> None:
+    def _refuse(self, p: _BatcherRun, b: _Batch, pos: int | None, exc: BaseException) -> None:
         """The batch cannot be made: every worker drops its row, and main
         raises when it reaches it (then goes on with the next batch)."""
         if b.refused:
@@ -732,27 +736,27 @@ class Collator:
         if b.published:
             self.table.add_flags(p.run, b.index, REFUSED)
             self.control.table_bell.ring()
-        self._fail(exc, "in the collator", run=p.run, batch=b.index, pos=pos)
+        self._fail(exc, "in the batcher", run=p.run, batch=b.index, pos=pos)
         if not p.iterable:
             self._give_up(p, b.index)
 
-    def _finish_if_complete(self, p: _Pass, b: _Batch) -> None:
+    def _finish_if_complete(self, p: _BatcherRun, b: _Batch) -> None:
         """Complete: every row counted and, where rows carry non-numeric
         leaves, every row's values seen (a worker sends them before it
-        counts its row, but a row the collator wrote may complete the count
+        counts its row, but a row the batcher wrote may complete the count
         while another row's values are still behind in the ring)."""
         if b.counted and not b.refused and (not b.layout.value_leaves or len(b.values) == b.rows):
             self._finish(p, b, b.rows)
 
-    def _finish(self, p: _Pass, b: _Batch, rows: int) -> None:
+    def _finish(self, p: _BatcherRun, b: _Batch, rows: int) -> None:
         del p.open[b.index]
         self._unpublish(p, b)
         self.guess = b.layout.signature
         spec = b.layout.spec(rows, b.values)
         self._forget_values(b, keep=rows)  # (main frees the rows' blocks it opens)
         b.values = {}
-        self._send(P.BatchReady(run=p.run, batch=b.index, slab=b.slab, spec=spec,
-                                tags=b.layout.tags_offset, rows=rows))
+        self._send(_protocol.BatchReady(run=p.run, batch=b.index, slab=b.slab, spec=spec,
+                                        tags=b.layout.tags_offset, rows=rows))
         self.tracer.batch_sent(p.run, b.index, rows, self.laid_out)
         p.sent += 1
         p.samples += rows if b.batched else 1
@@ -769,11 +773,11 @@ class Collator:
                 self._publish_ahead(q)  # the next epoch's run, started ahead
 
 
-def collator_main(cfg: LoaderConfig, shared: SharedState) -> None:
-    collator = Collator(cfg, shared)
+def batcher_main(cfg: LoaderConfig, shared: SharedState) -> None:
+    batcher = Batcher(cfg, shared)
     try:
-        collator.run()
+        batcher.run()
     finally:
-        collator.warmer.stop()
-    shared.to_collator.close()
+        batcher.warmer.stop()
+    shared.to_batcher.close()
     shared.to_main.close()

@@ -1,0 +1,93 @@
+"""plan_run() on its own: a run's order, positions, batches and units,
+decided from PlanRules without a process or shared memory (_planning.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loader import _order
+from loader._planning import PlanRules, order_of, plan_run, settled_plan
+from loader._sampler_feed import BatchFeed, SamplerFeed
+
+
+def rules(n=10, **kw) -> PlanRules:
+    base = dict(iterable=False, num_workers=2, batch_size=4, drop_last=False, per_batch=False,
+                claims_batches=False, sampler=None, batch_sampler=None, sampler_name=None,
+                shuffle=False, generator=None, seed=7, torch_rules=False, rank=0, world=1,
+                dataset_len=lambda: n)
+    base.update(kw)
+    return PlanRules(**base)
+
+
+def plan(r: PlanRules, resume=None):
+    return plan_run(r, epoch=3, resume=resume, base_seed=11, rng={})
+
+
+def test_a_range_order_of_ten_in_batches_of_four():
+    p = plan(rules(10))
+    assert (p.order_kind, p.size, p.kept, p.nbatches, p.units) == (_order.ORDER_RANGE, 10, 10, 3,
+                                                                  10)
+    assert (p.epoch, p.base_seed, p.shipped, p.feed) == (3, 11, None, None)
+    assert [_order.index_getter(order_of(p, 0, 1))(i) for i in range(10)] == list(range(10))
+
+
+def test_drop_last_and_whole_batch_claims():
+    p = plan(rules(10, drop_last=True, claims_batches=True, per_batch=True))
+    assert (p.kept, p.nbatches, p.units, p.claims_batches) == (8, 2, 2, True)
+
+
+def test_a_seeded_shuffle_is_computed_and_sharded_by_formula():
+    shares = []
+    for rank in range(3):
+        p = plan(rules(1001, shuffle=True, rank=rank, world=3, batch_size=None))
+        assert p.order_kind == _order.ORDER_PERMUTATION and p.shipped is None
+        assert p.order_seed == _order.order_seed_word(7) and p.kept == p.nbatches
+        get = _order.index_getter(order_of(p, rank, 3))
+        shares.append([get(i) for i in range(p.kept)])
+    assert [len(s) for s in shares] == [334] * 3  # equal shares, padded as torch pads
+    joined = [i for s in shares for i in s]
+    assert set(joined) == set(range(1001)) and len(joined) == 1002
+
+
+def test_a_sized_int_sampler_streams_and_a_list_of_keys_is_drawn_whole():
+    p = plan(rules(sampler=[5, 3, 9, 1, 0]))
+    assert isinstance(p.feed, SamplerFeed) and p.shipped is None
+    assert (p.order_kind, p.kept, p.nbatches) == (_order.ORDER_SHIPPED, 5, 2)
+    keys = plan(rules(sampler=[("a", 1), ("b", 2), ("c", 3)]))
+    assert keys.order_kind == _order.ORDER_OBJECTS and keys.shipped == [("a", 1), ("b", 2),
+                                                                        ("c", 3)]
+
+
+def test_a_sampler_without_len_is_open_until_it_ends():
+    class NoLen:
+        def __iter__(self):
+            return iter(range(9))
+
+    r = rules(sampler=NoLen())
+    p = plan(r)
+    assert p.kept == _order.OPEN_POSITIONS and isinstance(p.feed, SamplerFeed)
+    assert settled_plan(p, r) is None  # nothing pulled yet
+    p.feed.feed(p.kept)  # pulled to its end
+    settled = settled_plan(p, r)
+    assert (settled.kept, settled.nbatches, settled.units) == (9, 3, 9)
+
+
+def test_a_batch_sampler_streams_its_batches():
+    p = plan(rules(batch_size=1, batch_sampler=[[4, 2], [7], [1, 3, 5]]))
+    assert isinstance(p.feed, BatchFeed) and p.kept == _order.OPEN_POSITIONS
+    drawn = plan(rules(batch_size=1, batch_sampler=[[4, 2], [7], [1, 3, 5]], torch_rules=True))
+    assert drawn.shipped.tolist() == [4, 2, 7, 1, 3, 5]
+    assert drawn.offsets.tolist() == [0, 2, 3, 6] and drawn.nbatches == 3
+
+
+def test_a_run_past_the_cursor_width_is_refused_with_the_remedy():
+    with pytest.raises(ValueError, match="pass a larger batch_size with a collate_fn"):
+        plan(rules(1 << 33, batch_size=None))
+
+
+def test_an_iterable_datasets_run_is_one_stream_per_worker():
+    p = plan(rules(iterable=True, num_workers=3))
+    assert (p.size, p.kept, p.units, p.nbatches, p.order_kind) == (-1, -1, -1, -1,
+                                                                  _order.ORDER_RANGE)
+    assert np.array_equal(np.asarray(p.progress.first_batches()), np.zeros(3))
