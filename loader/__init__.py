@@ -18,7 +18,7 @@ One word per thing, in code, comments, messages and docs:
 - run: one pass over the data as the processes carry it out: an epoch,
   or what is left of one after load_state_dict.  Runs have ids never
   reused in a loader's life; two can be live (the next epoch's, started
-  ahead).  NOTE [ Runs ] in _control.py.
+  ahead).  NOTE [ Runs ] in _control.py; main's book of them: _runs.py.
 - plan: what main decided about a run before starting it: the order,
   how positions fall into batches, what the workers claim (_planning.py).
 - position: a place in a run's order; index: what dataset[...] gets at

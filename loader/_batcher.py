@@ -28,7 +28,7 @@ from loader._slabs import Slab, SlabAllocator, slab_bytes
 from loader._stats import WaitClock
 from loader._progress import stream_skips
 from loader._table import CONFIRMED, REFUSED, count_of
-from loader._trace import POOL, ROLE_COLLATOR, RUN, now, tracer_of
+from loader._trace import POOL, ROLE_BATCHER, RUN, now, tracer_of
 from loader._warmup import ArenaWarmer
 from loader._worker import exit_if_orphaned
 
@@ -188,7 +188,7 @@ class Batcher:
         self.freed = False             # memory was reclaimed while checking whether to sleep
         self.pid = os.getpid()
         self.clock = WaitClock(shared.waited, len(shared.waited) - 1)  # NOTE [ Wait clocks ]
-        self.tracer = tracer_of(cfg.trace, ROLE_COLLATOR)  # NOTE [ Trace records ]
+        self.tracer = tracer_of(cfg.trace, ROLE_BATCHER)  # NOTE [ Trace records ]
         self.laid_out: dict = {}  # (run, batch) -> when first published, for the trace
 
     # --- loop ---------------------------------------------------------------------
@@ -366,21 +366,8 @@ class Batcher:
                 groups.setdefault(b.layout.digest, []).append(b)
         for group in groups.values():
             layout = group[0].layout
-            slabs = [self.arena[b.slab.offset:b.slab.offset + layout.nbytes] for b in group]
-            views = [layout.views(s) for s in slabs]
-            tags = [layout.tags(s) for s in slabs]
-            sources = [(k, r) for k, t in enumerate(tags) for r in np.flatnonzero(t >= 0)]
-            for i, (k, r) in enumerate(sources):  # target i is never a source not yet moved
-                tk, tr = divmod(i, layout.rows)
-                if (tk, tr) == (k, r):
-                    continue
-                for dst, src in zip(views[tk], views[k]):
-                    if dst is not None:
-                        dst[tr] = src[r]
-                tags[tk][tr] = tags[k][r]
-                if layout.value_leaves and r in group[k].values:
-                    group[tk].values[tr] = group[k].values.pop(r)
-            full, short = divmod(len(sources), layout.rows)
+            rows = self._pack_rows(group)
+            full, short = divmod(rows, layout.rows)
             for k, b in enumerate(group):
                 if k < full:
                     self._finish(p, b, layout.rows)
@@ -388,6 +375,26 @@ class Batcher:
                     self._finish(p, b, short)
                 else:
                     self._drop(p, b)
+
+    def _pack_rows(self, group: list) -> int:
+        """Move the rows of a group of batches of one layout to the front,
+        in order (_close_up); returns how many rows there are."""
+        layout = group[0].layout
+        slabs = [self.arena[b.slab.offset:b.slab.offset + layout.nbytes] for b in group]
+        views = [layout.views(s) for s in slabs]
+        tags = [layout.tags(s) for s in slabs]
+        sources = [(k, r) for k, t in enumerate(tags) for r in np.flatnonzero(t >= 0)]
+        for i, (k, r) in enumerate(sources):  # target i is never a source not yet moved
+            tk, tr = divmod(i, layout.rows)
+            if (tk, tr) == (k, r):
+                continue
+            for dst, src in zip(views[tk], views[k]):
+                if dst is not None:
+                    dst[tr] = src[r]
+            tags[tk][tr] = tags[k][r]
+            if layout.value_leaves and r in group[k].values:
+                group[tk].values[tr] = group[k].values.pop(r)
+        return len(sources)
 
     def _values_complete(self, b: _Batch, rows: int) -> bool:
         return not b.layout.value_leaves or all(r in b.values for r in range(rows))

@@ -6,7 +6,7 @@ next() goes on with the following batch, as PyTorch's DataLoader does.
 Dropping an iterator before its end (break, del, garbage collection)
 ends its run; see NOTE [ Runs ] in _control.py.
 
-An epoch talks to its loader only through an EpochHost (_loader.py): the
+An epoch talks to its loader only through an EpochHost (_runs.py): the
 handful of things it asks of it are that class's methods, and nothing
 else of the loader is read here.
 """

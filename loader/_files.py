@@ -217,24 +217,7 @@ def match_files(pattern: str) -> Matched:
         if not pending:
             pending.append(links.pop(0))
         path, states, depth = pending.pop()
-        try:
-            st = os.stat(path or os.curdir)
-        except OSError:
-            continue  # removed meanwhile, or a dangling link
-        if (st.st_dev, st.st_ino) in seen:
-            continue
-        seen.add((st.st_dev, st.st_ino))
-        if depth >= MAX_DEPTH:
-            too_deep.append(path)
-            continue
-        try:
-            with os.scandir(path or os.curdir) as entries:
-                entries = list(entries)
-        except PermissionError:
-            unreadable.append(path)
-            continue
-        except OSError:
-            continue  # removed meanwhile, or not a directory any more
+        entries = _enter(path, depth, seen, unreadable, too_deep)
         for entry in entries:
             after = _step(parts, states, entry.name)
             if not after:
@@ -245,6 +228,30 @@ def match_files(pattern: str) -> Matched:
             if any(i < n for i in after) and _is_dir(entry):
                 (links if entry.is_symlink() else pending).append((child, after, depth + 1))
     return Matched(sorted(found), sorted(unreadable), sorted(too_deep))
+
+
+def _enter(path: str, depth: int, seen: set, unreadable: list, too_deep: list) -> list:
+    """The entries of directory `path`, if it is entered now: not one
+    already entered (by its device and inode), not past MAX_DEPTH (noted in
+    too_deep) and readable (else noted in unreadable); else none."""
+    try:
+        st = os.stat(path or os.curdir)
+    except OSError:
+        return []  # removed meanwhile, or a dangling link
+    if (st.st_dev, st.st_ino) in seen:
+        return []
+    seen.add((st.st_dev, st.st_ino))
+    if depth >= MAX_DEPTH:
+        too_deep.append(path)
+        return []
+    try:
+        with os.scandir(path or os.curdir) as entries:
+            return list(entries)
+    except PermissionError:
+        unreadable.append(path)
+    except OSError:
+        pass  # removed meanwhile, or not a directory any more
+    return []
 
 
 def _is_dir(entry) -> bool:

@@ -5,13 +5,10 @@ shutdown ] in _protocol.py for the processes and how they stop, and NOTE
 from __future__ import annotations
 
 import atexit
-import collections
 import os
 import sys
-import time
 import warnings
 import weakref
-from typing import NamedTuple
 
 import numpy as np
 
@@ -25,18 +22,19 @@ from loader._errors import LoaderTimeout, WorkerError
 from loader._frozen_state import FrozenState
 from loader._epoch_snapshot import EpochInfo
 from loader._inline import InlineEpoch
-from loader._layout import Materializer
+from loader._materialize import Materializer
 from loader._native import derived_seeds
 from loader._pinning import cuda_available
 from loader._procs import LoaderStartError, this_pid
-from loader._planning import Plan, PlanRules, offsets_word, order_of, plan_run, settled_plan
+from loader._planning import Plan, PlanRules, plan_run
+from loader._runs import EpochHost, Runs
 from loader._progress import STATE_FORMAT, MapProgress
-from loader._sampler_feed import BatchFeed, sampler_length
+from loader._sampler_feed import sampler_length
 from loader._session import Session
 from loader._shared import LoaderConfig
 from loader._state import Expected, check_state
 from loader._stats import EpochClock, stall_advice, summary_line, warn_stalled
-from loader._trace import EPOCH, ROLE_MAIN, TraceLog, tracer_of
+from loader._trace import ROLE_MAIN, TraceLog, tracer_of
 
 __all__ = ["ShmLoader", "WorkerError", "LoaderTimeout", "LoaderStartError"]
 
@@ -54,12 +52,6 @@ class _KeyErrorMessage(str):
 
     def __repr__(self):
         return self
-
-
-class _Run(NamedTuple):
-    id: int
-    plan: Plan
-    batches: _order.Batches | None  # None for an iterable dataset
 
 
 def distributed_rank() -> tuple[int, int]:
@@ -161,11 +153,7 @@ class ShmLoader(FrozenState):
         self._tracer = tracer_of(self._trace, ROLE_MAIN)
         self._torch_rules = False  # DataLoader: torch's seeding and collate structure
         self._epoch = 0          # epochs started by iter(): they pick the order and the seeds
-        self._runs = 0           # runs started (see NOTE [ Runs ])
-        self._current = None     # the run of the latest iter()
-        self._ahead = None       # the next epoch's run, started before its iter()
-        self._inboxes: dict[int, collections.deque] = {}  # messages of the runs main reads
-        self._unended: set[int] = set()                     # runs whose RunEnded has not come
+        self._runs = Runs(self)  # NOTE [ Runs ]
         self._owner_pid = os.getpid()
         self._session = None     # the processes and shared memory, once started (_session.py)
         self._autoscaler = None  # num_workers="auto": its decisions (_autoscale.py)
@@ -301,13 +289,15 @@ class ShmLoader(FrozenState):
             shuffle_buffer=self.shuffle_buffer, trace=self._trace)
         self._session = Session(cfg, timeout=self.timeout, torch_rules=self._torch_rules,
                                 pin_memory=self.pin_memory)
+        self._runs.session = self._session
         if self.auto:
             self._session.shared.control.set_active(self.num_workers)
             self._autoscaler = Autoscaler(self, self.num_workers, self.max_workers)
 
     def _set_active_workers(self, active: int) -> None:
         """num_workers="auto": let `active` workers claim units (_autoscale.py)."""
-        first_run = self._current.id if self._current is not None else max(self._runs, 1)
+        runs = self._runs
+        first_run = runs.current.id if runs.current is not None else max(runs.count, 1)
         self.num_workers = self._session.add_workers(active, first_run)
 
     def _shutdown(self):
@@ -318,13 +308,11 @@ class ShmLoader(FrozenState):
         session = self._session
         if session is None:
             return
-        session.stop(self._runs)
+        session.stop(self._runs.count)
         moved = session.kept_moved_out()
         self._moved_out = (self._moved_out[0] + moved[0], self._moved_out[1] + moved[1])
         self._session = None
-        self._inboxes.clear()
-        self._unended.clear()
-        self._current = self._ahead = None
+        self._runs.stopped()
 
     def close(self):
         """Stop the workers and the batcher.  Batches you hold stay valid.
@@ -355,30 +343,6 @@ class ShmLoader(FrozenState):
     @property
     def _threads(self) -> bool:
         return self.worker_mode == "thread"
-
-    def _route(self, msg) -> None:
-        """File a message under its run: the runs main still reads get it;
-        a batch of a run main abandoned is released at once."""
-        kind = type(msg)
-        if kind is _protocol.MemoryWait:
-            # A wake-up only: every caller receives again, and _receive
-            # moves what the loop keeps out of the pool while MEMORY_WAIT is
-            # set.  (If the loop keeps nothing, the pool is full of batches
-            # loading ahead, a cap under prefetch's needs: stats() says so.)
-            return
-        if kind is _protocol.RunEnded:
-            self._unended.discard(msg.run)
-        inbox = self._inboxes.get(msg.run)
-        if inbox is not None:
-            inbox.append(msg)
-        elif kind is _protocol.BatchReady:
-            self._session.give_back(msg)
-
-    def _next_of(self, run: int, deadline):
-        inbox = self._inboxes[run]
-        while not inbox:
-            self._route(self._session.receive(deadline))
-        return inbox.popleft()
 
     # --- planning a pass ------------------------------------------------------------
 
@@ -482,100 +446,6 @@ class ShmLoader(FrozenState):
             seed=self.seed, torch_rules=self._torch_rules, rank=self._rank, world=self._world,
             dataset_len=self._dataset_len)
 
-    def _limit(self, run: _Run, yielded: int) -> int:
-        """Units workers may load once `yielded` batches were yielded: those
-        of the next `prefetch` batches.  (Iterable runs: per worker.)  A run
-        started ahead shares `prefetch` with the epoch still running: it is
-        given a negative `yielded`, minus the batches that epoch has left."""
-        if run.batches is None:  # each stream's next batches (a resumed one starts further)
-            ahead = self._session.cfg.worker_prefetch + self._session.cfg.shuffle_batches
-            return [j + ahead for j in run.plan.progress.first_batches()]
-        upto = max(min(yielded + self.prefetch, run.plan.nbatches), 0)
-        if run.plan.claims_batches:  # workers claim whole batches
-            return upto
-        return run.batches.span(upto - 1)[1] if upto > 0 else 0
-
-    def _open_limit(self, run: _Run, yielded: int) -> int:
-        """_limit(), once a streamed sampler has written the indices of
-        every position below it (NOTE [ Streamed samplers ]).  A run whose
-        sampler (without len()) ended there is settled first: its final
-        length is stored before the LIMIT that reaches it, and the run main
-        holds (_current, _ahead) is replaced by the settled one."""
-        settled, limit = self._fed_limit(run, yielded)
-        if settled is not run:
-            plan = settled.plan
-            self._session.shared.control.settle_run(run.id, plan.kept, plan.units, plan.nbatches)
-            if self._current is run:
-                self._current = settled
-            if self._ahead is run:
-                self._ahead = settled
-        return limit
-
-    def _fed_limit(self, run: _Run, yielded: int) -> tuple[_Run, int]:
-        """(the run, settled if its sampler just ended; its _limit()), the
-        indices below that limit written."""
-        feed = run.plan.feed
-        if feed is None or run.batches is None:
-            return run, self._limit(run, yielded)
-        if isinstance(feed, BatchFeed):  # its batches' offsets first: _limit reads them
-            feed.feed_batches(max(min(yielded + self.prefetch, run.plan.nbatches), 0))
-        else:
-            feed.feed(self._positions_below(run, self._limit(run, yielded)))
-        feed.release_below(run.plan.progress.run_prefix())
-        plan = settled_plan(run.plan, self._plan_rules())
-        if plan is not None:
-            run = run._replace(plan=plan, batches=plan.progress.batches)
-        return run, self._limit(run, yielded)
-
-    @staticmethod
-    def _positions_below(run: _Run, limit: int) -> int:
-        """The run positions below a LIMIT (in batches when claimed whole)."""
-        if not run.plan.claims_batches:
-            return limit
-        return run.batches.span(limit - 1)[1] if limit > 0 else 0
-
-    def _start_run(self, epoch, resume: dict | None = None, snapshot=None,
-                   yielded: int = 0) -> _Run:
-        """Start a pass over the data for `epoch` (see NOTE [ Runs ]);
-        yielded: see _limit."""
-        run_id = self._runs + 1
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        while run_id - 2 in self._unended:  # its block is about to be reused
-            self._route(self._session.receive(deadline))
-        plan = self._plan(epoch, resume, snapshot)
-        if isinstance(plan.shipped, list):
-            self._session.shared.write_objects(run_id, plan.shipped)
-        elif plan.shipped is not None:
-            self._session.shared.write_order(run_id, plan.shipped, plan.offsets)
-        elif plan.remaining is not None:
-            self._session.shared.write_order(run_id, plan.remaining.words(), None)
-        elif plan.feed is not None:
-            plan.feed.attach(self._session.shared.order_fd(run_id))
-        if plan.snapshot is not None:
-            self._session.shared.write_snapshot(run_id, plan.snapshot)
-        batches = None if self.iterable else plan.progress.batches
-        run, limit = self._fed_limit(_Run(run_id, plan, batches), yielded)
-        plan = run.plan
-        self._runs = run_id
-        self._unended.add(run_id)
-        self._inboxes[run_id] = collections.deque()
-        self._session.shared.control.start_run(
-            run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
-            plan.order_seed, offsets_word(plan), plan.base_seed, limit,
-            int(plan.snapshot is not None), int(plan.remaining is not None),
-            int(plan.feed is not None and plan.feed.open and not plan.feed.settled))
-        return run
-
-    def _end(self, run: _Run | None) -> None:
-        """Main will read no more of this run: its workers stop, and its
-        batches are released as they come."""
-        if run is None:
-            return
-        self._session.shared.control.end_run(run.id)
-        for msg in self._inboxes.pop(run.id, ()):
-            if type(msg) is _protocol.BatchReady:
-                self._session.give_back(msg)
-
     def _runs_ahead(self) -> bool:
         """Can the next epoch start before this one ends?  Not when the
         next order is the user's to make (a sampler, which may wait for
@@ -584,21 +454,6 @@ class ShmLoader(FrozenState):
         the user reseeded the generator)."""
         return (self.persistent_workers and self.sampler is None and self.batch_sampler is None
                 and not self.iterable and not self._torch_rules)
-
-    def _run_for(self, epoch, resume: dict | None) -> _Run:
-        """The run for `epoch`: the one started ahead if len(dataset) has not
-        changed since, else a new one."""
-        ahead, self._ahead = self._ahead, None
-        self._end(self._current)  # an iterator this one supersedes
-        self._current = None
-        snapshot = self._snapshot(epoch)  # the dataset as this epoch starts
-        if ahead is not None and resume is None and ahead.plan.epoch == epoch and \
-                ahead.plan.size == self._dataset_len() and ahead.plan.snapshot == snapshot:
-            self._current = ahead
-            return ahead
-        self._end(ahead)
-        self._current = self._start_run(epoch, resume, snapshot)
-        return self._current
 
     # --- iteration ----------------------------------------------------------------------
 
@@ -699,7 +554,7 @@ class ShmLoader(FrozenState):
         err = msg.error
         index = msg.index
         if index is None and msg.pos is not None:
-            index = self._index_at(msg.run, msg.pos)  # the batcher knows positions only
+            index = self._runs.index_at(msg.run, msg.pos)  # the batcher knows positions only
         if index is not None:
             at = f" on sample index {index} (position {msg.pos})"
         elif msg.batch is not None:
@@ -717,17 +572,6 @@ class ShmLoader(FrozenState):
         if not isinstance(exc, BaseException):
             raise WorkerError(text)
         raise exc
-
-    def _index_at(self, run_id: int, pos: int):
-        """The dataset index at position pos of a map-style run main still
-        has (the current one, or the one started ahead), else None."""
-        run = next((r for r in (self._current, self._ahead) if r is not None and r.id == run_id),
-                   None)
-        if run is None or run.batches is None or not 0 <= pos < run.plan.kept:
-            return None
-        if run.plan.feed is not None:
-            return run.plan.feed.index(pos)
-        return _order.index_getter(order_of(run.plan, self._rank, self._world))(pos)
 
     @property
     def _materializer(self) -> Materializer:
@@ -784,11 +628,11 @@ class ShmLoader(FrozenState):
         check_state(state, self._expected_state())  # before anything changes (_state.py)
         self._freeze_loaded(state)
         if self._session is not None:
-            self._end(self._current)
-            self._end(self._ahead)
+            self._runs.end(self._runs.current)
+            self._runs.end(self._runs.ahead)
             if state["seed"] != self.seed:
                 self._shutdown()  # the workers know the old seed: new ones start at iter()
-        self._current = self._ahead = None
+        self._runs.current = self._runs.ahead = None
         self._steps_epoch = None
         self.seed = state["seed"]
         if state["complete"]:
@@ -832,105 +676,6 @@ class ShmLoader(FrozenState):
             rng_bytes={k: len(v) for k, v in self._rng_states().items()},
             seeded_shuffle=(self.shuffle and self.generator is None and self.sampler is None
                             and self.batch_sampler is None and not self.iterable))
-
-class EpochHost:
-    """What an epoch iterator (_epoch_iter.py) may ask of its loader, and
-    nothing else: the run for its epoch, the next message of that run,
-    batches, limits, the run started ahead, and its end.  One per iter()."""
-
-    def __init__(self, loader: "ShmLoader"):
-        self._loader = loader
-        session = loader._session
-        self.in_order = loader.in_order
-        self.control = session.shared.control
-        self.tracer = loader._tracer
-        self.streams = max(loader.num_workers, 1)   # an iterable dataset's: one per worker
-        self.per_batch = session.cfg.per_batch      # a row's tag is its unit
-
-    @property
-    def wait_clocks(self):
-        """The children's wait clocks (NOTE [ Wait clocks ] in _stats.py)."""
-        return self._loader._session.shared.waited
-
-    def begin(self, epoch: int, resume: dict | None):
-        """(the run of the epoch, its progress, which state_dict() now describes)."""
-        ld = self._loader
-        run = ld._run_for(epoch, resume)
-        return run, ld._track(run.plan)
-
-    def check_current(self, epoch: int) -> None:
-        self._loader._check_current(epoch)
-
-    def raise_failed(self, msg: _protocol.Failed):
-        self._loader._raise_failed(msg)
-
-    def next_message(self, run: _Run):
-        """The run's next message, within the loader's timeout."""
-        ld = self._loader
-        deadline = None if ld.timeout is None else time.monotonic() + ld.timeout
-        scaler = ld._autoscaler
-        if scaler is None:
-            return ld._next_of(run.id, deadline)
-        t0 = time.perf_counter()  # the training loop waits for data from here (_autoscale.py)
-        try:
-            return ld._next_of(run.id, deadline)
-        finally:
-            scaler.waited_for(time.perf_counter() - t0)
-
-    def hand_out(self, msg: _protocol.BatchReady):
-        """The user's batch of msg."""
-        scaler = self._loader._autoscaler
-        if scaler is not None:
-            scaler.batch_handed_out()
-        return self._loader._session.batch(msg, self._loader._materializer)
-
-    def tags(self, msg: _protocol.BatchReady) -> np.ndarray:
-        return self._loader._session.tags(msg)
-
-    def advance(self, run: _Run, yielded: int, left: int) -> _Run:
-        """`yielded` batches of run were handed out: raise its LIMIT, and
-        that of the run started ahead, which has `left` (minus the batches
-        run has still to hand out) to share.  Returns the run, settled if
-        its sampler (without len()) just ended (NOTE [ Streamed samplers ])."""
-        ld = self._loader
-        self.control.set_limit(run.id, ld._open_limit(run, yielded))
-        current = ld._current
-        if current is not run and current is not None and current.id == run.id:
-            run = current  # settled
-        if ld._ahead is not None and current is run:
-            self.control.set_limit(ld._ahead.id, ld._open_limit(ld._ahead, left))
-        return run
-
-    def run_ahead(self, run: _Run, next_epoch: int, left: int) -> None:
-        """Every unit of run is claimed: start the next epoch's run now, if
-        the loader runs ahead and none is started (NOTE [ Runs ])."""
-        ld = self._loader
-        if ld._ahead is None and ld._runs_ahead() and run.id - 1 not in ld._unended:
-            ld._ahead = ld._start_run(next_epoch, yielded=left)
-
-    def epoch_ended(self, epoch: int, msg: _protocol.RunEnded, clock: EpochClock) -> None:
-        """The epoch ran to its end: its figures for stats() and the trace."""
-        ld = self._loader
-        ld._record_stats(epoch, msg, clock)
-        ld._tracer.record(EPOCH, clock.t0, time.perf_counter_ns(), epoch, msg.batches,
-                          msg.samples, 1)
-
-    def epoch_closed(self, epoch: int, run: _Run, *, finished: bool, pending) -> None:
-        """The iterator is done (ran to its end, or dropped early): batches
-        received but not handed out go back, the run ends unless it ran to
-        its end, and without persistent workers the processes stop."""
-        ld = self._loader
-        if ld._current is run:
-            if not finished:
-                for msg in pending:
-                    ld._session.give_back(msg)
-                ld._end(run)
-                ld._current = None
-            else:
-                ld._inboxes.pop(run.id, None)
-        if not ld.persistent_workers and ld._epoch == epoch:
-            ld._shutdown()  # (a newer iterator, already made, owns the processes)
-
 
 def _close_all():
     for loader in list(_live_loaders):

@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 import warnings
+from typing import NamedTuple
 
 from loader import _native
 
@@ -32,6 +33,18 @@ class LoaderStartError(RuntimeError):
     descriptors left...); nothing was left running."""
 
 
+class Role(NamedTuple):
+    """Who a child (process or thread) is: a worker, by its id, or the
+    batcher (worker None).  str() is how messages name it."""
+    worker: int | None = None
+
+    def __str__(self) -> str:
+        return "the batcher" if self.worker is None else f"worker {self.worker}"
+
+
+BATCHER = Role()
+
+
 class Child:
     """One forked child: its pid, a pidfd to wait on, and its report file
     (faulthandler stacks on SIGUSR1, and the traceback of an exception that
@@ -39,7 +52,7 @@ class Child:
 
     __slots__ = ("role", "pid", "pidfd", "report", "_code")
 
-    def __init__(self, role: str, pid: int, pidfd: int | None, report):
+    def __init__(self, role: Role, pid: int, pidfd: int | None, report):
         self.role, self.pid, self.pidfd, self.report = role, pid, pidfd, report
         self._code = None
 

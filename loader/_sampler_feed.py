@@ -11,7 +11,7 @@ one that never ends hang.  So a ShmLoader(sampler=...) whose first index
 is an int, and any ShmLoader(batch_sampler=...), is pulled as the run's
 LIMIT moves (NOTE [ Runs ]):
 
-  main: _open_limit(run, yielded) ─► feed the positions (batches) below the
+  main: Runs.open_limit(run, yielded) ─► feed the positions (batches) below the
         new LIMIT ─► pwrite their indices into the run's order file (sparse)
         ─► [the sampler ended: settle_run stores the final KEPT, UNITS,
         NBATCHES] ─► store LIMIT (release)

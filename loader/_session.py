@@ -8,7 +8,8 @@ view of the arena.  It starts them, receives the batcher's messages while
 watching the children, turns a BatchReady into the user's batch, and stops
 everything (NOTE [ ShmLoader processes and shutdown ] in _protocol.py).
 What a pass over the data is and which runs main reads are the loader's
-business (_loader.py, NOTE [ Runs ] in _control.py), not the session's.
+business (_runs.py, _planning.py; NOTE [ Runs ] in _control.py), not the
+session's.
 """
 
 from __future__ import annotations
@@ -26,12 +27,11 @@ from loader._batcher import batcher_main
 from loader._errors import LoaderTimeout, WorkerError
 from loader._native import LeaseBook
 from loader._pinning import PinnedChunks, cuda_available
-from loader._procs import fork_children, start_error, wait_all
+from loader._procs import BATCHER, Role, fork_children, start_error, wait_all
 from loader._shared import LoaderConfig, SharedState
 from loader._threads import start_threads
 from loader._worker import worker_main
 
-BATCHER_ROLE = "the batcher"
 
 
 class Session:
@@ -54,9 +54,9 @@ class Session:
             self.shared.close()
             raise start_error(e, "create its shared memory") from e
         try:
-            specs = [(f"worker {i}", worker_main, (cfg, self.shared, i))
+            specs = [(Role(i), worker_main, (cfg, self.shared, i))
                      for i in range(cfg.num_workers)]
-            specs.append((BATCHER_ROLE, batcher_main, (cfg, self.shared)))
+            specs.append((BATCHER, batcher_main, (cfg, self.shared)))
             self.procs = (start_threads(specs) if cfg.threads
                           else fork_children(specs, advise=not torch_rules))
         except BaseException:
@@ -70,7 +70,7 @@ class Session:
     def worker_children(self) -> list:
         """The worker processes (or threads), without the batcher
         (loader.DataLoader's iterator shows them as `_workers`)."""
-        return [c for c in self.procs if c.role != BATCHER_ROLE]
+        return [c for c in self.procs if c.role != BATCHER]
 
     def add_workers(self, active: int, first_run: int) -> int:
         """num_workers="auto": let `active` workers claim units, starting
@@ -78,7 +78,7 @@ class Session:
         Returns the number of workers the pool has now."""
         workers = self.worker_children()
         if active > len(workers):
-            specs = [(f"worker {i}", worker_main, (self.cfg, self.shared, i, first_run))
+            specs = [(Role(i), worker_main, (self.cfg, self.shared, i, first_run))
                      for i in range(len(workers), active)]
             started = start_threads(specs) if self.cfg.threads else fork_children(specs)
             self.procs[len(workers):len(workers)] = started  # before the batcher
@@ -94,7 +94,7 @@ class Session:
         words = child.last_words()
         text = f"ShmLoader: {child.role} (pid {child.pid}) {child.how_it_ended()}"
         code = child.exitcode
-        if self.torch_rules and code is not None and child.role != BATCHER_ROLE:
+        if self.torch_rules and code is not None and child.role != BATCHER:
             # torch's own words first, for code that matches them
             if code < 0:
                 torch_text = (f"DataLoader worker (pid {child.pid}) is killed by signal: "
@@ -199,7 +199,7 @@ class Session:
 
     def batch(self, msg: _protocol.BatchReady, build):
         """The user's batch: views of its slab, leased until every array of
-        it is gone; build: the loader's Materializer (_layout.py)."""
+        it is gone; build: the loader's Materializer (_materialize.py)."""
         s = msg.slab
         if self.pinned is not None:
             self.pinned.pin(s.offset, s.nbytes)

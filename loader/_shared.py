@@ -26,7 +26,7 @@ from loader._threads import ThreadRing
 # Ring capacities.  Samples never travel through a ring (NOTE [ Direct row
 # writes ]), and a large message travels in the spill heap (NOTE [ Spilled
 # messages ]): the rings carry small records only.
-TO_COLLATOR_BYTES = 8 << 20
+TO_BATCHER_BYTES = 8 << 20
 TO_MAIN_BYTES = 4 << 20
 
 
@@ -160,7 +160,7 @@ class SharedState:
             if cfg.threads:  # in one process: queues with the rings' interface
                 self.rings += [ThreadRing(), ThreadRing()]
             else:
-                self.rings.append(shmq.Queue(TO_COLLATOR_BYTES, multi_producer=True,
+                self.rings.append(shmq.Queue(TO_BATCHER_BYTES, multi_producer=True,
                                              anonymous=True))
                 self.rings.append(shmq.Queue(TO_MAIN_BYTES, anonymous=True))
         except BaseException:

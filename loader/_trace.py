@@ -60,7 +60,7 @@ WAIT = 8      # the training loop in next(): a = epoch
 EPOCH = 9     # an epoch from its first next() to its end: a = epoch, b = batches,
               # c = samples, d = 1 if it ran to its end, else 0
 
-ROLE_COLLATOR = -1
+ROLE_BATCHER = -1
 ROLE_MAIN = -2
 
 now = time.perf_counter_ns

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 
-from loader._trace import (BATCH, COLLATE, EPOCH, LOAD, NAME, POOL, ROLE_COLLATOR, ROLE_MAIN, RUN,
+from loader._trace import (BATCH, COLLATE, EPOCH, LOAD, NAME, POOL, ROLE_BATCHER, ROLE_MAIN, RUN,
                            WAIT, WRITE)
 
 EPOCHS_TID_OFFSET = 1 << 30  # the synthetic "epochs" track of main's process
@@ -31,7 +31,7 @@ EPOCHS_TID_OFFSET = 1 << 30  # the synthetic "epochs" track of main's process
 def _role_name(role: int) -> str:
     if role == ROLE_MAIN:
         return "training loop (main)"
-    if role == ROLE_COLLATOR:
+    if role == ROLE_BATCHER:
         return "batcher"
     return f"worker {role}"
 
@@ -109,7 +109,7 @@ def _metadata(whois: dict) -> list[dict]:
         # threads live in main's process
         name = ("ShmLoader main" if ROLE_MAIN in roles
                 else f"ShmLoader {_role_name(roles[0])} (pid {pid})")
-        sort = 0 if ROLE_MAIN in roles else (1 if ROLE_COLLATOR in roles else 2 + max(roles))
+        sort = 0 if ROLE_MAIN in roles else (1 if ROLE_BATCHER in roles else 2 + max(roles))
         events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": pid,
                        "args": {"sort_index": sort}})

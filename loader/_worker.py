@@ -560,16 +560,16 @@ class Worker:
         (HOLES_TO_CLOSE, 0): its last batches have holes the batcher
         closes up."""
         cfg, c, N, w = self.cfg, self.control, max(self.cfg.num_workers, 1), self.id
-        B = cfg.rows_per_batch
         epoch = c.read(run, _control.EPOCH)
         j0, done_below, done_past = 0, 0, set()   # a resumed epoch: what was delivered
         if c.read(run, _control.ORDER) == _order.ORDER_SHIPPED:
             words, _ = self.shared.read_order(run, c.read(run, _control.KEPT), 0, False)
             j0, done_below, done_past = stream_skips(words, N, w)
         slots = None if cfg.per_batch else StreamSlots(
-            j0, B, cfg.shuffle_batches, derived_seeds(cfg.seed & _U64, epoch, w + 1, 1 << 62)[0],
+            j0, cfg.rows_per_batch, cfg.shuffle_batches,
+            derived_seeds(cfg.seed & _U64, epoch, w + 1, 1 << 62)[0],
             lambda j: self._wait_for_room(run, j))
-        j, pending, seq = j0, [], 0   # per_batch: batch j's samples so far
+        batches = _StreamBatches(j0)   # per_batch: this worker's batch j's samples so far
         ended = (_protocol.NO_SHORT_BATCH, 0)
         try:
             it = iter(cfg.dataset)
@@ -577,52 +577,78 @@ class Worker:
             self.channel.failed(e, f"in iter(dataset), in worker {w}",
                                 run=run, batch=j0 * N + w if cfg.in_order else None)
             return ended
-        tracer = self.tracer
+        seq = 0
         while True:
-            if self.seeder is not None:
-                self.seeder(epoch, w + 1, seq)
-            t0 = now() if tracer is not None else 0
             try:
-                sample = next(it)
+                sample = self._next_of_stream(it, epoch, seq)
             except StopIteration:
                 break
             except Exception as e:  # the stream is over; its batches in progress are dropped
-                at = (j if slots is None else slots.current) * N + w
+                at = (batches.j if slots is None else slots.current) * N + w
                 self.channel.failed(e, f"while iterating the dataset, in worker {w}",
                                     run=run, batch=at if cfg.in_order else None)
                 return ended
             seq += 1
-            if tracer is not None:  # the stream's sample number as its position
-                tracer.record(LOAD, t0, now(), -1, seq - 1, 1, epoch)
             if seq - 1 < done_below or seq - 1 in done_past:
                 continue  # read (and seeded) as before, so the stream goes on where it was
-            if slots is None:
-                pending.append(sample)
-                if len(pending) < B:
-                    continue
-                if not self._wait_for_room(run, j) or not self._place_stream_batch(
-                        run, j, pending):
-                    return ended
-                pending, j = [], j + 1
-                continue
-            slot = slots.next()
-            if slot is None:
+            placed = (self._add_to_stream_batch(run, batches, sample) if slots is None
+                      else self._place_in_slot(run, slots, seq - 1, sample))
+            if not placed:
                 return ended
-            batch, row = slot[0] * N + w, slot[1]
-            try:
-                if self.writer.place(run, batch, row, B, seq - 1, sample) in (ENDED, DROPPED):
-                    # ended, or the batcher gave up a batch of this stream (it cannot
-                    # collate it): the stream is over for this epoch; main raises the
-                    # batch's error and goes on with the other workers' batches
-                    return ended
-            except Exception as e:  # a CollateError, or a file read failing (FileDataset)
-                self.channel.failed(e, f"in worker {w}, placing a sample in its batch",
-                                    run=run, batch=batch if cfg.in_order else None)
+        return self._stream_ended(run, slots, batches)
+
+    def _next_of_stream(self, it, epoch: int, seq: int):
+        """The stream's next sample (seeded by its number, when reproducible)."""
+        if self.seeder is not None:
+            self.seeder(epoch, self.id + 1, seq)
+        tracer = self.tracer
+        t0 = now() if tracer is not None else 0
+        sample = next(it)
+        if tracer is not None:  # the stream's sample number as its position
+            tracer.record(LOAD, t0, now(), -1, seq, 1, epoch)
+        return sample
+
+    def _add_to_stream_batch(self, run: int, batches: "_StreamBatches", sample) -> bool:
+        """per_batch: collect the sample; place the batch once it is full.
+        False: the run ended (or the batch could not be placed)."""
+        batches.pending.append(sample)
+        if len(batches.pending) < self.cfg.rows_per_batch:
+            return True
+        if not self._wait_for_room(run, batches.j) or not self._place_stream_batch(
+                run, batches.j, batches.pending):
+            return False
+        batches.pending, batches.j = [], batches.j + 1
+        return True
+
+    def _place_in_slot(self, run: int, slots: StreamSlots, pos: int, sample) -> bool:
+        """Write the sample into its row (a shuffle buffer's random one).
+        False: the stream is over for this epoch."""
+        cfg, N, w = self.cfg, max(self.cfg.num_workers, 1), self.id
+        slot = slots.next()
+        if slot is None:
+            return False
+        batch, row = slot[0] * N + w, slot[1]
+        try:
+            if self.writer.place(run, batch, row, cfg.rows_per_batch, pos, sample) in (ENDED,
+                                                                                     DROPPED):
+                # ended, or the batcher gave up a batch of this stream (it cannot
+                # collate it): the stream is over for this epoch; main raises the
+                # batch's error and goes on with the other workers' batches
+                return False
+        except Exception as e:  # a CollateError, or a file read failing (FileDataset)
+            self.channel.failed(e, f"in worker {w}, placing a sample in its batch",
+                                run=run, batch=batch if cfg.in_order else None)
+        return True
+
+    def _stream_ended(self, run: int, slots: StreamSlots | None,
+                      batches: "_StreamBatches") -> tuple:
+        """What Done says once the stream ended (see _stream_run)."""
+        cfg, N, w = self.cfg, max(self.cfg.num_workers, 1), self.id
+        ended = (_protocol.NO_SHORT_BATCH, 0)
         if slots is None:
-            if pending and not cfg.drop_last:
-                if not self._wait_for_room(run, j) or not self._place_stream_batch(run, j,
-                                                                                   pending):
-                    return ended
+            if batches.pending and not cfg.drop_last:
+                if self._wait_for_room(run, batches.j):
+                    self._place_stream_batch(run, batches.j, batches.pending)
             return ended
         written = slots.written()
         if not written:
@@ -639,6 +665,14 @@ class Worker:
 
 
 _FAILED = object()  # a collate_fn raised (and it was reported)
+
+
+class _StreamBatches:
+    """per_batch streams: the samples of this worker's batch j so far."""
+    __slots__ = ("j", "pending")
+
+    def __init__(self, j: int):
+        self.j, self.pending = j, []
 
 
 def worker_main(cfg: LoaderConfig, shared: SharedState, worker_id: int,

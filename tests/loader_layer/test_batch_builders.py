@@ -1,6 +1,6 @@
 """Main's per-batch path (issue 16, W12 main-thread CPU): a batch's arrays
 are built from a leaf plan compiled once per distinct spec (Materializer in
-_layout.py, SlabLease.arrays in _leases.pxi), and a BatchReady crosses the
+_materialize.py, SlabLease.arrays in _leases.pxi), and a BatchReady crosses the
 to_main ring in a wire form of plain tuples (batch_ready_wire in
 _shared.py).  These tests check exact contents, never speed: batches held
 across layout changes, a second iterator, kept batches moved out of the
@@ -17,7 +17,8 @@ import pytest
 
 from loader import DataLoader, ShmLoader
 from loader import _protocol
-from loader._layout import ArrayLeaf, Materializer, Spec, Value
+from loader._layout import ArrayLeaf, Spec, Value
+from loader._materialize import Materializer
 from loader._shared import batch_ready_from_wire, batch_ready_wire
 from loader._slabs import Slab
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from loader import FileDataset, ShmLoader, WorkerError
+from loader._runs import Runs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -79,7 +80,7 @@ def _indices(batches) -> list:
 @pytest.mark.parametrize("seed", [7, None], ids=["same-seed-workers-kept", "seed-from-state-restart"])
 def test_worker_sigkilled_inside_load_state_dict(seed, monkeypatch):
     """A worker dies while main is inside load_state_dict() (in its first
-    call into the running pool, _end of the current run).  With the
+    call into the running pool, Runs.end of the current run).  With the
     loader's own seed the workers are kept: load_state_dict returns at
     once and the next epoch reports the death (WorkerError naming the
     worker, its pid and SIGKILL).  A loader without a seed takes the
@@ -101,12 +102,12 @@ def test_worker_sigkilled_inside_load_state_dict(seed, monkeypatch):
         del it
     assert head == whole[:4 * k]
 
-    real_end = ShmLoader._end
+    real_end = Runs.end
     killed = []
 
     def end_and_kill(self, run):
         if not killed:
-            victim = self._session.worker_children()[0]
+            victim = self.session.worker_children()[0]
             os.kill(victim.pid, signal.SIGKILL)
             killed.append(victim.pid)
             assert _dead(victim.pid)  # dead before load_state_dict goes on
@@ -116,11 +117,11 @@ def test_worker_sigkilled_inside_load_state_dict(seed, monkeypatch):
     try:
         it = iter(loader)
         next(it)  # the pool runs, part-way through an epoch
-        monkeypatch.setattr(ShmLoader, "_end", end_and_kill)
+        monkeypatch.setattr(Runs, "end", end_and_kill)
         t0 = time.monotonic()
         loader.load_state_dict(state)
         assert time.monotonic() - t0 < 5.0
-        monkeypatch.setattr(ShmLoader, "_end", real_end)
+        monkeypatch.setattr(Runs, "end", real_end)
         assert killed
         t0 = time.monotonic()
         if seed is None:  # the state's seed: new workers

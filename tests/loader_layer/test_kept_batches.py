@@ -384,7 +384,7 @@ def test_a_child_killed_while_kept_batches_move_out(victim, monkeypatch):
 
     def move_and_kill(self, partial_only):
         if not killed and self.leases.held:  # kept batches about to move
-            child = next(c for c in self.procs if c.role == victim)
+            child = next(c for c in self.procs if str(c.role) == victim)
             os.kill(child.pid, signal.SIGKILL)
             killed.append(child.pid)
         return real(self, partial_only)

@@ -33,6 +33,7 @@ from killkit import (Program, assert_nothing_left, kill_pids, loader_program, rn
                      shm_entries_of)
 from measure import record
 from loader import ShmLoader, WorkerError
+from loader._procs import BATCHER
 from shared_datasets import Filled
 
 pytestmark = pytest.mark.timeout(120)
@@ -84,7 +85,7 @@ MAIN = loader_program("""
                 done, told = 0, False
                 for b in it:
                     done = check(b, done, 48, 4)
-                    if loader._ahead is not None and not told:
+                    if loader._runs.ahead is not None and not told:
                         print("ahead", epoch, flush=True)
                         told = True
                     time.sleep(0.002)
@@ -268,8 +269,8 @@ def _epoch_snapshot(loader, n, batch_size, first=None):
 
 
 def _victims(loader, which: str):
-    workers = [c for c in loader._session.procs if c.role != "the batcher"]
-    batcher = [c for c in loader._session.procs if c.role == "the batcher"]
+    workers = [c for c in loader._session.procs if c.role != BATCHER]
+    batcher = [c for c in loader._session.procs if c.role == BATCHER]
     return {"one worker": workers[1:2], "all workers": workers, "the batcher": batcher,
             "everything": workers + batcher}[which]
 

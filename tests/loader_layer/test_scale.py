@@ -22,6 +22,7 @@ import pytest
 from loader import ShmLoader
 from loader._native import SeededOrder
 from loader._order import epoch_order, shard
+from shared_datasets import Ids
 
 # --- the generator, as documented, in plain Python ---------------------------------
 
@@ -144,19 +145,6 @@ def test_ranks_cut_the_order_as_torchs_distributed_sampler(world, n):
     together = np.concatenate(shares)
     assert set(together.tolist()) == set(range(n))
     assert len(together) - len(set(together.tolist())) == -(-n // world) * world - n
-
-
-class Ids:
-    """Sample i is i: what comes out says which index was loaded."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return i
 
 
 def _epoch_snapshot(n, epochs=2, **kw):
@@ -390,7 +378,7 @@ def test_a_billion_index_sampler_starts_at_once_and_resumes(workers, in_order):
         took = time.perf_counter() - t0
         got = np.concatenate([first] + [next(it).copy() for _ in range(k - 1)])
         if workers:
-            run = ld._current
+            run = ld._runs.current
             allocated = os.fstat(ld._session.shared.order_fd(run.id)).st_blocks * 512
             assert allocated < 3 << 20, allocated  # the window, not 8 bytes x 1.2M delivered
         state = ld.state_dict()

@@ -17,21 +17,9 @@ import numpy as np
 import pytest
 
 from loader import ShmLoader
+from shared_datasets import Ids
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class Ids:
-    """Sample i is i: what comes out says which index was loaded."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return i
 
 
 class Lenless:
@@ -234,7 +222,7 @@ _BILLION = textwrap.dedent("""
         took = time.perf_counter() - t0
         got = [first] + [next(it).copy() for _ in range(299)]
         grown = rss_kb(os.getpid()) - base + sum(rss_kb(p.pid) - base for p in ld._session.procs)
-        allocated = os.fstat(ld._session.shared.order_fd(ld._current.id)).st_blocks * 512
+        allocated = os.fstat(ld._session.shared.order_fd(ld._runs.current.id)).st_blocks * 512
     expect = (np.arange(300 * 4096, dtype=np.int64) * 7919) % 1_000_000_000
     print(json.dumps({"first_batch_s": took, "grown_kb": grown, "order_bytes": allocated,
                       "exact": bool(np.array_equal(np.concatenate(got), expect))}))
@@ -354,7 +342,7 @@ def test_a_batch_sampler_of_a_hundred_million_indices_starts_at_once():
     with ShmLoader(Ids(n), batch_sampler=VariableBatches(n), num_workers=2) as ld:
         it = iter(ld)
         got = [next(it).copy() for _ in range(2000)]
-        fd = ld._session.shared.order_fd(ld._current.id)
+        fd = ld._session.shared.order_fd(ld._runs.current.id)
         allocated = os.fstat(fd).st_blocks * 512
     assert all(np.array_equal(a, b) for a, b in zip(got, expect))
     assert allocated < 3 << 20, allocated

@@ -21,6 +21,19 @@ import time
 import numpy as np
 
 
+class Ids:
+    """Sample i is i: what comes out says which index was loaded."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
 class Filled:
     """Sample i: an array of `shape` filled with i, so that a batch says
     which indices it holds (`b[:, 0]`) and a torn or misplaced row shows.

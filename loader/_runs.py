@@ -1,0 +1,304 @@
+"""The runs main reads, and all an epoch may ask of its loader.
+
+`Runs` keeps the runs of one loader (NOTE [ Runs ] in _control.py): the
+current one and the next epoch's, started ahead; the messages of each,
+filed as they come; which have not ended.  It starts a run from a plan
+(_planning.py), raises its LIMIT as the loop takes batches, feeding a
+streamed sampler first and settling a run whose sampler ended (NOTE
+[ Streamed samplers ] in _sampler_feed.py), and ends it.
+
+`EpochHost` is the handful of methods an epoch iterator (_epoch_iter.py)
+calls; it reads nothing else of the loader.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+
+from loader import _order
+from loader import _protocol
+from loader._planning import Plan, offsets_word, order_of, settled_plan
+from loader._sampler_feed import BatchFeed
+from loader._stats import EpochClock
+from loader._trace import EPOCH
+
+
+class Run(NamedTuple):
+    id: int
+    plan: Plan
+    batches: _order.Batches | None  # None for an iterable dataset
+
+
+class Runs:
+    """The runs of one loader, which owns them: its planning (_plan, which
+    draws the seeds; _plan_rules), the dataset's view of an epoch
+    (_snapshot), len(dataset) and its public arguments (prefetch, timeout,
+    iterable) are read through a weak proxy, so that a loader dropped
+    without close() is freed, and closed, at once (no cycle to wait for)."""
+
+    def __init__(self, loader):
+        self.loader = weakref.proxy(loader)
+        self.count = 0           # runs started (ids are never reused)
+        self.current = None      # the run of the latest iter()
+        self.ahead = None        # the next epoch's run, started before its iter()
+        self.inboxes: dict[int, collections.deque] = {}  # messages of the runs main reads
+        self.unended: set[int] = set()                     # runs whose RunEnded has not come
+        self.session = None      # the loader's Session while it runs
+
+    def stopped(self) -> None:
+        """The session stopped: no run is live any more."""
+        self.session = None
+        self.inboxes.clear()
+        self.unended.clear()
+        self.current = self.ahead = None
+
+    def route(self, msg) -> None:
+        """File a message under its run: the runs main still reads get it;
+        a batch of a run main abandoned is released at once."""
+        kind = type(msg)
+        if kind is _protocol.MemoryWait:
+            # A wake-up only: every caller receives again, and _receive
+            # moves what the loop keeps out of the pool while MEMORY_WAIT is
+            # set.  (If the loop keeps nothing, the pool is full of batches
+            # loading ahead, a cap under prefetch's needs: stats() says so.)
+            return
+        if kind is _protocol.RunEnded:
+            self.unended.discard(msg.run)
+        inbox = self.inboxes.get(msg.run)
+        if inbox is not None:
+            inbox.append(msg)
+        elif kind is _protocol.BatchReady:
+            self.session.give_back(msg)
+
+    def next_of(self, run: int, deadline):
+        inbox = self.inboxes[run]
+        while not inbox:
+            self.route(self.session.receive(deadline))
+        return inbox.popleft()
+
+    def limit(self, run: Run, yielded: int) -> int:
+        """Units workers may load once `yielded` batches were yielded: those
+        of the next `prefetch` batches.  (Iterable runs: per worker.)  A run
+        started ahead shares `prefetch` with the epoch still running: it is
+        given a negative `yielded`, minus the batches that epoch has left."""
+        if run.batches is None:  # each stream's next batches (a resumed one starts further)
+            ahead = self.session.cfg.worker_prefetch + self.session.cfg.shuffle_batches
+            return [j + ahead for j in run.plan.progress.first_batches()]
+        upto = max(min(yielded + self.loader.prefetch, run.plan.nbatches), 0)
+        if run.plan.claims_batches:  # workers claim whole batches
+            return upto
+        return run.batches.span(upto - 1)[1] if upto > 0 else 0
+
+    def open_limit(self, run: Run, yielded: int) -> int:
+        """_limit(), once a streamed sampler has written the indices of
+        every position below it (NOTE [ Streamed samplers ]).  A run whose
+        sampler (without len()) ended there is settled first: its final
+        length is stored before the LIMIT that reaches it, and the run main
+        holds (_current, _ahead) is replaced by the settled one."""
+        settled, limit = self._fed_limit(run, yielded)
+        if settled is not run:
+            plan = settled.plan
+            self.session.shared.control.settle_run(run.id, plan.kept, plan.units, plan.nbatches)
+            if self.current is run:
+                self.current = settled
+            if self.ahead is run:
+                self.ahead = settled
+        return limit
+
+    def _fed_limit(self, run: Run, yielded: int) -> tuple[Run, int]:
+        """(the run, settled if its sampler just ended; its _limit()), the
+        indices below that limit written."""
+        feed = run.plan.feed
+        if feed is None or run.batches is None:
+            return run, self.limit(run, yielded)
+        if isinstance(feed, BatchFeed):  # its batches' offsets first: _limit reads them
+            feed.feed_batches(max(min(yielded + self.loader.prefetch, run.plan.nbatches), 0))
+        else:
+            feed.feed(self._positions_below(run, self.limit(run, yielded)))
+        feed.release_below(run.plan.progress.run_prefix())
+        plan = settled_plan(run.plan, self.loader._plan_rules())
+        if plan is not None:
+            run = run._replace(plan=plan, batches=plan.progress.batches)
+        return run, self.limit(run, yielded)
+
+    @staticmethod
+    def _positions_below(run: Run, limit: int) -> int:
+        """The run positions below a LIMIT (in batches when claimed whole)."""
+        if not run.plan.claims_batches:
+            return limit
+        return run.batches.span(limit - 1)[1] if limit > 0 else 0
+
+    def start(self, epoch, resume: dict | None = None, snapshot=None,
+                   yielded: int = 0) -> Run:
+        """Start a pass over the data for `epoch` (see NOTE [ Runs ]);
+        yielded: see _limit."""
+        run_id = self.count + 1
+        timeout = self.loader.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while run_id - 2 in self.unended:  # its block is about to be reused
+            self.route(self.session.receive(deadline))
+        plan = self.loader._plan(epoch, resume, snapshot)
+        if isinstance(plan.shipped, list):
+            self.session.shared.write_objects(run_id, plan.shipped)
+        elif plan.shipped is not None:
+            self.session.shared.write_order(run_id, plan.shipped, plan.offsets)
+        elif plan.remaining is not None:
+            self.session.shared.write_order(run_id, plan.remaining.words(), None)
+        elif plan.feed is not None:
+            plan.feed.attach(self.session.shared.order_fd(run_id))
+        if plan.snapshot is not None:
+            self.session.shared.write_snapshot(run_id, plan.snapshot)
+        batches = None if self.loader.iterable else plan.progress.batches
+        run, limit = self._fed_limit(Run(run_id, plan, batches), yielded)
+        plan = run.plan
+        self.count = run_id
+        self.unended.add(run_id)
+        self.inboxes[run_id] = collections.deque()
+        self.session.shared.control.start_run(
+            run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
+            plan.order_seed, offsets_word(plan), plan.base_seed, limit,
+            int(plan.snapshot is not None), int(plan.remaining is not None),
+            int(plan.feed is not None and plan.feed.open and not plan.feed.settled))
+        return run
+
+    def end(self, run: Run | None) -> None:
+        """Main will read no more of this run: its workers stop, and its
+        batches are released as they come."""
+        if run is None:
+            return
+        self.session.shared.control.end_run(run.id)
+        for msg in self.inboxes.pop(run.id, ()):
+            if type(msg) is _protocol.BatchReady:
+                self.session.give_back(msg)
+
+    def run_for(self, epoch, resume: dict | None) -> Run:
+        """The run for `epoch`: the one started ahead if len(dataset) has not
+        changed since, else a new one."""
+        ahead, self.ahead = self.ahead, None
+        self.end(self.current)  # an iterator this one supersedes
+        self.current = None
+        snapshot = self.loader._snapshot(epoch)  # the dataset as this epoch starts
+        if ahead is not None and resume is None and ahead.plan.epoch == epoch and \
+                ahead.plan.size == self.loader._dataset_len() and ahead.plan.snapshot == snapshot:
+            self.current = ahead
+            return ahead
+        self.end(ahead)
+        self.current = self.start(epoch, resume, snapshot)
+        return self.current
+
+    def index_at(self, run_id: int, pos: int):
+        """The dataset index at position pos of a map-style run main still
+        has (the current one, or the one started ahead), else None."""
+        run = next((r for r in (self.current, self.ahead) if r is not None and r.id == run_id),
+                   None)
+        if run is None or run.batches is None or not 0 <= pos < run.plan.kept:
+            return None
+        if run.plan.feed is not None:
+            return run.plan.feed.index(pos)
+        rules = self.loader._plan_rules()
+        return _order.index_getter(order_of(run.plan, rules.rank, rules.world))(pos)
+
+
+class EpochHost:
+    """What an epoch iterator (_epoch_iter.py) may ask of its loader, and
+    nothing else: the run for its epoch, the next message of that run,
+    batches, limits, the run started ahead, and its end.  One per iter();
+    the one place outside _loader.py that reads the loader's insides."""
+
+    def __init__(self, loader):
+        self._loader, self._runs = loader, loader._runs
+        session = loader._session
+        self.in_order = loader.in_order
+        self.control = session.shared.control
+        self.tracer = loader._tracer
+        self.streams = max(loader.num_workers, 1)   # an iterable dataset's: one per worker
+        self.per_batch = session.cfg.per_batch      # a row's tag is its unit
+
+    @property
+    def wait_clocks(self):
+        """The children's wait clocks (NOTE [ Wait clocks ] in _stats.py)."""
+        return self._loader._session.shared.waited
+
+    def begin(self, epoch: int, resume: dict | None):
+        """(the run of the epoch, its progress, which state_dict() now describes)."""
+        ld = self._loader
+        run = self._runs.run_for(epoch, resume)
+        return run, ld._track(run.plan)
+
+    def check_current(self, epoch: int) -> None:
+        self._loader._check_current(epoch)
+
+    def raise_failed(self, msg: _protocol.Failed):
+        self._loader._raise_failed(msg)
+
+    def next_message(self, run: Run):
+        """The run's next message, within the loader's timeout."""
+        ld = self._loader
+        deadline = None if ld.timeout is None else time.monotonic() + ld.timeout
+        scaler = ld._autoscaler
+        if scaler is None:
+            return self._runs.next_of(run.id, deadline)
+        t0 = time.perf_counter()  # the training loop waits for data from here (_autoscale.py)
+        try:
+            return self._runs.next_of(run.id, deadline)
+        finally:
+            scaler.waited_for(time.perf_counter() - t0)
+
+    def hand_out(self, msg: _protocol.BatchReady):
+        """The user's batch of msg."""
+        scaler = self._loader._autoscaler
+        if scaler is not None:
+            scaler.batch_handed_out()
+        return self._loader._session.batch(msg, self._loader._materializer)
+
+    def tags(self, msg: _protocol.BatchReady) -> np.ndarray:
+        return self._loader._session.tags(msg)
+
+    def advance(self, run: Run, yielded: int, left: int) -> Run:
+        """`yielded` batches of run were handed out: raise its LIMIT, and
+        that of the run started ahead, which has `left` (minus the batches
+        run has still to hand out) to share.  Returns the run, settled if
+        its sampler (without len()) just ended (NOTE [ Streamed samplers ])."""
+        runs = self._runs
+        self.control.set_limit(run.id, runs.open_limit(run, yielded))
+        current = runs.current
+        if current is not run and current is not None and current.id == run.id:
+            run = current  # settled
+        if runs.ahead is not None and current is run:
+            self.control.set_limit(runs.ahead.id, runs.open_limit(runs.ahead, left))
+        return run
+
+    def run_ahead(self, run: Run, next_epoch: int, left: int) -> None:
+        """Every unit of run is claimed: start the next epoch's run now, if
+        the loader runs ahead and none is started (NOTE [ Runs ])."""
+        ld = self._loader
+        if self._runs.ahead is None and ld._runs_ahead() and run.id - 1 not in self._runs.unended:
+            self._runs.ahead = self._runs.start(next_epoch, yielded=left)
+
+    def epoch_ended(self, epoch: int, msg: _protocol.RunEnded, clock: EpochClock) -> None:
+        """The epoch ran to its end: its figures for stats() and the trace."""
+        ld = self._loader
+        ld._record_stats(epoch, msg, clock)
+        ld._tracer.record(EPOCH, clock.t0, time.perf_counter_ns(), epoch, msg.batches,
+                          msg.samples, 1)
+
+    def epoch_closed(self, epoch: int, run: Run, *, finished: bool, pending) -> None:
+        """The iterator is done (ran to its end, or dropped early): batches
+        received but not handed out go back, the run ends unless it ran to
+        its end, and without persistent workers the processes stop."""
+        ld = self._loader
+        if self._runs.current is run:
+            if not finished:
+                for msg in pending:
+                    ld._session.give_back(msg)
+                self._runs.end(run)
+                self._runs.current = None
+            else:
+                self._runs.inboxes.pop(run.id, None)
+        if not ld.persistent_workers and ld._epoch == epoch:
+            ld._shutdown()  # (a newer iterator, already made, owns the processes)
