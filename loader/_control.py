@@ -89,6 +89,8 @@ is a bounded slice: the sleeper re-checks STOP, its parent and deadlines.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 import shmq
@@ -124,6 +126,25 @@ def tagged(run: int, value: int = 0) -> int:
     return (run << RUN_SHIFT) | value
 
 
+class RunWords(NamedTuple):
+    """What main stores in a run's block (NOTE [ Runs ]): one field per
+    word, 0/1 for the flags.  limit: the LIMIT word, or for an iterable
+    dataset each worker's (a list)."""
+    epoch: int
+    size: int
+    kept: int
+    units: int
+    nbatches: int
+    order: int          # ORDER: _order.ORDER_RANGE, ORDER_PERMUTATION, ...
+    order_seed: int
+    offsets: int        # OFFSETS: 0, _order.OFFSETS_WHOLE or OFFSETS_STREAMED
+    base_seed: int
+    limit: int | list
+    snapshot: int = 0
+    resumed: int = 0
+    open_ended: int = 0
+
+
 class Control:
     """The ctl words, the per-worker limits of iterable runs, and the bells,
     as every process sees them."""
@@ -144,19 +165,18 @@ class Control:
 
     # --- main --------------------------------------------------------------
 
-    def start_run(self, run: int, epoch: int, size: int, kept: int, units: int, nbatches: int,
-                  order: int, order_seed: int, shipped: int, base_seed: int, limit,
-                  snapshot: int = 0, resumed: int = 0, open_ended: int = 0) -> None:
-        """Fill the run's block, then publish it.  The block's previous run
-        (run - 2) must have ended: see NOTE [ Runs ].  For an iterable
-        dataset, `limit` is each worker's (a list)."""
+    def start_run(self, run: int, words: "RunWords") -> None:
+        """Fill the run's block with its words, then publish it.  The
+        block's previous run (run - 2) must have ended: see NOTE [ Runs ]."""
         c = self.ctl
+        limit = words.limit
         per_worker = isinstance(limit, (list, tuple))
-        for which, value in ((ID, run), (EPOCH, epoch), (SIZE, size), (KEPT, kept),
-                             (UNITS, units), (NBATCHES, nbatches), (ORDER, order),
-                             (ORDER_SEED, order_seed), (OFFSETS, shipped),
-                             (BASE_SEED, base_seed), (SNAPSHOT, snapshot), (FINISHED, 0),
-                             (RESUMED, resumed), (OPEN, open_ended),
+        for which, value in ((ID, run), (EPOCH, words.epoch), (SIZE, words.size),
+                             (KEPT, words.kept), (UNITS, words.units),
+                             (NBATCHES, words.nbatches), (ORDER, words.order),
+                             (ORDER_SEED, words.order_seed), (OFFSETS, words.offsets),
+                             (BASE_SEED, words.base_seed), (SNAPSHOT, words.snapshot),
+                             (FINISHED, 0), (RESUMED, words.resumed), (OPEN, words.open_ended),
                              (LIMIT, -1 if per_worker else limit),
                              (ARRIVED, tagged(run))):
             c[word(run, which)] = value

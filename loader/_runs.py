@@ -22,6 +22,7 @@ import numpy as np
 
 from loader import _order
 from loader import _protocol
+from loader._control import RunWords
 from loader._planning import Plan, offsets_word, order_of, settled_plan
 from loader._sampler_feed import BatchFeed
 from loader._stats import EpochClock
@@ -159,11 +160,12 @@ class Runs:
         self.count = run_id
         self.unended.add(run_id)
         self.inboxes[run_id] = collections.deque()
-        self.session.shared.control.start_run(
-            run_id, epoch, plan.size, plan.kept, plan.units, plan.nbatches, plan.order_kind,
-            plan.order_seed, offsets_word(plan), plan.base_seed, limit,
-            int(plan.snapshot is not None), int(plan.remaining is not None),
-            int(plan.feed is not None and plan.feed.open and not plan.feed.settled))
+        self.session.shared.control.start_run(run_id, RunWords(
+            epoch=epoch, size=plan.size, kept=plan.kept, units=plan.units,
+            nbatches=plan.nbatches, order=plan.order_kind, order_seed=plan.order_seed,
+            offsets=offsets_word(plan), base_seed=plan.base_seed, limit=limit,
+            snapshot=int(plan.snapshot is not None), resumed=int(plan.remaining is not None),
+            open_ended=int(plan.feed is not None and plan.feed.open and not plan.feed.settled)))
         return run
 
     def end(self, run: Run | None) -> None:

@@ -287,15 +287,28 @@ def test_torch_tensors_are_written_through_the_reference_path():
 
 # --- run words and bells ------------------------------------------------------------------
 
+def run_counters(c):
+    return _native.RunCounters(c.ctl, _control.RUN_BASE, _control.RUN_WORDS, _control.CURSOR,
+                               _control.LIMIT, _control.ARRIVED, _control.RUN_SHIFT)
+
+
+def words(*, epoch, limit, size=-1, kept=-1, units=-1, nbatches=-1, order=_order.ORDER_RANGE,
+          order_seed=0, base_seed=0):
+    """A run's words, an iterable dataset's (-1) unless said."""
+    return _control.RunWords(epoch=epoch, size=size, kept=kept, units=units, nbatches=nbatches,
+                             order=order, order_seed=order_seed, offsets=0, base_seed=base_seed,
+                             limit=limit)
+
+
 def test_runs_are_claimed_by_tagged_cas_and_end_with_one_store():
     c = _control.Control(num_workers=2)
-    counters = _native.RunCounters(c.ctl, _control.RUN_BASE, _control.RUN_WORDS, _control.CURSOR, _control.LIMIT, _control.ARRIVED,
-                                   _control.RUN_SHIFT)
-    c.start_run(1, epoch=1, size=10, kept=8, units=8, nbatches=2, order=_order.ORDER_PERMUTATION,
-                order_seed=5, shipped=0, base_seed=11, limit=3)
+    counters = run_counters(c)
+    c.start_run(1, words(epoch=1, size=10, kept=8, units=8, nbatches=2,
+                         order=_order.ORDER_PERMUTATION, order_seed=5, base_seed=11, limit=3))
     assert c.latest_run() == 1 and c.live(1)
-    assert [c.read(1, w) for w in (_control.EPOCH, _control.SIZE, _control.KEPT, _control.UNITS, _control.NBATCHES, _control.ORDER,
-                                   _control.ORDER_SEED, _control.BASE_SEED)] == \
+    assert [c.read(1, w) for w in (_control.EPOCH, _control.SIZE, _control.KEPT, _control.UNITS,
+                                   _control.NBATCHES, _control.ORDER, _control.ORDER_SEED,
+                                   _control.BASE_SEED)] == \
         [1, 10, 8, 8, 2, _order.ORDER_PERMUTATION, 5, 11]
 
     assert [counters.claim(1) for _ in range(3)] == [0, 1, 2]
@@ -303,7 +316,7 @@ def test_runs_are_claimed_by_tagged_cas_and_end_with_one_store():
     assert counters.below_limit(1, 2) and not counters.below_limit(1, 3)
     c.set_limit(1, 4)
     assert counters.below_limit(1, 3)
-    c.start_run(2, 2, 10, 10, 10, 3, _order.ORDER_RANGE, 0, 0, 0, 3)  # the other parity: both live
+    c.start_run(2, words(epoch=2, size=10, kept=10, units=10, nbatches=3, limit=3))  # other parity
     assert counters.claim(2) == 0 and c.live(1)
     c.end_run(1)
     assert counters.claim(1) == -1 and counters.claim(1, True) == -1 and not c.live(1)
@@ -314,20 +327,19 @@ def test_runs_are_claimed_by_tagged_cas_and_end_with_one_store():
 
 def test_iterable_runs_have_a_limit_per_worker():
     c = _control.Control(num_workers=2)
-    c.start_run(1, 1, -1, -1, -1, -1, _order.ORDER_RANGE, 0, 0, 0, [3, 5])
+    c.start_run(1, words(epoch=1, limit=[3, 5]))
     assert c.limits.tolist() == [0, 0, 3, 5]  # run 1's parity: each worker's limit
     c.raise_worker_limit(1, 1)
     assert c.limits.tolist() == [0, 0, 3, 6]
-    c.start_run(2, 2, -1, -1, -1, -1, _order.ORDER_RANGE, 0, 0, 0, [1, 1])
+    c.start_run(2, words(epoch=2, limit=[1, 1]))
     assert c.limits.tolist() == [1, 1, 3, 6]
 
 
 def test_a_claim_of_an_old_run_fails_once_its_block_is_reused():
     c = _control.Control(num_workers=1)
-    counters = _native.RunCounters(c.ctl, _control.RUN_BASE, _control.RUN_WORDS, _control.CURSOR, _control.LIMIT, _control.ARRIVED,
-                                   _control.RUN_SHIFT)
-    c.start_run(1, 1, 5, 5, 5, 1, _order.ORDER_RANGE, 0, 0, 0, 5)
-    c.start_run(3, 3, 5, 5, 5, 1, _order.ORDER_RANGE, 0, 0, 0, 5)     # run 1's block, reused
+    counters = run_counters(c)
+    c.start_run(1, words(epoch=1, size=5, kept=5, units=5, nbatches=1, limit=5))
+    c.start_run(3, words(epoch=3, size=5, kept=5, units=5, nbatches=1, limit=5))  # 1's block
     assert counters.claim(1) == -1 and counters.claim(3) == 0
 
 
