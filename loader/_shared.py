@@ -24,10 +24,13 @@ from loader._table import BatchTable
 from loader._threads import ThreadRing
 
 # Ring capacities.  Samples never travel through a ring (NOTE [ Direct row
-# writes ]), and a large message travels in the spill heap (NOTE [ Spilled
-# messages ]): the rings carry small records only.
-TO_BATCHER_BYTES = 8 << 20
-TO_MAIN_BYTES = 4 << 20
+# writes ]), and a message over SPILL_BYTES (64 KiB) travels in the spill
+# heap (NOTE [ Spilled messages ]): the rings carry small records only.
+# Every page of a ring is in use once its positions have gone round it
+# (W12: all 12 MiB of 8 + 4 MiB rings after an epoch), so a ring is sized
+# for a burst of small records, not for its largest possible message.
+TO_BATCHER_BYTES = 1 << 20
+TO_MAIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
