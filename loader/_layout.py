@@ -450,24 +450,51 @@ _forked_classes: dict[int, type] = {}
 
 def _forked_class(module: str, qualname: str, ident: int) -> type:
     """The class forked_class_reduce named, looked up among this process's
-    objects (once per class: the gc scan costs tens of ms)."""
+    objects (once per class: the scan costs tens of ms)."""
     cls = _forked_classes.get(ident)
     if cls is None:
         import gc
 
-        for obj in gc.get_objects():
+        def named(obj) -> bool:
             # id first, and type(obj) rather than isinstance: isinstance reads
             # obj.__class__, which some lazy objects answer with a warning
-            if (id(obj) == ident and issubclass(type(obj), type)
-                    and obj.__qualname__ == qualname and obj.__module__ == module):
-                cls = _forked_classes[ident] = obj
-                break
-        else:
+            return (id(obj) == ident and issubclass(type(obj), type)
+                    and obj.__qualname__ == qualname and obj.__module__ == module)
+
+        cls = next(filter(named, gc.get_objects()), None)
+        if cls is None:  # gc.freeze() hides objects from get_objects(): walk to it instead
+            cls = next(filter(named, _reachable()), None)
+        if cls is None:
             raise pickle.UnpicklingError(
                 f"class {module}.{qualname}, which pickle cannot find by name, was made in a "
                 f"loader worker after it started (pid {os.getpid()} does not have it): define it "
                 f"at module level, or before the loader starts its workers")
+        _forked_classes[ident] = cls
     return cls
+
+
+def _reachable(limit: int = 4_000_000):
+    """Objects reachable from every thread's frames (their locals: the
+    loader's config and dataset, the training loop's) and from the loaded
+    modules, breadth first, at most `limit`.  gc.get_objects() does not
+    list what gc.freeze() froze (a program may freeze its heap before it
+    forks, to spare copy-on-write), and get_referents() sees it all."""
+    import collections
+    import gc
+
+    roots = []
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            roots += [frame.f_locals, frame.f_globals]
+            frame = frame.f_back
+    todo, seen = collections.deque(roots + list(sys.modules.values())), set()
+    while todo and len(seen) < limit:
+        obj = todo.popleft()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        yield obj
+        todo.extend(gc.get_referents(obj))
 
 
 class _DigestPickler(pickle.Pickler):

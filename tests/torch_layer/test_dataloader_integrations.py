@@ -4,6 +4,7 @@ framework rebuilds loaders (HF accelerate's prepare).  The multi-process
 runs of the frameworks are in test_frameworks.py."""
 
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -106,6 +107,48 @@ def test_a_function_local_namedtuple_loads_with_shmloader_workers():
 
     got = [(b.x.tolist(), list(b.y)) for b in ShmLoader(Local(), batch_size=4, num_workers=2)]
     assert got == [([0, 1, 2, 3], ["s0", "s1", "s2", "s3"]), ([4, 5, 6, 7], ["s4", "s5", "s6", "s7"])]
+
+
+_AFTER_GC_FREEZE = textwrap.dedent("""
+    import collections, gc, json
+    from loader import ShmLoader
+
+    def main():
+        Pair = collections.namedtuple("Pair", ["x", "y"])  # found only through the dataset
+
+        class InClassBody:
+            Row = collections.namedtuple("Row", ["i", "name"])  # qualname 'Row'
+
+            def __len__(self):
+                return 8
+
+            def __getitem__(self, i):
+                return self.Row(i=Pair(x=i, y=-i), name="s%d" % i)
+
+        gc.freeze()  # as a program that spares its heap copy-on-write before it forks
+        out = []
+        with ShmLoader(InClassBody(), batch_size=4, num_workers=2) as ld:
+            for b in ld:
+                assert type(b).__name__ == "Row" and type(b.i).__name__ == "Pair"
+                out.append([b.i.x.tolist(), b.i.y.tolist(), list(b.name)])
+        print(json.dumps(out))
+
+    main()
+""")
+
+
+def test_classes_pickle_cannot_find_load_after_gc_freeze():
+    """gc.freeze() before the loader starts (a habit of servers and
+    trainers that fork: frozen objects are not touched by the collector,
+    so forked children share their pages) hides the classes from
+    gc.get_objects(); the loader's processes still find a namedtuple made
+    in a class body or a function by its identity."""
+    out = subprocess.run([sys.executable, "-c", _AFTER_GC_FREEZE], capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [
+        [[0, 1, 2, 3], [0, -1, -2, -3], ["s0", "s1", "s2", "s3"]],
+        [[4, 5, 6, 7], [-4, -5, -6, -7], ["s4", "s5", "s6", "s7"]]]
 
 
 class MadeInTheWorker:
