@@ -72,9 +72,8 @@ class _BatcherRun:
         else:
             kept = control.read(run, _control.KEPT)
             self.nbatches = control.read(run, _control.NBATCHES)
-            offsets = None
-            shipped = control.read(run, _control.OFFSETS)
-            if shipped == _order.OFFSETS_STREAMED:  # a streamed batch sampler's (NOTE [ Runs ])
+            if control.read(run, _control.OFFSETS) == _order.OFFSETS_STREAMED:
+                # a streamed batch sampler's (NOTE [ Runs ])
                 open_positions = _order.OPEN_POSITIONS
                 _, stored = shared.read_order(run, open_positions, open_positions, True)
                 self.batches = _order.StreamedBatches(stored, lambda: control.kept(run),
@@ -82,9 +81,7 @@ class _BatcherRun:
             elif control.read(run, _control.OPEN):  # its length is learnt late (NOTE [ Runs ])
                 self.batches = _order.OpenBatches(self.B, lambda: control.kept(run))
             else:
-                if shipped:
-                    _, offsets = shared.read_order(run, kept, self.nbatches, True)
-                self.batches = _order.Batches(kept, self.B, offsets)
+                self.batches = _order.Batches(kept, self.B)
         self.open_ended = not self.iterable and (
             bool(control.read(run, _control.OPEN))
             or control.read(run, _control.OFFSETS) == _order.OFFSETS_STREAMED)

@@ -44,10 +44,9 @@ blocks on a send, whatever the children are doing.
   loads only below LIMIT, so it never loads a position by a provisional
   length, and one waiting for a unit past the end wakes (the limit bell)
   and finds it past UNITS.
-- OFFSETS: where batch k's positions [offsets[k], offsets[k + 1]) are
-  written when a batch sampler made the batches (of any sizes): 0 none,
-  OFFSETS_WHOLE all in the order file, OFFSETS_STREAMED as they are pulled
-  (_order.py).
+- OFFSETS: OFFSETS_STREAMED when a batch sampler makes the batches (of
+  any sizes): batch k's positions [offsets[k], offsets[k + 1]) are written
+  into the order file as main pulls it (_order.py); else 0.
 - BASE_SEED: drawn by main for each epoch, as torch's DataLoader draws
   one per iterator; a worker process seeds itself from the first run it
   sees (see seed_worker in _worker.py).
@@ -137,7 +136,7 @@ class RunWords(NamedTuple):
     nbatches: int
     order: int          # ORDER: _order.ORDER_RANGE, ORDER_PERMUTATION, ...
     order_seed: int
-    offsets: int        # OFFSETS: 0, _order.OFFSETS_WHOLE or OFFSETS_STREAMED
+    offsets: int        # OFFSETS: 0 or _order.OFFSETS_STREAMED
     base_seed: int
     limit: int | list
     snapshot: int = 0

@@ -49,7 +49,8 @@ from loader._native import SeededOrder
 # How a run's order is described (its ORDER word): computed (RANGE,
 # PERMUTATION), or written out by main as int64 indices (ORDER_SHIPPED) or as
 # pickled index objects (OBJECTS: a sampler's indices that are not ints,
-# which torch passes to dataset[...] as they are)
+# which torch passes to dataset[...] as they are; streamed, see NOTE
+# [ Streamed samplers ] in _sampler_feed.py)
 ORDER_RANGE, ORDER_PERMUTATION, ORDER_SHIPPED, ORDER_OBJECTS = 0, 1, 2, 3
 
 _U64 = (1 << 64) - 1
@@ -256,7 +257,7 @@ class OpenBatches(Batches):
 # holds the positions' indices in words [0, OPEN_POSITIONS) and the batch
 # offsets from word OPEN_POSITIONS, each stored as offset - OFFSET_BIAS, so
 # that the words not written yet (0) sort after every written one
-OFFSETS_WHOLE, OFFSETS_STREAMED = 1, 2
+OFFSETS_STREAMED = 1
 OFFSET_BIAS = 1 << 62
 
 

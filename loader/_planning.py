@@ -13,6 +13,7 @@ once its sampler has ended, and `limit` says how far workers may load.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -20,7 +21,8 @@ import numpy as np
 from loader import _control
 from loader import _order
 from loader._progress import MapProgress, StreamProgress
-from loader._sampler_feed import BatchFeed, SamplerFeed, sampler_length, streamable
+from loader._sampler_feed import (BatchFeed, ObjectFeed, SamplerFeed, int_indices,
+                                  sampler_length)
 
 
 class PlanRules(NamedTuple):
@@ -58,8 +60,7 @@ class Plan(NamedTuple):
     nbatches: int              # -1 iterable
     order_kind: int
     order_seed: int
-    shipped: np.ndarray | list | None  # the order written out for the workers (iterable: skips)
-    offsets: np.ndarray | None  # a batch sampler's batch offsets
+    shipped: np.ndarray | None  # the order written out for the workers (iterable: skips)
     base_seed: int
     rng: dict                  # generator states at the epoch's start (state_dict)
     progress: object           # MapProgress or StreamProgress of the run
@@ -74,11 +75,16 @@ class _Order(NamedTuple):
     kind: int
     seed: int
     size: int
-    shipped: np.ndarray | list | None = None
-    offsets: np.ndarray | None = None
+    shipped: np.ndarray | None = None
     stream: Any = None         # a sampler's indices, pulled as LIMIT moves
     batch_stream: Any = None   # a batch sampler's batches, pulled as LIMIT moves
     length: int | None = None  # len(sampler), if it has one
+    pulling: Any = None        # what every pull of stream or batch_stream runs inside
+
+    @property
+    def fed(self) -> bool:
+        """Pulled as LIMIT moves (a feed), not written out whole."""
+        return self.stream is not None or self.batch_stream is not None
 
 
 def plan_run(rules: PlanRules, *, epoch: int, resume: dict | None, base_seed: int,
@@ -89,10 +95,9 @@ def plan_run(rules: PlanRules, *, epoch: int, resume: dict | None, base_seed: in
         return _stream_plan(rules, epoch, resume, base_seed, rng)
     order = _order_source(rules)
     kept = _kept(rules, order)
-    if order.shipped is not None and order.offsets is None:  # drop_last's short batch
+    if order.shipped is not None:  # drop_last's short batch
         order = order._replace(shipped=order.shipped[:kept])
-    open_ended = order.kind == _order.ORDER_SHIPPED and order.shipped is None and (
-        order.length is None or order.batch_stream is not None)
+    open_ended = order.fed and (order.length is None or order.batch_stream is not None)
     if open_ended:  # its length is learnt when the sampler ends (settled_plan)
         kept = _order.OPEN_POSITIONS
     done = remaining = None
@@ -106,9 +111,8 @@ def plan_run(rules: PlanRules, *, epoch: int, resume: dict | None, base_seed: in
         remaining = _order.Remaining(kept, *done.state())
         order, kept = _resumed(order, kept, remaining)
     feed, geometry = _feed_and_geometry(rules, order, kept, remaining)
-    nbatches = len(order.offsets) - 1 if order.offsets is not None else (
-        kept if rules.batch_size is None or order.batch_stream is not None
-        else -(-kept // rules.batch_size))
+    nbatches = (kept if rules.batch_size is None or order.batch_stream is not None
+                else -(-kept // rules.batch_size))
     units = nbatches if rules.claims_batches else kept
     if units >= 1 << _control.RUN_SHIFT:  # the cursor counts a run's units in 32 bits
         raise ValueError(f"an epoch of {kept:,} samples is {units:,} units for the workers "
@@ -120,7 +124,7 @@ def plan_run(rules: PlanRules, *, epoch: int, resume: dict | None, base_seed: in
     computed = order.kind in (_order.ORDER_RANGE, _order.ORDER_PERMUTATION)
     return Plan(epoch=epoch, size=order.size, kept=kept, units=units, nbatches=nbatches,
                 order_kind=order.kind, order_seed=order.seed, shipped=order.shipped,
-                offsets=order.offsets, base_seed=base_seed, rng=rng, progress=progress,
+                base_seed=base_seed, rng=rng, progress=progress,
                 remaining=remaining if computed else None, feed=feed,
                 claims_batches=rules.claims_batches)
 
@@ -135,7 +139,7 @@ def _stream_plan(rules: PlanRules, epoch: int, resume: dict | None, base_seed: i
     return Plan(epoch=epoch, size=-1, kept=-1 if skips is None else len(skips), units=-1,
                 nbatches=-1,
                 order_kind=_order.ORDER_RANGE if skips is None else _order.ORDER_SHIPPED,
-                order_seed=0, shipped=skips, offsets=None, base_seed=base_seed, rng=rng,
+                order_seed=0, shipped=skips, base_seed=base_seed, rng=rng,
                 progress=progress)
 
 
@@ -143,16 +147,11 @@ def _order_source(rules: PlanRules) -> _Order:
     """A user's batch sampler or sampler (streamed, or drawn whole), torch's
     shuffle of a generator, or an order the workers compute (NOTE [ Runs ])."""
     SHIPPED = _order.ORDER_SHIPPED
-    if rules.batch_sampler is not None and not rules.torch_rules:
+    if rules.batch_sampler is not None:
         # streamed, its batches pulled as LIMIT moves: OPEN, as the positions
         # it covers are known only once it ends, even with a len()
-        return _Order(SHIPPED, 0, _order.OPEN_POSITIONS, batch_stream=iter(rules.batch_sampler))
-    if rules.batch_sampler is not None:
-        batches = [np.asarray(list(b), np.int64).reshape(-1) for b in rules.batch_sampler]
-        shipped = np.concatenate(batches) if batches else np.zeros(0, np.int64)
-        offsets = np.zeros(len(batches) + 1, np.int64)
-        np.cumsum([len(b) for b in batches], out=offsets[1:])
-        return _Order(SHIPPED, 0, len(shipped), shipped=shipped, offsets=offsets)
+        it, pulling = _pulled(rules, rules.batch_sampler)
+        return _Order(SHIPPED, 0, _order.OPEN_POSITIONS, batch_stream=it, pulling=pulling)
     if rules.sampler is not None:
         return _sampler_order(rules)
     if rules.shuffle and rules.generator is not None:
@@ -176,83 +175,70 @@ def _order_source(rules: PlanRules) -> _Order:
 
 def _sampler_order(rules: PlanRules) -> _Order:
     """A user's sampler: streamed when its indices are ints (without len():
-    to a provisional bound until it ends, OPEN), else drawn whole."""
+    to a provisional bound until it ends, OPEN), else drawn whole; torch's
+    own samplers under loader.DataLoader are drawn in one call."""
     length = sampler_length(rules.sampler)
-    stream = None
-    if not rules.torch_rules:
-        streamed, stream = streamable(rules.sampler)
-        if streamed:
-            size = _order.OPEN_POSITIONS if length is None else length
-            return _Order(_order.ORDER_SHIPPED, 0, size, stream=stream, length=length)
-        items = list(stream)  # drawn whole, from what streamable() started
-    else:
-        items = drawn_whole(rules.sampler)
-    if isinstance(items, np.ndarray):  # torch's own sampler, drawn in one call
-        shipped, kind = items, _order.ORDER_SHIPPED
-    elif all(isinstance(i, (int, np.integer)) for i in items):
-        shipped, kind = np.asarray(items, np.int64).reshape(-1), _order.ORDER_SHIPPED
-    else:  # indices of other kinds (lists, keys): dataset[...] gets them as they are
-        shipped, kind = items, _order.ORDER_OBJECTS
-    return _Order(kind, 0, len(shipped), shipped=shipped, length=length)
+    it, pulling = _pulled(rules, rules.sampler)
+    if isinstance(it, np.ndarray):  # torch's own sampler, drawn in one call
+        return _Order(_order.ORDER_SHIPPED, 0, len(it), shipped=it, length=length)
+    with pulling or contextlib.nullcontext():
+        ints, stream = int_indices(it)
+    # indices of other kinds (keys, tuples): dataset[...] gets them as they are
+    kind = _order.ORDER_SHIPPED if ints else _order.ORDER_OBJECTS
+    size = _order.OPEN_POSITIONS if length is None else length
+    return _Order(kind, 0, size, stream=stream, length=length, pulling=pulling)
 
 
-def drawn_whole(sampler):
-    """loader.DataLoader's order (NOTE [ Drawing the order as torch does ]
-    in _torch.py): an int64 array, or a list of indices."""
-    draw = getattr(sampler, "draw", None)
-    return draw() if callable(draw) else list(sampler)
+def _pulled(rules: PlanRules, sampler):
+    """(an iterator of the sampler, what each pull of it runs inside or
+    None).  loader.DataLoader's samplers are drawn as torch draws them
+    (NOTE [ Drawing the order as torch does ] in _torch.py): `draw()`
+    gives an int64 array for torch's own samplers, drawn in one call (and
+    None), else the iterator and its generator sandbox."""
+    if rules.torch_rules:
+        return sampler.draw()
+    return iter(sampler), None
 
 
 def _kept(rules: PlanRules, order: _Order) -> int:
     """Positions of this rank's share the run delivers (drop_last drops a
-    short last batch; a batch sampler's batches are kept whole)."""
-    shipped_kinds = (_order.ORDER_SHIPPED, _order.ORDER_OBJECTS)
-    share = order.size if order.kind in shipped_kinds else _order.shard_size(order.size,
-                                                                             rules.world)
-    if order.offsets is not None or rules.batch_size is None:
+    short last batch)."""
+    computed = order.kind in (_order.ORDER_RANGE, _order.ORDER_PERMUTATION)
+    share = _order.shard_size(order.size, rules.world) if computed else order.size
+    if rules.batch_size is None:
         return share
     return _order.kept_of(share, rules.batch_size, rules.drop_last)
 
 
 def _resumed(order: _Order, kept: int, remaining: _order.Remaining) -> tuple[_Order, int]:
     """The order of what is left of a resumed epoch, and its positions.  A
-    shipped order is written out anyway: write out what is left of it (each
-    batch of a batch sampler keeping its remaining positions).  A computed
-    order stays computed: the workers get the few numbers of `remaining`
-    (NOTE [ The seeded order ]); a streamed sampler skips the delivered
-    positions as it is pulled."""
-    shipped, offsets, kind, seed, size = (order.shipped, order.offsets, order.kind, order.seed,
-                                          order.size)
+    shipped order is written out anyway: write out what is left of it.  A
+    computed order stays computed: the workers get the few numbers of
+    `remaining` (NOTE [ The seeded order ]); a streamed sampler skips the
+    delivered positions as it is pulled (each batch of a batch sampler
+    keeping its positions not delivered)."""
+    shipped, seed, size = order.shipped, order.seed, order.size
     if shipped is not None:
         remap = remaining.original(np.arange(remaining.count, dtype=np.int64))
-        if isinstance(shipped, list):
-            shipped = [shipped[i] for i in remap]
-        else:
-            shipped = np.ascontiguousarray(shipped[:kept][remap], np.int64)
-        if offsets is not None:
-            counts = np.diff(np.searchsorted(remap, offsets))
-            counts = counts[counts > 0]
-            offsets = np.zeros(len(counts) + 1, np.int64)
-            np.cumsum(counts, out=offsets[1:])
-        kind = _order.ORDER_OBJECTS if isinstance(shipped, list) else _order.ORDER_SHIPPED
+        shipped = np.ascontiguousarray(shipped[:kept][remap], np.int64)
         seed, size = 0, remaining.count
     kept = remaining.count
-    if kind == _order.ORDER_SHIPPED and shipped is None:
+    if order.fed:
         size = kept
-    return order._replace(kind=kind, seed=seed, size=size, shipped=shipped,
-                          offsets=offsets), kept
+    return order._replace(seed=seed, size=size, shipped=shipped), kept
 
 
 def _feed_and_geometry(rules: PlanRules, order: _Order, kept: int, remaining):
     """(the streamed sampler's feed or None, how the run's positions fall
     into batches)."""
     if order.batch_stream is not None:
-        feed = BatchFeed(order.batch_stream, rules.sampler_name, kept, remaining)
+        feed = BatchFeed(order.batch_stream, rules.sampler_name, kept, remaining, order.pulling)
         return feed, feed.batches()
-    geometry = _order.Batches(kept, rules.rows, order.offsets)
-    if order.kind == _order.ORDER_SHIPPED and order.shipped is None:
-        return SamplerFeed(order.stream, rules.sampler_name, order.length, kept,
-                           remaining), geometry
+    geometry = _order.Batches(kept, rules.rows)
+    if order.stream is not None:
+        feed_type = ObjectFeed if order.kind == _order.ORDER_OBJECTS else SamplerFeed
+        return feed_type(order.stream, rules.sampler_name, order.length, kept, remaining,
+                         order.pulling), geometry
     return None, geometry
 
 
@@ -280,10 +266,8 @@ def settled_plan(plan: Plan, rules: PlanRules) -> Plan | None:
 
 
 def offsets_word(plan: Plan) -> int:
-    """OFFSETS (NOTE [ Runs ]): where the run's batch offsets are, if any."""
-    if isinstance(plan.feed, BatchFeed):
-        return _order.OFFSETS_STREAMED
-    return _order.OFFSETS_WHOLE if plan.offsets is not None else 0
+    """OFFSETS (NOTE [ Runs ]): a batch sampler's offsets are streamed."""
+    return _order.OFFSETS_STREAMED if isinstance(plan.feed, BatchFeed) else 0
 
 
 def order_of(plan: Plan, rank: int, world: int):

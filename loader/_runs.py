@@ -144,12 +144,10 @@ class Runs:
         while run_id - 2 in self.unended:  # its block is about to be reused
             self.route(self.session.receive(deadline))
         plan = self.loader._plan(epoch, resume, snapshot)
-        if isinstance(plan.shipped, list):
-            self.session.shared.write_objects(run_id, plan.shipped)
-        elif plan.shipped is not None:
-            self.session.shared.write_order(run_id, plan.shipped, plan.offsets)
+        if plan.shipped is not None:
+            self.session.shared.write_order(run_id, plan.shipped)
         elif plan.remaining is not None:
-            self.session.shared.write_order(run_id, plan.remaining.words(), None)
+            self.session.shared.write_order(run_id, plan.remaining.words())
         elif plan.feed is not None:
             plan.feed.attach(self.session.shared.order_fd(run_id))
         if plan.snapshot is not None:

@@ -7,9 +7,9 @@ NOTE [ Streamed samplers ]
 torch's DataLoader pulls its sampler lazily, a prefetch ahead of the
 batches it returns; `list(sampler)` up front would make a sampler of a
 billion indices cost minutes and gigabytes before the first batch, and
-one that never ends hang.  So a ShmLoader(sampler=...) whose first index
-is an int, and any ShmLoader(batch_sampler=...), is pulled as the run's
-LIMIT moves (NOTE [ Runs ]):
+one that never ends hang.  So every ShmLoader(sampler=...) and
+ShmLoader(batch_sampler=...) is pulled as the run's LIMIT moves (NOTE
+[ Runs ]):
 
   main: Runs.open_limit(run, yielded) ─► feed the positions (batches) below the
         new LIMIT ─► pwrite their indices into the run's order file (sparse)
@@ -49,19 +49,29 @@ would have to; a batch sampler's batches keep their positions not
 delivered, and batches left empty are dropped.  With num_workers=0 the
 feed keeps the window in a private array instead.
 
-Still drawn whole at each epoch: a sampler whose indices are not ints
-(ORDER_OBJECTS: pickled for the workers, read whole by each), and
-loader.DataLoader's samplers, which are drawn as torch draws them (NOTE
-[ Drawing the order as torch does ] in _torch.py): torch's own
-RandomSampler and SequentialSampler in one vectorised call, any other one
-by iterating it.
+A sampler whose first index is not an int (keys, tuples: torch hands
+them to dataset[...] as they are) is an ORDER_OBJECTS run, fed by an
+ObjectFeed: each index is pickled on its own into the order file, a row
+of (start, end) per position and the bytes after OBJECT_DATA_AT (both
+sparse, both punched out below what the loop received), and a worker
+reads the position it claimed with two preads (ObjectOrder).  A sampler
+whose first index is an int must yield ints throughout (a TypeError names
+the position otherwise).
+
+loader.DataLoader's samplers and batch samplers stream the same way,
+pulled in generator states of their own (NOTE [ Drawing the order as
+torch does ] in _torch.py: each pull runs inside the feed's `pulling`
+context); torch's own RandomSampler and SequentialSampler are drawn in
+one vectorised call instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
+import pickle
 
 import numpy as np
 
@@ -98,13 +108,15 @@ def sampler_length(sampler) -> int | None:
         return None
 
 
-def streamable(sampler) -> tuple[bool, object]:
-    """(True, an iterator of the sampler's indices) if it can be streamed:
-    its first index is an int (or it yields none); else (False, an
-    iterator of all its indices, the first included)."""
-    it = iter(sampler)
-    first = next(it, None)
-    if first is None:
+_NONE = object()  # no first index
+
+
+def int_indices(it) -> tuple[bool, object]:
+    """(whether a sampler's indices are ints: its first is, or it yields
+    none; an iterator of all its indices, the first included).  `it`: an
+    iterator of the sampler (its first index is pulled here)."""
+    first = next(it, _NONE)
+    if first is _NONE:
         return True, iter(())
     if not isinstance(first, (int, np.integer)) or isinstance(first, bool):
         return False, itertools.chain([first], it)
@@ -119,8 +131,12 @@ class SamplerFeed:
 
     batched = False  # (BatchFeed: True)
 
-    def __init__(self, it, name: str, length: int | None, kept: int, remaining=None):
+    def __init__(self, it, name: str, length: int | None, kept: int, remaining=None,
+                 pulling=None):
         self.it, self.name, self.length = it, name, length
+        # every pull of `it` runs inside it: loader.DataLoader's generator
+        # sandbox (NOTE [ Drawing the order as torch does ] in _torch.py)
+        self.pulling = contextlib.nullcontext() if pulling is None else pulling
         self.kept, self.remaining = kept, remaining
         self.open = length is None
         self.exhausted = False   # OPEN: the sampler ended (or reached `kept`)
@@ -138,15 +154,24 @@ class SamplerFeed:
         os.ftruncate(fd, 0)  # the previous run's pages go
         os.ftruncate(fd, 8 * self.kept)
 
-    def _pull(self, count: int) -> np.ndarray:
-        """The sampler's next `count` indices (OPEN: fewer once it ends)."""
+    def _take(self, count: int) -> np.ndarray:
+        """Up to `count` indices from the sampler, as they are stored."""
         try:
-            got = np.fromiter(itertools.islice(self.it, count), np.int64)
+            with self.pulling:
+                return np.fromiter(itertools.islice(self.it, count), np.int64)
         except (TypeError, ValueError, OverflowError) as e:
             raise TypeError(f"the sampler {self.name} yielded an index that is not an int "
                             f"near its position {self.pulled} ({e}): a sampler whose first index "
-                            f"is an int is streamed, and must yield ints throughout (make it "
-                            f"yield int indices, or non-int ones from its first)") from None
+                            f"is an int must yield ints throughout (make it yield int indices, "
+                            f"or non-int ones from its first)") from None
+
+    @staticmethod
+    def _joined(parts: list) -> np.ndarray:
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def _pull(self, count: int) -> np.ndarray:
+        """The sampler's next `count` indices (OPEN: fewer once it ends)."""
+        got = self._take(count)
         if len(got) < count and self.open:
             self.exhausted = True
             self.pulled += len(got)
@@ -177,7 +202,7 @@ class SamplerFeed:
             if self.exhausted:
                 break
             parts.append(self._pull(int(b - a)))
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return self._joined(parts)
 
     def end(self, batch_size: int | None, drop_last: bool) -> tuple[int, int] | None:
         """OPEN, once the sampler ended: (the epoch's positions delivered,
@@ -202,9 +227,9 @@ class SamplerFeed:
     def _store(self, got: np.ndarray) -> None:
         """The indices of the next run positions (from self.fed)."""
         if self.fd is not None:
-            _pwrite_all(self.fd, got, 8 * self.fed)
+            self._write(got)
         else:
-            self.window = np.concatenate([self.window, got])
+            self.window = self._joined([self.window, got])
         self.fed += len(got)
         if self.open and self.fed >= self.kept and not self.batched:
             self.exhausted = True  # the bound of an OPEN run: its epoch ends here
@@ -223,14 +248,23 @@ class SamplerFeed:
             _punch(self.fd, self.punched, end)
             self.punched = end
 
-    def index(self, pos: int) -> int | None:
+    def _write(self, got: np.ndarray) -> None:
+        _pwrite_all(self.fd, got, 8 * self.fed)
+
+    def index(self, pos: int):
         """The dataset index at run position pos, if still known."""
         if not 0 <= pos < self.fed:
             return None
         if self.fd is None:
-            return int(self.window[pos - self.low]) if pos >= self.low else None
+            return self._item(pos - self.low) if pos >= self.low else None
         if 8 * pos < self.punched:
             return None
+        return self._read(pos)
+
+    def _item(self, i: int):
+        return int(self.window[i])
+
+    def _read(self, pos: int):
         return int.from_bytes(os.pread(self.fd, 8, 8 * pos), "little", signed=True)
 
     def __getitem__(self, key):
@@ -242,11 +276,132 @@ class SamplerFeed:
         if key - self.low >= 2 * _CHUNK:
             self.release_below(key)
         self._feed_ahead(key + 1)
-        return int(self.window[key - self.low])
+        return self._item(key - self.low)
 
     def _feed_ahead(self, upto: int) -> None:
         if upto > self.fed:  # a chunk at a time: one np.fromiter call per chunk
             self.feed(max(upto, self.fed + _CHUNK))
+
+
+# An object order's file (ObjectFeed): per run position, the [start, end)
+# of its pickle in the data region, two int64 words (end 0: not written),
+# for OPEN_POSITIONS positions; the data region after them (both sparse).
+_OBJECT_ROW = 16
+OBJECT_DATA_AT = _OBJECT_ROW * OPEN_POSITIONS
+
+
+class ObjectFeed(SamplerFeed):
+    """A sampler whose indices are not ints (keys, tuples, lists: torch
+    hands them to dataset[...] as they are), streamed as SamplerFeed
+    streams ints: each index pickled on its own into the run's order file
+    (OBJECT_DATA_AT above), which workers read a position at a time
+    (ObjectOrder).  num_workers=0 keeps the window as a list."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.window = []
+        self.data_end = 0        # bytes of the data region written
+        self.data_starts = []    # (first run position, its data offset) of each write
+        self.data_punched = 0    # bytes of the data region given back
+
+    def attach(self, fd: int) -> None:
+        self.fd = fd
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, OBJECT_DATA_AT)
+
+    def _take(self, count: int) -> list:
+        with self.pulling:
+            return list(itertools.islice(self.it, count))
+
+    @staticmethod
+    def _joined(parts: list) -> list:
+        return [x for part in parts for x in part]
+
+    def _write(self, got: list) -> None:
+        blobs = [pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL) for x in got]
+        ends = np.cumsum([len(b) for b in blobs], dtype=np.int64) + self.data_end
+        rows = np.empty((len(got), 2), np.int64)
+        rows[:, 1] = ends
+        rows[:, 0] = ends - [len(b) for b in blobs]
+        data = b"".join(blobs)
+        done = 0
+        while done < len(data):  # the data before the rows that point into it
+            done += os.pwrite(self.fd, memoryview(data)[done:],
+                              OBJECT_DATA_AT + self.data_end + done)
+        _pwrite_all(self.fd, rows.reshape(-1), _OBJECT_ROW * self.fed)
+        self.data_starts.append((self.fed, self.data_end))
+        self.data_end += len(data)
+
+    def release_below(self, pos: int) -> None:
+        if self.fd is None:
+            drop = min(pos, self.fed) - self.low
+            if drop > 0:
+                del self.window[:drop]
+                self.low += drop
+            return
+        end = (_OBJECT_ROW * min(pos, self.fed)) // _PUNCH_BYTES * _PUNCH_BYTES
+        if end > self.punched:
+            _punch(self.fd, self.punched, end)
+            self.punched = end
+        # the data of the writes wholly below pos
+        while len(self.data_starts) > 1 and self.data_starts[1][0] <= pos:
+            self.data_starts.pop(0)
+        data_end = self.data_starts[0][1] // _PUNCH_BYTES * _PUNCH_BYTES if self.data_starts else 0
+        if data_end > self.data_punched:
+            _punch(self.fd, OBJECT_DATA_AT + self.data_punched, OBJECT_DATA_AT + data_end)
+            self.data_punched = data_end
+
+    def _item(self, i: int):
+        return self.window[i]
+
+    def _read(self, pos: int):
+        order = ObjectOrder(self.fd)
+        start, end = order.row(pos)
+        if start < self.data_punched:  # delivered, its data given back
+            return None
+        return order.load(start, end)
+
+
+class ObjectOrder:
+    """A worker's view of an ObjectFeed's file: run position -> the
+    sampler's index object (or a list of them, for a slice).  Reads only
+    positions below LIMIT, whose rows and data main wrote before storing
+    it (NOTE [ Streamed samplers ])."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            rows = np.frombuffer(_pread_all(self.fd, _OBJECT_ROW * (key.stop - key.start),
+                                            _OBJECT_ROW * key.start), np.int64).reshape(-1, 2)
+            if len(rows) == 0:
+                return []
+            data = _pread_all(self.fd, int(rows[-1, 1] - rows[0, 0]),
+                              OBJECT_DATA_AT + int(rows[0, 0]))
+            base = int(rows[0, 0])
+            return [pickle.loads(data[a - base:b - base]) for a, b in rows.tolist()]
+        return self.load(*self.row(key))
+
+    def row(self, pos: int) -> tuple[int, int]:
+        """[start, end) of position pos's pickle in the data region."""
+        start, end = np.frombuffer(_pread_all(self.fd, _OBJECT_ROW, _OBJECT_ROW * pos), np.int64)
+        return int(start), int(end)
+
+    def load(self, start: int, end: int):
+        return pickle.loads(_pread_all(self.fd, end - start, OBJECT_DATA_AT + start))
+
+
+def _pread_all(fd: int, n: int, at: int) -> bytes:
+    parts, done = [], 0
+    while done < n:
+        part = os.pread(fd, n - done, at + done)
+        if not part:
+            raise OSError(f"the order file ends at byte {at + done}, {n - done} bytes short "
+                          f"of a streamed sampler's index (was it written?)")
+        parts.append(part)
+        done += len(part)
+    return b"".join(parts)
 
 
 _BATCHES_PER_PULL = 1024  # batches pulled from a batch sampler at a time, at most
@@ -264,8 +419,8 @@ class BatchFeed(SamplerFeed):
 
     batched = True
 
-    def __init__(self, it, name: str, kept: int, remaining=None):
-        super().__init__(it, name, None, kept, remaining)
+    def __init__(self, it, name: str, kept: int, remaining=None, pulling=None):
+        super().__init__(it, name, None, kept, remaining, pulling)
         self.offsets = np.zeros(1024, np.int64)  # run batch k covers [offsets[k], offsets[k + 1])
         self.batches_fed = 0     # run batches whose offsets are known
         self.epoch_batches = 0   # the batch sampler's batches pulled
@@ -286,9 +441,9 @@ class BatchFeed(SamplerFeed):
         or the batch sampler ended before them."""
         while self.batches_fed < upto and not self.exhausted:
             wanted = min(upto - self.batches_fed, _BATCHES_PER_PULL)
-            pulled = list(itertools.islice(self.it, wanted))
-            for batch in pulled:
-                indices = self._indices_of(batch)
+            with self.pulling:  # (a batch may be lazy: its indices are pulled here too)
+                pulled = [self._indices_of(b) for b in itertools.islice(self.it, wanted)]
+            for indices in pulled:
                 if self.fed + len(indices) > self.kept or self.batches_fed >= self.kept:
                     self.exhausted = True  # the bound of an OPEN run: its epoch ends here
                     return

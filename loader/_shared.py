@@ -209,17 +209,12 @@ class SharedState:
         if self.spill is not None:
             self.spill.free_values(values)
 
-    def write_order(self, run: int, order: np.ndarray, offsets: np.ndarray | None) -> None:
-        """The run's order (and a batch sampler's offsets), for the workers
-        and the batcher: see OFFSETS in NOTE [ Runs ]."""
-        parts = [np.ascontiguousarray(p, np.int64) for p in
-                 ([order] if offsets is None else [order, offsets])]
+    def write_order(self, run: int, order: np.ndarray) -> None:
+        """The run's order written out, for the workers (NOTE [ Runs ])."""
+        words = np.ascontiguousarray(order, np.int64)  # (a copy only if it is not one already)
         fd = self.order_fds[run % 2]
-        os.ftruncate(fd, sum(p.nbytes for p in parts))
-        at = 0
-        for p in parts:  # no concatenated copy: an order can be most of RAM
-            _write(fd, memoryview(p).cast("B"), at)
-            at += p.nbytes
+        os.ftruncate(fd, words.nbytes)
+        _write(fd, memoryview(words).cast("B"), 0)
 
     def read_order(self, run: int, kept: int, nbatches: int, with_offsets: bool):
         """(order, offsets or None) as write_order wrote them: views of the
@@ -248,13 +243,6 @@ class SharedState:
 
     def read_snapshot(self, run: int):
         return _read_pickle(self.snapshot_fds[run % 2], "snapshot")
-
-    def write_objects(self, run: int, order: list) -> None:
-        """A sampler's indices that are not ints (ORDER_OBJECTS), pickled."""
-        _write_pickle(self.order_fds[run % 2], order)
-
-    def read_objects(self, run: int) -> list:
-        return _read_pickle(self.order_fds[run % 2], "order")
 
     def close(self) -> None:
         if self.arena_fd >= 0:

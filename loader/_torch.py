@@ -320,17 +320,30 @@ class _PipeEpochs(torch.utils.data.IterableDataset):
 # shared generator is where those pulls left it, and every later epoch
 # (and base seed) depends on it.
 #
-# ShmLoader needs the whole order at the epoch's start (its workers claim
-# positions of it).  So _TorchOrder draws it in one go, then, if that drew
-# from any generator, puts the generators back as they were and starts a
-# second iterator over the same samplers (the "mirror") that the DataLoader
-# iterator pulls exactly as torch's would: the generators then go through
-# the states torch's go through, at the same moments, whatever the loop
-# does.  The mirror's indices are the order again and are dropped.  Cost:
-# the sampler is iterated twice (main only, where torch iterates it once);
-# nothing when no generator moved (a fixed sampler).  A resumed epoch has
-# no mirror: its order is drawn from the recorded states, and it leaves the
-# generators as the whole epoch would.
+# ShmLoader pulls a user's sampler a window ahead of its workers (NOTE
+# [ Streamed samplers ] in _sampler_feed.py), which is not when torch's
+# iterator pulls it.  So _TorchOrder pulls it in generator states of its
+# own (_GeneratorSandbox: each pull swaps the states in and out, a few
+# microseconds), which start as the generators are at the epoch's start:
+# the indices are those the source gives from there, and the generators
+# the loop sees do not move.  The first time a pull draws from any of them,
+# a second iterator over the same samplers (the "mirror") starts, in the
+# generators themselves, and takes the pulls torch's iterator has taken so
+# far (they drew nothing, or this is the first); from then on the
+# DataLoader iterator pulls it exactly as torch's would, so the generators
+# go through the states torch's go through, at the same moments, whatever
+# the loop does.  The mirror's indices are the order again and are
+# dropped.  Cost: the sampler is iterated twice (in main, where torch
+# iterates it once); nothing when no generator moved (a fixed sampler).
+# The sandbox's pulls run ahead of the mirror's, never behind, as LIMIT
+# runs `prefetch` (= prefetch_factor * num_workers) batches ahead as
+# torch's prefetch does.  What no loader that loads ahead can give: a
+# sampler whose indices depend on draws the training loop makes
+# meanwhile from the same generator gets the indices it would give
+# without those draws (the generators still end where torch's do).  A
+# resumed epoch has no sandbox and no mirror: its order is pulled in the
+# generators themselves from the recorded states, and leaves them, once it
+# ends, as the whole epoch would.
 #
 # torch's own RandomSampler (without replacement, one pass over its data
 # source: DataLoader(shuffle=True)) and SequentialSampler are not iterated
@@ -428,6 +441,7 @@ class _TorchOrder:
         self.resume_epoch = None  # its sampler's epoch (NOTE [ The sampler's epoch in a state ])
         self.sampler_epoch = None  # the epoch the current order was drawn with
         self._mirror = None
+        self.torch_pulls = 0   # pulls torch's iterator made that no mirror has replayed yet
 
     def __len__(self) -> int:
         return len(self.source)
@@ -437,13 +451,12 @@ class _TorchOrder:
         """What a state records of the sampler (ShmLoader.state_dict)."""
         return type(self.source).__name__
 
-    def __iter__(self):
-        return iter(self.draw())
-
     def draw(self):
-        """The epoch's order, as iterating the source gives it: an int64
-        array when torch's own sampler types are drawn in one vectorised
-        call (NOTE [ Drawing the order as torch does ]), else a list."""
+        """The epoch's order, as (indices, what each pull of them runs
+        inside): an int64 array (and None) when torch's own sampler types
+        are drawn in one vectorised call, else an iterator of the source
+        and the _GeneratorSandbox it is pulled in (None for a resumed
+        epoch): see NOTE [ Drawing the order as torch does ]."""
         epoch_sampler = _epoch_sampler(self.source)
         if self.resuming and self.resume_epoch is not None:
             epoch_sampler.set_epoch(self.resume_epoch)
@@ -451,17 +464,24 @@ class _TorchOrder:
         self.sampler_epoch = None if epoch_sampler is None else epoch_sampler.epoch
         resuming, self.resuming = self.resuming, False
         self._mirror = None
+        self.torch_pulls = self.prefetched  # what torch's iterator takes as it starts
         if _vectorised(self.source):
-            return self._draw_vectorised(resuming)
-        before = [g.get_state() for g in self.generators]
-        items = list(self.source)
-        if resuming or all(torch.equal(s, g.get_state()) for s, g in zip(before, self.generators)):
-            return items
-        for g, s in zip(self.generators, before):
-            g.set_state(s)
+            return self._draw_vectorised(resuming), None
+        if resuming:  # pulled in the generators themselves: no mirror (see the note)
+            return iter(self.source), None
+        sandbox = _GeneratorSandbox(self.generators, self._start_mirror)
+        with sandbox:
+            it = iter(self.source)
+        return it, sandbox
+
+    def _start_mirror(self) -> None:
+        """Pulling the source drew from a generator: from now on the mirror
+        draws in the generators themselves, as torch's iterator would, and
+        first takes what that iterator has taken so far (pulls that drew
+        nothing, or the first)."""
         self._mirror = iter(self.index_sampler)
-        self.pull(self.prefetched)  # what torch's iterator takes as it starts
-        return items
+        pulls, self.torch_pulls = self.torch_pulls, 0
+        self.pull(pulls)
 
     def _draw_vectorised(self, resuming: bool) -> np.ndarray:
         """torch's RandomSampler or SequentialSampler: the order in one
@@ -481,15 +501,18 @@ class _TorchOrder:
             trailing.draw()
             return order
         self._mirror = iter(_replay_of(self.index_sampler, trailing))
-        self.pull(self.prefetched)  # what torch's iterator takes as it starts
+        pulls, self.torch_pulls = self.torch_pulls, 0
+        self.pull(pulls)
         return order
 
     def pull(self, n: int = 1) -> None:
         """Take n batches of indices from the mirror, as torch's iterator
-        takes them from its sampler (drawing what the sampler draws)."""
+        takes them from its sampler (drawing what the sampler draws); with
+        no mirror (yet), count them."""
         for _ in range(n):
             if self._mirror is None:
-                return
+                self.torch_pulls += 1
+                continue
             try:
                 next(self._mirror)
             except StopIteration:
@@ -499,6 +522,39 @@ class _TorchOrder:
         """The epoch ended: torch's sampler was exhausted by now."""
         while self._mirror is not None:
             self.pull()
+
+
+class _GeneratorSandbox:
+    """Generator states of their own, for the code run inside `with`: the
+    source's pulls in main, a window ahead of the workers, draw from these
+    and never from the states the training loop sees, which only the
+    mirror moves (NOTE [ Drawing the order as torch does ]).  They start as
+    the generators are at the epoch's start.  The first time a pull draws
+    from any of them, `on_first_draw` is called (outside the sandbox)."""
+
+    def __init__(self, generators: list, on_first_draw):
+        self.generators, self.on_first_draw = generators, on_first_draw
+        self.start = [g.get_state() for g in generators]
+        self.states = self.start
+        self.outside = None
+
+    def __enter__(self):
+        gens = self.generators
+        self.outside = [g.get_state() for g in gens]
+        for g, state in zip(gens, self.states):
+            g.set_state(state)
+        return self
+
+    def __exit__(self, *exc):
+        gens = self.generators
+        self.states = [g.get_state() for g in gens]
+        for g, state in zip(gens, self.outside):
+            g.set_state(state)
+        self.outside = None
+        if self.on_first_draw is not None and not all(
+                torch.equal(a, b) for a, b in zip(self.start, self.states)):
+            first_draw, self.on_first_draw = self.on_first_draw, None
+            first_draw()
 
 
 class _Iterator:

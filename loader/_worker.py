@@ -20,6 +20,7 @@ from loader import _order
 from loader import _protocol
 from loader._native import DROPPED, ENDED, RowWriter, RunCounters, StreamSlots, derived_seeds
 from loader._progress import stream_skips
+from loader._sampler_feed import ObjectOrder
 from loader._shared import LoaderConfig, SharedState
 from loader._stats import WaitClock
 from loader._table import SEQ
@@ -318,9 +319,8 @@ class Worker:
         index), and its batches."""
         c, cfg = self.control, self.cfg
         kept, kind = c.read(run, _control.KEPT), c.read(run, _control.ORDER)
-        offsets = None
-        if kind == _order.ORDER_OBJECTS:
-            order = self.shared.read_objects(run)
+        if kind == _order.ORDER_OBJECTS:  # a streamed sampler's index objects
+            order = ObjectOrder(self.shared.order_fd(run))
         elif kind == _order.ORDER_SHIPPED and \
                 c.read(run, _control.OFFSETS) == _order.OFFSETS_STREAMED:
             # a streamed batch sampler's: offsets written as main pulls it
@@ -329,8 +329,7 @@ class Worker:
             return order, _order.StreamedBatches(stored, lambda: c.kept(run),
                                                  lambda: c.nbatches(run))
         elif kind == _order.ORDER_SHIPPED:
-            order, offsets = self.shared.read_order(run, kept, c.read(run, _control.NBATCHES),
-                                                    bool(c.read(run, _control.OFFSETS)))
+            order, _ = self.shared.read_order(run, kept, 0, False)
         else:
             remaining = None
             if c.read(run, _control.RESUMED):
@@ -341,7 +340,7 @@ class Worker:
                                           remaining)
         if c.read(run, _control.OPEN):  # its length is learnt late: KEPT is read at every use
             return order, _order.OpenBatches(cfg.rows_per_batch, lambda: c.kept(run))
-        return order, _order.Batches(kept, cfg.rows_per_batch, offsets)
+        return order, _order.Batches(kept, cfg.rows_per_batch)
 
     def _wait_to_load(self, run: int, unit: int) -> bool:
         """Until unit is below main's limit (prefetch); False if the run ended."""

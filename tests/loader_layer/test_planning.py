@@ -8,7 +8,7 @@ import pytest
 
 from loader import _order
 from loader._planning import PlanRules, order_of, plan_run, settled_plan
-from loader._sampler_feed import BatchFeed, SamplerFeed
+from loader._sampler_feed import BatchFeed, ObjectFeed, SamplerFeed
 
 
 def rules(n=10, **kw) -> PlanRules:
@@ -50,13 +50,15 @@ def test_a_seeded_shuffle_is_computed_and_sharded_by_formula():
     assert set(joined) == set(range(1001)) and len(joined) == 1002
 
 
-def test_a_sized_int_sampler_streams_and_a_list_of_keys_is_drawn_whole():
+def test_a_sized_sampler_streams_its_int_indices_and_its_keys():
     p = plan(rules(sampler=[5, 3, 9, 1, 0]))
     assert isinstance(p.feed, SamplerFeed) and p.shipped is None
     assert (p.order_kind, p.kept, p.nbatches) == (_order.ORDER_SHIPPED, 5, 2)
-    keys = plan(rules(sampler=[("a", 1), ("b", 2), ("c", 3)]))
-    assert keys.order_kind == _order.ORDER_OBJECTS and keys.shipped == [("a", 1), ("b", 2),
-                                                                        ("c", 3)]
+    keys = plan(rules(sampler=[("a", 1), ("b", 2), None]))
+    assert isinstance(keys.feed, ObjectFeed) and keys.shipped is None
+    assert (keys.order_kind, keys.kept, keys.nbatches) == (_order.ORDER_OBJECTS, 3, 1)
+    keys.feed.feed(3)  # num_workers=0: the window, as a list
+    assert [keys.feed[i] for i in range(3)] == [("a", 1), ("b", 2), None]
 
 
 def test_a_sampler_without_len_is_open_until_it_ends():
@@ -73,12 +75,63 @@ def test_a_sampler_without_len_is_open_until_it_ends():
     assert (settled.kept, settled.nbatches, settled.units) == (9, 3, 9)
 
 
+class Drawn:
+    """What loader.DataLoader gives ShmLoader as its sampler (_TorchOrder):
+    draw() -> (an iterator, what each pull runs inside), here a context
+    that records the items pulled inside it."""
+
+    def __init__(self, items):
+        self.items, self.inside, self.pulled_inside = items, False, []
+
+    def __len__(self):
+        return len(self.items)
+
+    def draw(self):
+        def pull():
+            for item in self.items:
+                assert self.inside, "pulled outside its context"
+                self.pulled_inside.append(item)
+                yield item
+        return pull(), self
+
+    def __enter__(self):
+        self.inside = True
+
+    def __exit__(self, *exc):
+        self.inside = False
+
+
 def test_a_batch_sampler_streams_its_batches():
     p = plan(rules(batch_size=1, batch_sampler=[[4, 2], [7], [1, 3, 5]]))
     assert isinstance(p.feed, BatchFeed) and p.kept == _order.OPEN_POSITIONS
-    drawn = plan(rules(batch_size=1, batch_sampler=[[4, 2], [7], [1, 3, 5]], torch_rules=True))
-    assert drawn.shipped.tolist() == [4, 2, 7, 1, 3, 5]
-    assert drawn.offsets.tolist() == [0, 2, 3, 6] and drawn.nbatches == 3
+    # loader.DataLoader's batch sampler streams too, each pull inside its context
+    drawn = Drawn([[4, 2], [7], [1, 3, 5]])
+    r = rules(batch_size=1, batch_sampler=drawn, torch_rules=True)
+    p = plan(r)
+    assert isinstance(p.feed, BatchFeed) and p.kept == _order.OPEN_POSITIONS
+    assert drawn.pulled_inside == []  # nothing pulled before LIMIT asks
+    p.feed.feed_batches(4)
+    assert drawn.pulled_inside == [[4, 2], [7], [1, 3, 5]] and not drawn.inside
+    settled = settled_plan(p, r)
+    assert settled.nbatches == 3 and settled.kept == 6
+    assert p.feed.offsets[:4].tolist() == [0, 2, 3, 6]
+    assert [p.feed.index(i) for i in range(6)] == [4, 2, 7, 1, 3, 5]
+
+
+def test_a_dataloader_sampler_streams_inside_its_context_unless_drawn_in_one_call():
+    drawn = Drawn([5, 3, 9, 1, 0])
+    p = plan(rules(sampler=drawn, torch_rules=True))
+    assert isinstance(p.feed, SamplerFeed) and p.shipped is None and p.kept == 5
+    assert drawn.pulled_inside == [5]  # its first index: is it an int?
+    p.feed.feed(5)
+    assert drawn.pulled_inside == [5, 3, 9, 1, 0] and p.feed.window.tolist() == [5, 3, 9, 1, 0]
+
+    class OneCall(Drawn):
+        def draw(self):
+            return np.asarray(self.items, np.int64), None
+
+    whole = plan(rules(sampler=OneCall([2, 0, 1]), torch_rules=True))
+    assert whole.feed is None and whole.shipped.tolist() == [2, 0, 1]
 
 
 def test_a_run_past_the_cursor_width_is_refused_with_the_remedy():

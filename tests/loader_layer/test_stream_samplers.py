@@ -410,3 +410,212 @@ def test_dataloader_shuffle_is_torchs_order_without_iterating_its_sampler(
     assert torch.equal(got_global, expect_global)
     if g is not None:
         assert torch.equal(g.get_state(), expect_g)
+
+
+# --- loader.DataLoader's other samplers, streamed too -----------------------------------
+
+_DATALOADER_BILLION = textwrap.dedent("""
+    import json, os, resource, sys, time
+    import numpy as np
+    resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))  # a regression: MemoryError
+    import torch
+    import torch.utils.data as tud
+    from loader import DataLoader
+
+    N = 1_000_000_000
+
+    def rss_kb(pid):
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
+
+    class Ids(tud.Dataset):
+        def __len__(self): return N
+        def __getitem__(self, i): return i
+
+    class Strided(tud.Sampler):  # a user's sampler of a billion indices, lazy, with len()
+        def __len__(self): return N
+        def __iter__(self): return ((i * 7919) % N for i in range(N))
+
+    class Batches(tud.Sampler):  # a user's batch sampler over a billion indices
+        def __len__(self): return N // 1000
+        def __iter__(self):
+            return ([(j * 7919) % N for j in range(i, i + 1000)] for i in range(0, N, 1000))
+
+    base = rss_kb(os.getpid())
+    out = {}
+    for name, kw in (("sampler", dict(sampler=Strided(), batch_size=1000)),
+                     ("batch_sampler", dict(batch_sampler=Batches()))):
+        t0 = time.perf_counter()
+        ld = DataLoader(Ids(), num_workers=2, **kw)
+        it = iter(ld)
+        first = next(it)
+        took = time.perf_counter() - t0
+        got = [first] + [next(it) for _ in range(199)]
+        shm = ld._shm
+        grown = rss_kb(os.getpid()) - base + sum(rss_kb(p.pid) - base
+                                                 for p in shm._session.procs)
+        expect = (np.arange(200 * 1000, dtype=np.int64) * 7919) % N
+        out[name] = {"first_batch_s": took, "grown_kb": grown, "len": len(ld),
+                     "exact": bool(np.array_equal(torch.cat(got).numpy(), expect))}
+        del it
+        ld.close()
+    print(json.dumps(out))
+""")
+
+
+def test_dataloader_streams_a_users_billion_index_sampler_and_batch_sampler():
+    """Issue 19: loader.DataLoader with a user's sampler (or batch sampler)
+    over 1,000,000,000 indices, lazy, under RLIMIT_DATA (drawing either
+    whole would need 8 GB of int64 and far more as Python ints: a
+    MemoryError, not the OOM killer).  The first batch within a few
+    seconds, the loader's processes growing by under 100 MB, len() torch's,
+    and the first 200 batches exactly the sampler's indices."""
+    pytest.importorskip("torch")
+    out = subprocess.run([sys.executable, "-c", _DATALOADER_BILLION], capture_output=True,
+                         text=True, timeout=110, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["sampler"]["len"] == 1_000_000 and got["batch_sampler"]["len"] == 1_000_000
+    for case in got.values():
+        assert case["first_batch_s"] < 5, got
+        assert case["grown_kb"] < 100 * 1024, got
+        assert case["exact"], got
+
+
+# --- indices that are not ints (keys), streamed -----------------------------------------
+
+class KeyedRows:
+    """dataset[(i, tag)] for a key of two parts: the row i, checked
+    against its tag (a key passed to the dataset as the sampler gave it)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, key):
+        i, tag = key
+        assert tag == f"row-{i}", key
+        return np.full(3, i, np.int64)
+
+
+class Keys:
+    """(i * 7919 mod n, "row-<i>") keys, lazily; sized or not; n None: for ever."""
+
+    def __init__(self, n=None, sized=True):
+        self.n, self.sized = n, sized
+
+    def __len__(self):
+        if not self.sized or self.n is None:
+            raise TypeError("no len()")
+        return self.n
+
+    def __iter__(self):
+        for i in Lenless(self.n):
+            yield int(i), f"row-{i}"
+
+
+MODES_FIRST_READY = MODES + [dict(num_workers=2, in_order=False)]
+
+
+@pytest.mark.parametrize("sized", [True, False], ids=["len", "no-len"])
+@pytest.mark.parametrize("mode", MODES_FIRST_READY,
+                         ids=["inline", "processes", "threads", "first-ready"])
+def test_a_sampler_of_keys_streams_exact_epochs(mode, sized):
+    """Issue 19: a sampler of tuple keys (torch hands them to dataset[...]
+    as they are) is pulled a window ahead as an int sampler is, never
+    whole: 20,011 keys in batches of 64, two epochs, every key exactly once
+    and in the sampler's order in order."""
+    n, B = 20_011, 64
+    with ShmLoader(KeyedRows(n), sampler=Keys(n, sized), batch_size=B, **mode) as ld:
+        got = epochs_of(ld, 2)
+    for epoch in got:
+        flat = np.concatenate(epoch)
+        assert flat.shape == (n, 3) and np.array_equal(flat[:, 0], flat[:, 2])
+        if mode.get("in_order", True):
+            assert np.array_equal(flat[:, 0], strided(0, n, n))
+        else:
+            assert np.array_equal(np.sort(flat[:, 0]), np.arange(n))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_of_keys_resumes_exactly_the_rest(workers):
+    n, B = 10_007, 100
+    kw = dict(batch_size=B, num_workers=workers)
+    with ShmLoader(KeyedRows(n), sampler=Keys(n), **kw) as ld:
+        it = iter(ld)
+        head = [next(it).copy() for _ in range(41)]
+        state = ld.state_dict()
+        rest = [b.copy() for b in it]
+    with ShmLoader(KeyedRows(n), sampler=Keys(n), **kw) as ld:
+        ld.load_state_dict(state)
+        resumed = [b.copy() for b in ld]
+    assert len(head) + len(rest) == -(-n // B)
+    assert np.array_equal(np.concatenate(resumed), np.concatenate(rest))
+
+
+class BadKey:
+    def __len__(self):
+        return 200
+
+    def __getitem__(self, key):
+        raise KeyError(f"no sample {key!r}")
+
+
+def test_an_error_on_a_key_names_the_key():
+    with ShmLoader(BadKey(), sampler=Keys(200), batch_size=10, num_workers=2) as ld:
+        with pytest.raises(KeyError) as raised:
+            next(iter(ld))
+    assert "(0, 'row-0')" in str(raised.value)
+
+
+_KEYS_HUNDRED_MILLION = textwrap.dedent("""
+    import json, os, resource, time
+    import numpy as np
+    resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))  # a regression: MemoryError
+    from loader import ShmLoader
+
+    N = 100_000_000
+
+    def rss_kb(pid):
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
+
+    class Keyed:
+        def __len__(self): return N
+        def __getitem__(self, key): return key[0]
+
+    class Keys:  # 100,000,000 (index, name) keys, lazily: whole, several GB of tuples
+        def __len__(self): return N
+        def __iter__(self): return (((i * 7919) % N, f"k{i}") for i in range(N))
+
+    base = rss_kb(os.getpid())
+    t0 = time.perf_counter()
+    with ShmLoader(Keyed(), sampler=Keys(), batch_size=1000, num_workers=2) as ld:
+        it = iter(ld)
+        first = next(it).copy()
+        took = time.perf_counter() - t0
+        got = [first] + [next(it).copy() for _ in range(1999)]
+        grown = rss_kb(os.getpid()) - base + sum(rss_kb(p.pid) - base for p in ld._session.procs)
+        allocated = os.fstat(ld._session.shared.order_fd(ld._runs.current.id)).st_blocks * 512
+    expect = (np.arange(2000 * 1000, dtype=np.int64) * 7919) % N
+    print(json.dumps({"first_batch_s": took, "grown_kb": grown, "order_bytes": allocated,
+                      "exact": bool(np.array_equal(np.concatenate(got), expect))}))
+""")
+
+
+def test_a_hundred_million_keys_start_at_once_in_bounded_memory():
+    """100,000,000 tuple keys, lazily, under RLIMIT_DATA 3 GiB (drawing
+    them whole takes several GB of tuples: a MemoryError): the first
+    batch within a few seconds, the processes growing by under 100 MB, the
+    order file holding the window (its pages below what the loop received
+    given back), and the first 2,000 batches exactly the sampler's."""
+    out = subprocess.run([sys.executable, "-c", _KEYS_HUNDRED_MILLION], capture_output=True,
+                         text=True, timeout=110, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["first_batch_s"] < 5, got
+    assert got["grown_kb"] < 100 * 1024, got
+    assert got["order_bytes"] < 8 << 20, got
+    assert got["exact"], got

@@ -128,6 +128,73 @@ def test_epochs_after_one_left_early_have_torchs_order(how, case, workers):
             assert sorted(flat) == list(range(N))
 
 
+class GlobalDraws(tud.Sampler):
+    """Draws each index from torch's global generator as it is pulled (a
+    custom sampler written the short way): every pull moves the generator
+    the training loop's dropout draws from."""
+
+    def __len__(self):
+        return N
+
+    def __iter__(self):
+        for _ in range(N):
+            yield int(torch.randint(N, ()))
+
+
+class LateDraw(tud.Sampler):
+    """Yields 0..39 as they are, then a permutation of the rest drawn from
+    its generator: its first draw comes after 40 pulls that drew nothing."""
+
+    def __init__(self, generator):
+        self.generator = generator
+
+    def __len__(self):
+        return N
+
+    def __iter__(self):
+        yield from range(40)
+        yield from (40 + torch.randperm(N - 40, generator=self.generator)).tolist()
+
+
+LAZY_SAMPLERS = {
+    "global draws per index": dict(batch_size=10, sampler=lambda g: GlobalDraws()),
+    "a late first draw": dict(batch_size=10, sampler=lambda g: LateDraw(g)),
+    "a user batch sampler of global draws": dict(batch_sampler=lambda g: tud.BatchSampler(
+        GlobalDraws(), 9, False)),
+}
+
+
+def loop_that_draws(loader):
+    """Each step draws from the global generator (dropout, augmentation in
+    the loop), leaves the first epoch after 3 batches, then runs two."""
+    out = []
+    for epoch in range(3):
+        seen = []
+        for i, b in enumerate(loader):
+            seen.append(ids(b) + [float(torch.rand(()))])
+            if epoch == 0 and i == 2:
+                break
+        out.append(seen)
+    return out
+
+
+@pytest.mark.parametrize("case, how", [
+    ("global draws per index", left_by_break), ("global draws per index", left_by_peek),
+    ("a late first draw", left_by_break), ("a late first draw", loop_that_draws),
+    ("a user batch sampler of global draws", left_by_exception)])
+@pytest.mark.parametrize("workers", [0, 2], ids=["nw0", "nw2"])
+def test_samplers_that_draw_as_they_are_pulled_move_the_generators_as_torchs(case, how,
+                                                                               workers):
+    """Issue 19: loader.DataLoader pulls a user's sampler a window ahead
+    of its workers, never whole, in generator states of its own; the
+    generators the loop sees move only as torch's iterator moves them
+    (NOTE [ Drawing the order as torch does ]).  The batches, the loop's
+    own draws and the generators afterwards equal torch's."""
+    out = both(how, num_workers=workers, **LAZY_SAMPLERS[case])
+    per_epoch = -(-N // (9 if "batch sampler" in case else 10))
+    assert [len(e) for e in out[-2:]] == [per_epoch] * 2
+
+
 @pytest.mark.parametrize("how", [left_by_break, left_by_peek], ids=["break", "peek"])
 def test_persistent_workers_after_an_epoch_left_early_have_torchs_order(how):
     out = both(how, num_workers=2, persistent_workers=True, batch_size=10, shuffle=True)
