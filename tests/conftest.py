@@ -123,7 +123,14 @@ def no_leftover_processes():
                 if p not in before and not _is_multiprocessing_helper(p)}
 
     yield
-    gc.collect()  # finalizers that stop processes (a loader in a reference cycle) run now
+    # Finalizers that stop processes (a loader in a reference cycle) run now,
+    # in the test that made them.  Then whatever survived the collection is
+    # frozen (gc.freeze): it outlives the test (imports, session fixtures),
+    # and the next test's collection scans only what that test makes.  With
+    # torch, Lightning and datasets imported, a full collection takes 0.24 s;
+    # once per test, that was a quarter of the suite's time.
+    gc.collect()
+    gc.freeze()
     deadline = time.monotonic() + LEAK_GRACE_S
     left = left_by_test()
     while left and time.monotonic() < deadline:
