@@ -54,7 +54,7 @@ from loader._loader import LoaderTimeout, ShmLoader, WorkerError
 from loader._parquet import ParquetDataset
 from loader._procs import LoaderStartError
 from loader._stats import DataStallWarning
-from loader._worker import WorkerInfo, get_worker_info
+from loader._seeding import WorkerInfo, get_worker_info
 from loader.integrations import ray as _ray_integration
 
 # Ray Train's prepare_data_loader rebuilds loaders as torch's class and wraps

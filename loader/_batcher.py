@@ -6,27 +6,22 @@ without waiting and sleeps only on its bell."""
 
 from __future__ import annotations
 
-import collections
 import os
-
-import numpy as np
 
 import shmq
 from loader import _control
-from loader import _order
 from loader import _protocol
+from loader._batcher_runs import Batch, BatcherRun, ToMain, pack_rows
 from loader._layout import (
-    CollateError,
     LayoutCache,
     castable,
     misfit,
     promoted,
     signature_and_leaves,
 )
-from loader._shared import LoaderConfig, SharedState, batch_ready_wire
+from loader._shared import LoaderConfig, SharedState
 from loader._slabs import Slab, SlabAllocator, slab_bytes
 from loader._stats import WaitClock
-from loader._progress import stream_skips
 from loader._table import CONFIRMED, REFUSED, count_of
 from loader._trace import POOL, ROLE_BATCHER, RUN, now, tracer_of
 from loader._warmup import ArenaWarmer
@@ -35,143 +30,17 @@ from loader._worker import exit_if_orphaned
 DRAIN_BATCH = 256  # messages handled between looks at runs, memory and the outbox
 
 
-class _Batch:
-    """A batch being filled.  It is *published* while it owns its table
-    entry; its layout is *confirmed* once it came from a sample of this
-    batch (else it is a guess from earlier batches)."""
-
-    __slots__ = ("index", "rows", "batched", "layout", "slab", "version", "confirmed", "published",
-                 "refused", "counted", "values", "wanted", "held_rows")
-
-    def __init__(self, index, rows, batched):
-        self.index, self.rows, self.batched = index, rows, batched
-        self.layout = self.slab = None
-        self.version = 0
-        self.confirmed = self.published = self.refused = self.counted = False
-        self.values: dict[int, list] = {}   # row -> its non-numeric leaves
-        self.wanted = None      # a signature waiting for memory (or for the table entry)
-        self.held_rows = []     # SampleRow messages waiting for memory to promote the batch
-
-
-class _BatcherRun:
-    """One run, from the batcher's side.  It lives until every worker has
-    said Done for it, even after main abandoned it: until then a worker may
-    still write into its slabs."""
-
-    def __init__(self, run: int, control: _control.Control, cfg: LoaderConfig, shared: SharedState):
-        self.run = run
-        self.control = control
-        self.iterable = cfg.iterable
-        self.per_batch = cfg.per_batch
-        self.claims_batches = cfg.claims_batches
-        self.workers = max(cfg.num_workers, 1)
-        self.B = cfg.rows_per_batch
-        if self.iterable:
-            self.nbatches = None
-            self.batches = None
-        else:
-            kept = control.read(run, _control.KEPT)
-            self.nbatches = control.read(run, _control.NBATCHES)
-            if control.read(run, _control.OFFSETS) == _order.OFFSETS_STREAMED:
-                # a streamed batch sampler's (NOTE [ Runs ])
-                open_positions = _order.OPEN_POSITIONS
-                _, stored = shared.read_order(run, open_positions, open_positions, True)
-                self.batches = _order.StreamedBatches(stored, lambda: control.kept(run),
-                                                      lambda: control.nbatches(run))
-            elif control.read(run, _control.OPEN):  # its length is learnt late (NOTE [ Runs ])
-                self.batches = _order.OpenBatches(self.B, lambda: control.kept(run))
-            else:
-                self.batches = _order.Batches(kept, self.B)
-        self.open_ended = not self.iterable and (
-            bool(control.read(run, _control.OPEN))
-            or control.read(run, _control.OFFSETS) == _order.OFFSETS_STREAMED)
-        self.open: dict[int, _Batch] = {}
-        # map-style: batches below lo, and those in `finished`, are sent
-        self.lo, self.finished = 0, set()
-        # iterable: per worker's stream, its batch numbers below low[w] are
-        # all sent, and those in above[w] too (a shuffle buffer completes
-        # batches out of order).  A resumed run's streams start past the
-        # batches delivered before (see NOTE [ Runs ]).
-        self.low = [0] * self.workers
-        self.above: list[set] = [set() for _ in range(self.workers)]
-        if self.iterable and control.read(run, _control.ORDER) == _order.ORDER_SHIPPED:
-            words, _ = shared.read_order(run, control.read(run, _control.KEPT), 0, False)
-            self.low = [stream_skips(words, self.workers, w)[0] for w in range(self.workers)]
-        self.given_up: dict[int, _Batch] = {}  # map-style: batches given up, entry still held
-        self.expected: set[int] = set(range(self.workers))  # workers whose Done it waits for
-        self.done: dict[int, _protocol.Done] = {}  # workers that said Done, not yet settled
-        self.settled: set[int] = set()     # workers whose batches are all sent or freed
-        self.sent = self.samples = self.rows_by_batcher = self.relayouts = 0
-        self.peak_slab_bytes = 0
-        self.ended = False
-
-    def rows_of(self, index: int) -> int:
-        if self.per_batch:
-            return 1
-        if self.iterable:  # full until the stream ends (then trimmed)
-            return self.B
-        return self.batches.rows(index)
-
-    def worker_of(self, index: int) -> int:
-        """Iterable runs: the worker whose stream fills batch `index`."""
-        return index % self.workers
-
-    def sent_stream_batch(self, index: int) -> None:
-        w, j = index % self.workers, index // self.workers
-        self.above[w].add(j)
-        while self.low[w] in self.above[w]:
-            self.above[w].remove(self.low[w])
-            self.low[w] += 1
-
-    def stream_end(self, w: int) -> tuple[int, tuple]:
-        """(batch numbers end, those below it never sent) of worker w's
-        stream, for StreamEnded."""
-        end = max(self.above[w], default=self.low[w] - 1) + 1
-        return max(end, self.low[w]), tuple(j for j in range(self.low[w], end)
-                                            if j not in self.above[w])
-
-    def ahead(self, window: int):
-        """Batches to lay out ahead of the workers: `window` past those sent
-        (per worker's stream for an iterable run)."""
-        if self.iterable:
-            for w in range(self.workers):
-                if w not in self.done and w not in self.settled:
-                    for j in range(self.low[w], self.low[w] + window):
-                        if j not in self.above[w]:
-                            yield j * self.workers + w
-            return
-        loadable = self.loadable_batches()
-        if loadable == 0:  # (a run started ahead whose turn has not come)
-            return
-        if self.open_ended:  # none past LIMIT: the next may be a short last batch, unknown yet
-            yield from range(self.lo, min(self.sent + window, self.batches.count, loadable))
-            return
-        yield from range(self.lo, min(self.sent + window, self.nbatches, loadable + 1))
-
-    def loadable_batches(self) -> int:
-        """Batches below main's LIMIT, which workers may load now.  One past
-        them is laid out too, ready when the limit rises; a slab for any
-        further would only wait, so the pool holds at most `prefetch` + 1
-        batches beyond those the training loop holds.  None while LIMIT is
-        0: a slab laid out ahead that no worker may fill would keep memory
-        an older run waits for."""
-        # SYNC POINT: acquire load; main's store of LIMIT (Control.set_limit) pairs with it.
-        limit = shmq.atomic_load(self.control.ctl, _control.word(self.run, _control.LIMIT))
-        if self.claims_batches or limit <= 0:
-            return max(limit, 0)
-        return self.batches.locate(min(limit, self.batches.kept) - 1)[0] + 1
-
-
 class Batcher:
     def __init__(self, cfg: LoaderConfig, shared: SharedState):
         self.cfg, self.shared = cfg, shared
         self.control, self.table, self.arena = shared.control, shared.table, shared.arena
-        self.inbox, self.to_main = shared.to_batcher, shared.to_main
+        self.inbox = shared.to_batcher
+        self.to_main = ToMain(shared)  # never blocks: an outbox behind the ring
         # Slabs the warm-up covers: NOTE [ Warming the arena ] in _warm.pxi
         self.slabs = SlabAllocator(shared.arena, shared.released, shared.hazards,
                                    cfg.slabs_in_flight)
         self.warmer = ArenaWarmer(shared.warm_fd, shared.arena.nbytes)
-        self.passes: dict[int, _BatcherRun] = {}
+        self.passes: dict[int, BatcherRun] = {}
         self.known_run = 0
         self.joined: dict[int, int] = {}  # workers added while running -> their first run
         self.taken: dict[int, tuple[int, int]] = {}   # table entry -> (run, batch) published there
@@ -179,8 +48,6 @@ class Batcher:
         self.guess = None              # signature of the latest batch's layout
         self.waiting: list[tuple[int, int]] = []      # (run, batch) waiting for memory or an entry
         self.told_memory_wait = False
-        self.outbox: collections.deque = collections.deque()  # encoded (put_encoded)
-        self.spill = shared.spill_writer(shared.batcher_region)  # NOTE [ Spilled messages ]
         self.early = None              # a message taken while checking whether to sleep
         self.freed = False             # memory was reclaimed while checking whether to sleep
         self.pid = os.getpid()
@@ -193,7 +60,7 @@ class Batcher:
     def run(self) -> None:
         c = self.control
         while not c.stopped:
-            self._flush_outbox()
+            self.to_main.flush()
             self._look_at_runs()
             if self.waiting and (self.slabs.reclaim() or self.freed):
                 self._retry_waiting()
@@ -240,7 +107,7 @@ class Batcher:
                 self.early = self._take()
             if self.early is not None:
                 return True
-            if self.outbox and self._flush_outbox():
+            if self.to_main.outbox and self.to_main.flush():
                 return True
             if self.waiting and self.slabs.reclaim():
                 self.freed = True
@@ -253,39 +120,8 @@ class Batcher:
         finally:
             self.clock.end()
 
-    # --- to main --------------------------------------------------------------------
-
     def _send(self, msg) -> None:
-        """To main, never blocking: what its ring cannot take waits in the
-        outbox, and main rings our bell when it has made room."""
-        if self.spill is None:  # threads: the ring takes anything at once
-            self.to_main.put(msg, timeout=0)
-            return
-        if type(msg) is _protocol.BatchReady:  # main unpickles it on every batch: the cheap form
-            msg = batch_ready_wire(msg)
-        encoded = self.spill.encoded(msg)
-        if not self.outbox:
-            try:
-                self.to_main.put_encoded(*encoded, timeout=0)
-                return
-            except shmq.Full:
-                pass
-        self.outbox.append(encoded)
-        shmq.atomic_store(self.control.ctl, _control.OUTBOX, 1)
-
-    def _flush_outbox(self) -> bool:
-        """Move what the ring takes; True if something moved."""
-        moved = False
-        while self.outbox:
-            try:
-                self.to_main.put_encoded(*self.outbox[0], timeout=0)
-            except shmq.Full:
-                return moved
-            self.outbox.popleft()
-            moved = True
-        if moved:
-            shmq.atomic_store(self.control.ctl, _control.OUTBOX, 0)
-        return moved
+        self.to_main.send(msg)
 
     def _fail(self, exc: BaseException, note: str, *, run: int, batch: int | None,
               pos: int | None) -> None:
@@ -299,18 +135,18 @@ class Batcher:
         latest = self.control.latest_run()
         while self.known_run < latest:
             self.known_run += 1
-            p = self.passes[self.known_run] = _BatcherRun(self.known_run, self.control, self.cfg,
+            p = self.passes[self.known_run] = BatcherRun(self.known_run, self.control, self.cfg,
                                                           self.shared)
             p.expected |= {w for w, first in self.joined.items() if first <= p.run}
             self.tracer.record(RUN, now(), 0, p.run, self.control.read(p.run, _control.EPOCH))
             self._publish_ahead(p)
 
-    def _pass(self, run: int) -> _BatcherRun:
+    def _pass(self, run: int) -> BatcherRun:
         if run > self.known_run:
             self._look_at_runs()  # a worker saw the run before we did
         return self.passes[run]   # a run's messages all come before its workers' Done
 
-    def _settle(self, p: _BatcherRun) -> None:
+    def _settle(self, p: BatcherRun) -> None:
         """Act on the Done messages of workers whose batches no longer wait
         for anything (memory, a table entry): iterable runs send or free
         each such worker's last batches; once every worker is settled,
@@ -332,7 +168,7 @@ class Batcher:
         if p.settled >= p.expected and not p.ended:
             self._end_pass(p)
 
-    def _end_stream(self, p: _BatcherRun, w: int, done: _protocol.Done, mine: list) -> None:
+    def _end_stream(self, p: BatcherRun, w: int, done: _protocol.Done, mine: list) -> None:
         """Worker w's stream of an iterable run ended: send its short last
         batch, or close up the holes of a shuffle buffer's last batches
         (unless drop_last), free what it will never fill, and tell main
@@ -351,7 +187,7 @@ class Batcher:
         end, dropped = p.stream_end(w)
         self._send(_protocol.StreamEnded(p.run, w, end, dropped))
 
-    def _close_up(self, p: _BatcherRun, batches: list) -> None:
+    def _close_up(self, p: BatcherRun, batches: list) -> None:
         """A shuffle buffer's last batches of one stream have rows here and
         there (holes are tagged -1): move their rows to the front, batch by
         batch in order, among batches of the same layout, and send the full
@@ -363,7 +199,7 @@ class Batcher:
                 groups.setdefault(b.layout.digest, []).append(b)
         for group in groups.values():
             layout = group[0].layout
-            rows = self._pack_rows(group)
+            rows = pack_rows(self.arena, group)
             full, short = divmod(rows, layout.rows)
             for k, b in enumerate(group):
                 if k < full:
@@ -373,30 +209,10 @@ class Batcher:
                 else:
                     self._drop(p, b)
 
-    def _pack_rows(self, group: list) -> int:
-        """Move the rows of a group of batches of one layout to the front,
-        in order (_close_up); returns how many rows there are."""
-        layout = group[0].layout
-        slabs = [self.arena[b.slab.offset:b.slab.offset + layout.nbytes] for b in group]
-        views = [layout.views(s) for s in slabs]
-        tags = [layout.tags(s) for s in slabs]
-        sources = [(k, r) for k, t in enumerate(tags) for r in np.flatnonzero(t >= 0)]
-        for i, (k, r) in enumerate(sources):  # target i is never a source not yet moved
-            tk, tr = divmod(i, layout.rows)
-            if (tk, tr) == (k, r):
-                continue
-            for dst, src in zip(views[tk], views[k]):
-                if dst is not None:
-                    dst[tr] = src[r]
-            tags[tk][tr] = tags[k][r]
-            if layout.value_leaves and r in group[k].values:
-                group[tk].values[tr] = group[k].values.pop(r)
-        return len(sources)
-
-    def _values_complete(self, b: _Batch, rows: int) -> bool:
+    def _values_complete(self, b: Batch, rows: int) -> bool:
         return not b.layout.value_leaves or all(r in b.values for r in range(rows))
 
-    def _drop(self, p: _BatcherRun, b: _Batch) -> None:
+    def _drop(self, p: BatcherRun, b: Batch) -> None:
         """A batch that will not be sent: no worker writes into it any more."""
         del p.open[b.index]
         self._unpublish(p, b)
@@ -404,7 +220,7 @@ class Batcher:
         if b.slab is not None:
             self.slabs.release(b.slab.lease)
 
-    def _end_pass(self, p: _BatcherRun) -> None:
+    def _end_pass(self, p: BatcherRun) -> None:
         """Every worker is done: in first-ready mode send what is left of a
         partial batch (rows fill in arrival order, so the counted rows are
         a complete prefix; it is short when samples failed), free the
@@ -431,7 +247,7 @@ class Batcher:
 
     # --- layouts, slabs and the table --------------------------------------------------
 
-    def _allocate(self, p: _BatcherRun, b: _Batch, nbytes: int) -> Slab | None:
+    def _allocate(self, p: BatcherRun, b: Batch, nbytes: int) -> Slab | None:
         """A slab, or None: then (run, batch) waits in self.waiting.  A
         batch larger than the whole arena is refused at once."""
         nbytes = slab_bytes(nbytes)
@@ -480,7 +296,7 @@ class Batcher:
         if not self.waiting:
             shmq.atomic_store(self.control.ctl, _control.MEMORY_WAIT, 0)
 
-    def _entry_free(self, p: _BatcherRun, b: _Batch) -> bool:
+    def _entry_free(self, p: BatcherRun, b: Batch) -> bool:
         entry = self.table.entry(p.run, b.index)
         owner = self.taken.get(entry)
         if owner is not None and owner != (p.run, b.index):
@@ -491,7 +307,7 @@ class Batcher:
                 owner = None
         return owner is None or owner == (p.run, b.index)
 
-    def _give_up(self, p: _BatcherRun, index: int) -> None:
+    def _give_up(self, p: BatcherRun, index: int) -> None:
         """A map-style run's batch that will never be sent (a sample of it
         failed, or it cannot be collated): it counts as finished, so the
         FINISHED word passes it and workers drop its rows; its entry and
@@ -511,11 +327,11 @@ class Batcher:
         p.finished.add(index)
         self._advance(p)
 
-    def _drop_given_up(self, p: _BatcherRun, b: _Batch) -> None:
+    def _drop_given_up(self, p: BatcherRun, b: Batch) -> None:
         self._unpublish(p, b)
         self.slabs.retire(b.slab.lease)  # a worker may be inside it: freed once no hazard names it
 
-    def _advance(self, p: _BatcherRun) -> None:
+    def _advance(self, p: BatcherRun) -> None:
         """Move the run's finished prefix, and tell the workers (FINISHED)."""
         moved = False
         while p.lo in p.finished:
@@ -527,7 +343,7 @@ class Batcher:
             shmq.atomic_store(self.control.ctl, finished, p.lo)  # SYNC POINT
             self.control.table_bell.ring()  # workers waiting for a batch given up
 
-    def _lay_out(self, p: _BatcherRun, b: _Batch, sig, provisional: bool = False) -> bool:
+    def _lay_out(self, p: BatcherRun, b: Batch, sig, provisional: bool = False) -> bool:
         """Give b a slab with sig's layout and publish it (first layout, or
         a provisional one replaced).  False if it must wait for memory or
         for its table entry."""
@@ -560,7 +376,7 @@ class Batcher:
         self._publish(p, b)
         return True
 
-    def _publish(self, p: _BatcherRun, b: _Batch, count: int = 0) -> None:
+    def _publish(self, p: BatcherRun, b: Batch, count: int = 0) -> None:
         flags = (CONFIRMED if b.confirmed else 0) | (REFUSED if b.refused else 0)
         self.table.publish(p.run, b.index, b.slab.offset, b.slab.token, b.layout, b.version, flags,
                            count)
@@ -569,14 +385,14 @@ class Batcher:
         self.tracer.batch_laid_out(p.run, b.index, self.laid_out)
         self.control.table_bell.ring()
 
-    def _unpublish(self, p: _BatcherRun, b: _Batch) -> None:
+    def _unpublish(self, p: BatcherRun, b: Batch) -> None:
         if b.published:
             self.table.unpublish(p.run, b.index)
             del self.taken[self.table.entry(p.run, b.index)]
             b.published = False
             self.control.table_bell.ring()
 
-    def _publish_ahead(self, p: _BatcherRun) -> None:
+    def _publish_ahead(self, p: BatcherRun) -> None:
         """Lay out the next batches with the latest layout, so workers can
         write their rows without asking (NOTE [ Direct row writes ])."""
         if self.guess is None or p.ended or any(r < p.run for r, _ in self.waiting):
@@ -584,7 +400,7 @@ class Batcher:
         for index in p.ahead(self.cfg.publish_window):
             if index in p.open or index in p.finished:
                 continue
-            b = _Batch(index, p.rows_of(index), not p.per_batch)
+            b = Batch(index, p.rows_of(index), not p.per_batch)
             if not self._entry_free(p, b):
                 continue
             layout = self.layouts.get(self.guess, b.rows, b.batched)
@@ -596,7 +412,7 @@ class Batcher:
             p.open[index] = b
             self._publish(p, b)
 
-    def _mark_holes(self, b: _Batch) -> None:
+    def _mark_holes(self, b: Batch) -> None:
         """A fresh slab of a shuffle buffer's batch: every row's tag says
         "not written" (-1), so that its holes can be found (_close_up)."""
         if self.cfg.shuffle_batches:
@@ -646,12 +462,12 @@ class Batcher:
             self._fail(e, f"in the batcher, handling {kind.__name__}", run=p.run,
                        batch=msg.batch, pos=getattr(msg, "pos", None))
 
-    def _layout_request(self, p: _BatcherRun, m: _protocol.LayoutRequest) -> None:
+    def _layout_request(self, p: BatcherRun, m: _protocol.LayoutRequest) -> None:
         b = p.open.get(m.batch)
         if b is None:
             if m.batch < p.lo or m.batch in p.finished or p.ended:  # sent or given up
                 return
-            b = p.open[m.batch] = _Batch(m.batch, m.rows, m.batched)
+            b = p.open[m.batch] = Batch(m.batch, m.rows, m.batched)
             self._lay_out(p, b, m.signature)
             return
         if not b.published:
@@ -663,7 +479,7 @@ class Batcher:
             return  # the entry changed since the worker looked: it looks again
         self._lay_out(p, b, m.signature)
 
-    def _row_values(self, p: _BatcherRun, m: _protocol.RowValues) -> None:
+    def _row_values(self, p: BatcherRun, m: _protocol.RowValues) -> None:
         b = p.open.get(m.batch)
         if b is None or b.layout is None or m.values_key != b.layout.values_key:
             # given up, or written into a layout replaced since (its writer
@@ -674,13 +490,13 @@ class Batcher:
         b.values[m.row] = m.values
         self._finish_if_complete(p, b)
 
-    def _forget_values(self, b: _Batch, keep: int = 0) -> None:
+    def _forget_values(self, b: Batch, keep: int = 0) -> None:
         """Free the values of b's rows from `keep` on: they will not be
         sent (a row's values may be a block of the spill heap)."""
         for r in [r for r in b.values if r >= keep]:
             self.shared.free_values(b.values.pop(r))
 
-    def _sample_row(self, p: _BatcherRun, m: _protocol.SampleRow) -> None:
+    def _sample_row(self, p: BatcherRun, m: _protocol.SampleRow) -> None:
         """A sample whose batch's confirmed layout differs: write it with a
         safe cast, promote the batch's dtypes, or refuse the batch."""
         b = p.open.get(m.batch)
@@ -708,7 +524,7 @@ class Batcher:
             b.counted = True
         self._finish_if_complete(p, b)
 
-    def _promote(self, p: _BatcherRun, b: _Batch, sig) -> bool:
+    def _promote(self, p: BatcherRun, b: Batch, sig) -> bool:
         """Lay b out again with wider dtypes, copying the rows counted so
         far (safe casts).  Workers still writing the old layout fail to count
         and send their samples whole.  False if it must wait for memory."""
@@ -731,7 +547,7 @@ class Batcher:
         self._publish(p, b, counted)
         return True
 
-    def _refuse(self, p: _BatcherRun, b: _Batch, pos: int | None, exc: BaseException) -> None:
+    def _refuse(self, p: BatcherRun, b: Batch, pos: int | None, exc: BaseException) -> None:
         """The batch cannot be made: every worker drops its row, and main
         raises when it reaches it (then goes on with the next batch)."""
         if b.refused:
@@ -744,7 +560,7 @@ class Batcher:
         if not p.iterable:
             self._give_up(p, b.index)
 
-    def _finish_if_complete(self, p: _BatcherRun, b: _Batch) -> None:
+    def _finish_if_complete(self, p: BatcherRun, b: Batch) -> None:
         """Complete: every row counted and, where rows carry non-numeric
         leaves, every row's values seen (a worker sends them before it
         counts its row, but a row the batcher wrote may complete the count
@@ -752,7 +568,7 @@ class Batcher:
         if b.counted and not b.refused and (not b.layout.value_leaves or len(b.values) == b.rows):
             self._finish(p, b, b.rows)
 
-    def _finish(self, p: _BatcherRun, b: _Batch, rows: int) -> None:
+    def _finish(self, p: BatcherRun, b: Batch, rows: int) -> None:
         del p.open[b.index]
         self._unpublish(p, b)
         self.guess = b.layout.signature

@@ -49,7 +49,7 @@ blocks on a send, whatever the children are doing.
   into the order file as main pulls it (_order.py); else 0.
 - BASE_SEED: drawn by main for each epoch, as torch's DataLoader draws
   one per iterator; a worker process seeds itself from the first run it
-  sees (see seed_worker in _worker.py).
+  sees (see seed_worker in _seeding.py).
 - SNAPSHOT: 1 when the dataset gave main a snapshot of itself for the
   epoch, written into the run's snapshot file; each worker hands it to
   dataset.restore_snapshot() before loading the run (NOTE [ Datasets that

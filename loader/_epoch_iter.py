@@ -57,7 +57,7 @@ class _Epoch:
         """Start the run now, not at the first next(): loader.DataLoader
         with workers, as torch's iterator starts loading when it is made
         (and so draws the order then: NOTE [ Drawing the order as torch
-        does ] in _torch.py)."""
+        does ] in _torch_order.py)."""
         self.called = time.perf_counter_ns()
         self._resumed()
 

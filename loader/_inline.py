@@ -14,11 +14,11 @@ from loader import _fetch
 from loader import _order
 from loader._stats import EpochClock
 from loader._trace import EPOCH, WAIT
-from loader._layout import Layout, LayoutCache, signature_and_leaves, stack
+from loader._layout import LayoutCache, signature_and_leaves, stack
 from loader._materialize import materialize
 from loader._planning import order_of, settled_plan
 from loader._sampler_feed import BatchFeed
-from loader._worker import SampleSeeder
+from loader._seeding import SampleSeeder
 
 
 class _SavedGenerators:

@@ -129,7 +129,7 @@ class ParquetDataset:
     # --- rows (workers) ----------------------------------------------------------------
 
     def __iter__(self):
-        from loader._worker import get_worker_info
+        from loader._seeding import get_worker_info
 
         epoch = self.rows_of_epoch if self.rows_of_epoch is not None else self.epoch_snapshot()
         info = get_worker_info()

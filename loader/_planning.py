@@ -192,7 +192,7 @@ def _sampler_order(rules: PlanRules) -> _Order:
 def _pulled(rules: PlanRules, sampler):
     """(an iterator of the sampler, what each pull of it runs inside or
     None).  loader.DataLoader's samplers are drawn as torch draws them
-    (NOTE [ Drawing the order as torch does ] in _torch.py): `draw()`
+    (NOTE [ Drawing the order as torch does ] in _torch_order.py): `draw()`
     gives an int64 array for torch's own samplers, drawn in one call (and
     None), else the iterator and its generator sandbox."""
     if rules.torch_rules:

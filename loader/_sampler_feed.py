@@ -60,7 +60,7 @@ the position otherwise).
 
 loader.DataLoader's samplers and batch samplers stream the same way,
 pulled in generator states of their own (NOTE [ Drawing the order as
-torch does ] in _torch.py: each pull runs inside the feed's `pulling`
+torch does ] in _torch_order.py: each pull runs inside the feed's `pulling`
 context); torch's own RandomSampler and SequentialSampler are drawn in
 one vectorised call instead.
 """
@@ -135,7 +135,7 @@ class SamplerFeed:
                  pulling=None):
         self.it, self.name, self.length = it, name, length
         # every pull of `it` runs inside it: loader.DataLoader's generator
-        # sandbox (NOTE [ Drawing the order as torch does ] in _torch.py)
+        # sandbox (NOTE [ Drawing the order as torch does ] in _torch_order.py)
         self.pulling = contextlib.nullcontext() if pulling is None else pulling
         self.kept, self.remaining = kept, remaining
         self.open = length is None

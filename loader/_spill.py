@@ -73,7 +73,7 @@ import numpy as np
 import shmq
 from shmq.codec import encode
 
-from loader._layout import forked_class_reduce
+from loader._class_identity import forked_class_reduce
 from loader._slabs import ram_bytes, whole_pages
 
 SPILL_BYTES = 64 << 10     # larger encodings go through the heap, not the ring

@@ -4,12 +4,8 @@ _control.py for how runs are started and ended without messages."""
 
 from __future__ import annotations
 
-import _random
 import os
-import random
 import sys
-import threading
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,117 +17,12 @@ from loader import _protocol
 from loader._native import DROPPED, ENDED, RowWriter, RunCounters, StreamSlots, derived_seeds
 from loader._progress import stream_skips
 from loader._sampler_feed import ObjectOrder
+from loader._seeding import (U64, Generators, SampleSeeder, WorkerInfo, seed_worker,
+                             set_worker_info)
 from loader._shared import LoaderConfig, SharedState
 from loader._stats import WaitClock
 from loader._table import SEQ
 from loader._trace import LOAD, TracedWriter, now
-
-_worker_info = None              # a worker process's
-_thread_info = threading.local()  # a worker thread's (worker_mode="thread")
-_U64 = (1 << 64) - 1
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What a worker knows about itself (the fields of torch's WorkerInfo,
-    plus this process's rank among distributed ones)."""
-    id: int
-    num_workers: int
-    seed: int
-    dataset: object
-    rank: int = 0
-    world_size: int = 1
-    rng: object = None
-    worker_method: str = "multiprocessing"
-
-
-def get_worker_info() -> WorkerInfo | None:
-    """Inside a worker: its id, the number of workers, its seed and its copy
-    of the dataset (and, with distributed=True, its rank and the world
-    size; for a worker thread, its own generators in .rng).  None in the
-    main process.  torch.utils.data.get_worker_info() answers the same
-    inside ShmLoader's worker processes."""
-    return getattr(_thread_info, "info", None) or _worker_info
-
-
-def _set_worker_info(info: WorkerInfo) -> None:
-    global _worker_info
-    if info.worker_method == "thread":
-        _thread_info.info = info  # torch's is one per process: not set for threads
-        return
-    _worker_info = info
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        # torch.utils.data.get_worker_info() reads this module global, so the
-        # standard sharding recipe for iterable datasets works unchanged.
-        from torch.utils.data._utils import worker as torch_worker
-
-        torch_worker._worker_info = torch_worker.WorkerInfo(
-            id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=info.dataset)
-
-
-def seed_worker(base_seed: int, worker_id: int, torch_rules: bool) -> int:
-    """Seed the generators a dataset may use, once per worker process, as
-    PyTorch's workers are seeded: random and torch with base_seed + id.
-    numpy's global generator gets a seed of its own: torch's own derivation
-    when torch_rules (so DataLoader matches torch), else one of
-    derived_seeds' independent streams.  Returns the worker's seed."""
-    seed = (base_seed + worker_id) & _U64
-    random.seed(seed)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.manual_seed(seed)
-    if torch_rules and torch is not None:
-        from torch.utils.data._utils.worker import _generate_state
-
-        np.random.seed(_generate_state(base_seed, worker_id))
-    else:
-        np.random.seed(derived_seeds(base_seed & _U64, 0, worker_id + 1, 0)[1])
-    return seed
-
-
-class Generators:
-    """get_worker_info().rng: the generators a worker's dataset should draw
-    from: .random (a random.Random), .numpy (a numpy RandomState), .torch
-    (a torch.Generator, or None without torch).  In a worker process they
-    are the global ones, which the loader seeds; a worker thread has its
-    own (threads share the process's global ones, which the loader leaves
-    alone)."""
-
-    def __init__(self, own_seed: int | None):
-        torch = sys.modules.get("torch")
-        if own_seed is None:
-            self.random, self.numpy = random._inst, np.random.mtrand._rand
-            self.torch = torch.default_generator if torch is not None else None
-            return
-        self.random = random.Random()
-        self.numpy = np.random.RandomState()
-        self.torch = torch.Generator() if torch is not None else None
-        SampleSeeder(own_seed, self)(0, 0, 0)
-
-
-class SampleSeeder:
-    """reproducible=True: before every sample, random, numpy's global
-    generator and torch's get seeds derived from (seed, epoch, stream,
-    item) alone, so a sample's random augmentation never depends on which
-    worker loads it, or when.  (For a worker thread: its own generators.)"""
-
-    def __init__(self, seed: int, generators: Generators | None = None):
-        self.seed = seed & _U64
-        g = generators or Generators(None)
-        self.torch_gen, self.random, self.numpy = g.torch, g.random, g.numpy
-        # random.seed(int) is the C seed plus gauss_next = None (random.py);
-        # calling them directly saves a Python frame per sample.
-        self.seed_random = _random.Random.seed
-
-    def __call__(self, epoch: int, stream: int, item: int) -> None:
-        s_random, s_numpy, s_torch = derived_seeds(self.seed, epoch & _U64, stream, item & _U64)
-        self.seed_random(self.random, s_random)
-        self.random.gauss_next = None
-        self.numpy.seed(s_numpy)
-        if self.torch_gen is not None:
-            self.torch_gen.manual_seed(s_torch)
-
 
 def exit_if_orphaned(parent_pid: int) -> None:
     """The fallback to the parent-death signal, checked between bounded
@@ -274,7 +165,7 @@ class Worker:
         self.started = True
         base_seed = self.control.read(run, _control.BASE_SEED)
         if cfg.threads:
-            seed = (base_seed + self.id) & _U64
+            seed = (base_seed + self.id) & U64
             rng = Generators(seed)
         else:
             seed = seed_worker(base_seed, self.id, cfg.torch_seeding)
@@ -283,7 +174,7 @@ class Worker:
                           rank=cfg.rank, world_size=cfg.world, rng=rng,
                           worker_method="thread" if cfg.threads else "multiprocessing")
         self.seeder = SampleSeeder(cfg.seed, rng) if cfg.reproducible else None
-        _set_worker_info(info)
+        set_worker_info(info)
         if cfg.worker_init_fn is not None:
             try:
                 cfg.worker_init_fn(self.id)
@@ -566,7 +457,7 @@ class Worker:
             j0, done_below, done_past = stream_skips(words, N, w)
         slots = None if cfg.per_batch else StreamSlots(
             j0, cfg.rows_per_batch, cfg.shuffle_batches,
-            derived_seeds(cfg.seed & _U64, epoch, w + 1, 1 << 62)[0],
+            derived_seeds(cfg.seed & U64, epoch, w + 1, 1 << 62)[0],
             lambda j: self._wait_for_room(run, j))
         batches = _StreamBatches(j0)   # per_batch: this worker's batch j's samples so far
         ended = (_protocol.NO_SHORT_BATCH, 0)

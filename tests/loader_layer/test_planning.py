@@ -76,7 +76,7 @@ def test_a_sampler_without_len_is_open_until_it_ends():
 
 
 class Drawn:
-    """What loader.DataLoader gives ShmLoader as its sampler (_TorchOrder):
+    """What loader.DataLoader gives ShmLoader as its sampler (TorchOrder):
     draw() -> (an iterator, what each pull runs inside), here a context
     that records the items pulled inside it."""
 

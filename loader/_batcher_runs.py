@@ -1,0 +1,206 @@
+"""The batcher's book of one run: its batches being filled (Batch), and
+which batches it has sent and laid out ahead (BatcherRun); and what it
+sends main (ToMain).  The batcher itself is in _batcher.py."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+import shmq
+from loader import _control
+from loader import _order
+from loader import _protocol
+from loader._progress import stream_skips
+from loader._shared import LoaderConfig, SharedState, batch_ready_wire
+
+
+class Batch:
+    """A batch being filled.  It is *published* while it owns its table
+    entry; its layout is *confirmed* once it came from a sample of this
+    batch (else it is a guess from earlier batches)."""
+
+    __slots__ = ("index", "rows", "batched", "layout", "slab", "version", "confirmed", "published",
+                 "refused", "counted", "values", "wanted", "held_rows")
+
+    def __init__(self, index, rows, batched):
+        self.index, self.rows, self.batched = index, rows, batched
+        self.layout = self.slab = None
+        self.version = 0
+        self.confirmed = self.published = self.refused = self.counted = False
+        self.values: dict[int, list] = {}   # row -> its non-numeric leaves
+        self.wanted = None      # a signature waiting for memory (or for the table entry)
+        self.held_rows = []     # SampleRow messages waiting for memory to promote the batch
+
+
+class BatcherRun:
+    """One run, from the batcher's side.  It lives until every worker has
+    said Done for it, even after main abandoned it: until then a worker may
+    still write into its slabs."""
+
+    def __init__(self, run: int, control: _control.Control, cfg: LoaderConfig, shared: SharedState):
+        self.run = run
+        self.control = control
+        self.iterable = cfg.iterable
+        self.per_batch = cfg.per_batch
+        self.claims_batches = cfg.claims_batches
+        self.workers = max(cfg.num_workers, 1)
+        self.B = cfg.rows_per_batch
+        if self.iterable:
+            self.nbatches = None
+            self.batches = None
+        else:
+            kept = control.read(run, _control.KEPT)
+            self.nbatches = control.read(run, _control.NBATCHES)
+            if control.read(run, _control.OFFSETS) == _order.OFFSETS_STREAMED:
+                # a streamed batch sampler's (NOTE [ Runs ])
+                open_positions = _order.OPEN_POSITIONS
+                _, stored = shared.read_order(run, open_positions, open_positions, True)
+                self.batches = _order.StreamedBatches(stored, lambda: control.kept(run),
+                                                      lambda: control.nbatches(run))
+            elif control.read(run, _control.OPEN):  # its length is learnt late (NOTE [ Runs ])
+                self.batches = _order.OpenBatches(self.B, lambda: control.kept(run))
+            else:
+                self.batches = _order.Batches(kept, self.B)
+        self.open_ended = not self.iterable and (
+            bool(control.read(run, _control.OPEN))
+            or control.read(run, _control.OFFSETS) == _order.OFFSETS_STREAMED)
+        self.open: dict[int, Batch] = {}
+        # map-style: batches below lo, and those in `finished`, are sent
+        self.lo, self.finished = 0, set()
+        # iterable: per worker's stream, its batch numbers below low[w] are
+        # all sent, and those in above[w] too (a shuffle buffer completes
+        # batches out of order).  A resumed run's streams start past the
+        # batches delivered before (see NOTE [ Runs ]).
+        self.low = [0] * self.workers
+        self.above: list[set] = [set() for _ in range(self.workers)]
+        if self.iterable and control.read(run, _control.ORDER) == _order.ORDER_SHIPPED:
+            words, _ = shared.read_order(run, control.read(run, _control.KEPT), 0, False)
+            self.low = [stream_skips(words, self.workers, w)[0] for w in range(self.workers)]
+        self.given_up: dict[int, Batch] = {}  # map-style: batches given up, entry still held
+        self.expected: set[int] = set(range(self.workers))  # workers whose Done it waits for
+        self.done: dict[int, _protocol.Done] = {}  # workers that said Done, not yet settled
+        self.settled: set[int] = set()     # workers whose batches are all sent or freed
+        self.sent = self.samples = self.rows_by_batcher = self.relayouts = 0
+        self.peak_slab_bytes = 0
+        self.ended = False
+
+    def rows_of(self, index: int) -> int:
+        if self.per_batch:
+            return 1
+        if self.iterable:  # full until the stream ends (then trimmed)
+            return self.B
+        return self.batches.rows(index)
+
+    def worker_of(self, index: int) -> int:
+        """Iterable runs: the worker whose stream fills batch `index`."""
+        return index % self.workers
+
+    def sent_stream_batch(self, index: int) -> None:
+        w, j = index % self.workers, index // self.workers
+        self.above[w].add(j)
+        while self.low[w] in self.above[w]:
+            self.above[w].remove(self.low[w])
+            self.low[w] += 1
+
+    def stream_end(self, w: int) -> tuple[int, tuple]:
+        """(batch numbers end, those below it never sent) of worker w's
+        stream, for StreamEnded."""
+        end = max(self.above[w], default=self.low[w] - 1) + 1
+        return max(end, self.low[w]), tuple(j for j in range(self.low[w], end)
+                                            if j not in self.above[w])
+
+    def ahead(self, window: int):
+        """Batches to lay out ahead of the workers: `window` past those sent
+        (per worker's stream for an iterable run)."""
+        if self.iterable:
+            for w in range(self.workers):
+                if w not in self.done and w not in self.settled:
+                    for j in range(self.low[w], self.low[w] + window):
+                        if j not in self.above[w]:
+                            yield j * self.workers + w
+            return
+        loadable = self.loadable_batches()
+        if loadable == 0:  # (a run started ahead whose turn has not come)
+            return
+        if self.open_ended:  # none past LIMIT: the next may be a short last batch, unknown yet
+            yield from range(self.lo, min(self.sent + window, self.batches.count, loadable))
+            return
+        yield from range(self.lo, min(self.sent + window, self.nbatches, loadable + 1))
+
+    def loadable_batches(self) -> int:
+        """Batches below main's LIMIT, which workers may load now.  One past
+        them is laid out too, ready when the limit rises; a slab for any
+        further would only wait, so the pool holds at most `prefetch` + 1
+        batches beyond those the training loop holds.  None while LIMIT is
+        0: a slab laid out ahead that no worker may fill would keep memory
+        an older run waits for."""
+        # SYNC POINT: acquire load; main's store of LIMIT (Control.set_limit) pairs with it.
+        limit = shmq.atomic_load(self.control.ctl, _control.word(self.run, _control.LIMIT))
+        if self.claims_batches or limit <= 0:
+            return max(limit, 0)
+        return self.batches.locate(min(limit, self.batches.kept) - 1)[0] + 1
+
+
+def pack_rows(arena: np.ndarray, group: list) -> int:
+    """Move the rows of a group of batches of one layout to the front, in
+    order (the batcher closing up a shuffle buffer's last batches);
+    returns how many rows there are."""
+    layout = group[0].layout
+    slabs = [arena[b.slab.offset:b.slab.offset + layout.nbytes] for b in group]
+    views = [layout.views(s) for s in slabs]
+    tags = [layout.tags(s) for s in slabs]
+    sources = [(k, r) for k, t in enumerate(tags) for r in np.flatnonzero(t >= 0)]
+    for i, (k, r) in enumerate(sources):  # target i is never a source not yet moved
+        tk, tr = divmod(i, layout.rows)
+        if (tk, tr) == (k, r):
+            continue
+        for dst, src in zip(views[tk], views[k]):
+            if dst is not None:
+                dst[tr] = src[r]
+        tags[tk][tr] = tags[k][r]
+        if layout.value_leaves and r in group[k].values:
+            group[tk].values[tr] = group[k].values.pop(r)
+    return len(sources)
+
+
+class ToMain:
+    """The batcher's messages to main, never blocking: what main's ring
+    cannot take waits in the outbox (OUTBOX says so), and main rings the
+    batcher's bell when it has made room."""
+
+    def __init__(self, shared: SharedState):
+        self.control, self.ring = shared.control, shared.to_main
+        self.outbox: collections.deque = collections.deque()  # encoded (put_encoded)
+        self.spill = shared.spill_writer(shared.batcher_region)  # NOTE [ Spilled messages ]
+
+    def send(self, msg) -> None:
+        if self.spill is None:  # threads: the ring takes anything at once
+            self.ring.put(msg, timeout=0)
+            return
+        if type(msg) is _protocol.BatchReady:  # main unpickles it on every batch: the cheap form
+            msg = batch_ready_wire(msg)
+        encoded = self.spill.encoded(msg)
+        if not self.outbox:
+            try:
+                self.ring.put_encoded(*encoded, timeout=0)
+                return
+            except shmq.Full:
+                pass
+        self.outbox.append(encoded)
+        shmq.atomic_store(self.control.ctl, _control.OUTBOX, 1)
+
+    def flush(self) -> bool:
+        """Move what the ring takes; True if something moved."""
+        moved = False
+        while self.outbox:
+            try:
+                self.ring.put_encoded(*self.outbox[0], timeout=0)
+            except shmq.Full:
+                return moved
+            self.outbox.popleft()
+            moved = True
+        if moved:
+            shmq.atomic_store(self.control.ctl, _control.OUTBOX, 0)
+        return moved
