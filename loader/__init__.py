@@ -20,7 +20,11 @@ One word per thing, in code, comments, messages and docs:
   reused in a loader's life; two can be live (the next epoch's, started
   ahead).  NOTE [ Runs ] in _control.py; main's book of them: _runs.py.
 - plan: what main decided about a run before starting it: the order,
-  how positions fall into batches, what the workers claim (_planning.py).
+  how positions fall into batches, what the workers claim (_planning.py);
+  the planner draws what it needs from the generators (_epoch_planner.py).
+- feed: a user's sampler or batch sampler pulled a window ahead of the
+  workers into the run's order file (NOTE [ Streamed samplers ] in
+  _sampler_feed.py); an OPEN run is one whose length a feed learns late.
 - position: a place in a run's order; index: what dataset[...] gets at
   that position (order[position]).
 - unit: what a worker claims at once with the run's CURSOR: a position,

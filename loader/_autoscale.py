@@ -72,8 +72,13 @@ def _machine_cpu() -> tuple[int, int]:
 
 
 class Autoscaler:
-    def __init__(self, loader, start: int, max_workers: int):
-        self.loader, self.active, self.max_workers = loader, start, max_workers
+    """num_workers="auto": decides how many workers load, from the workers'
+    wait clocks (`waited`, NOTE [ Wait clocks ]) and the batch rate, and
+    applies it with `set_active(count)`."""
+
+    def __init__(self, waited, set_active, start: int, max_workers: int):
+        self.waited_clocks, self.set_active = waited, set_active
+        self.active, self.max_workers = start, max_workers
         self.t0 = time.perf_counter()
         self.batches = 0
         self.waited = 0.0
@@ -84,8 +89,7 @@ class Autoscaler:
 
     def _counts(self) -> tuple[int, int, int]:
         """(ns the active workers waited, machine idle ticks, total ticks), so far."""
-        ld = self.loader
-        waited = ld._session.shared.waited
+        waited = self.waited_clocks
         return (sum(waited_ns(waited, i) for i in range(self.active)),
                 *_machine_cpu())
 
@@ -136,5 +140,5 @@ class Autoscaler:
     def _set(self, active: int) -> None:
         self.active = active
         self.history.append(active)
-        self.loader._set_active_workers(active)
+        self.set_active(active)
         self.counts = self._counts()  # the next interval counts the new pool

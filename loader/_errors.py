@@ -1,5 +1,6 @@
-"""The loader's own exceptions (an exception raised in dataset[i] reaches
-the training loop as its own type: see ShmLoader._raise_failed)."""
+"""The loader's own exceptions, and how what a worker reported is raised
+in main: an exception raised in dataset[i] reaches the training loop as
+its own type (raise_reported)."""
 
 
 class WorkerError(RuntimeError):
@@ -10,3 +11,39 @@ class WorkerError(RuntimeError):
 
 class LoaderTimeout(WorkerError, TimeoutError):
     """No batch arrived within the loader's ``timeout``."""
+
+
+class _KeyErrorMessage(str):
+    """KeyError shows repr() of its argument; this keeps a traceback
+    readable (PyTorch does the same)."""
+
+    def __repr__(self):
+        return self
+
+
+def raise_reported(msg, index=None):
+    """Raise what a worker (or the batcher) reported in a Failed message:
+    its exception's own type when main can build one with a message, as
+    PyTorch does, with the worker's traceback in the message; else
+    WorkerError.  index: the dataset index, when main knows it and the
+    message does not (the batcher knows positions only)."""
+    err = msg.error
+    if msg.index is not None:
+        index = msg.index
+    if index is not None:
+        at = f" on sample index {index} (position {msg.pos})"
+    elif msg.batch is not None:
+        at = f" on batch {msg.batch}"
+    else:
+        at = ""
+    text = f"Caught {err.type_name} {err.where} (pid {msg.pid}){at}.\nOriginal {err.text}"
+    exc_type = err.exception_type()
+    if exc_type is KeyError:
+        text = _KeyErrorMessage(text)
+    try:
+        exc = exc_type(text) if exc_type is not None else None
+    except Exception:
+        exc = None
+    if not isinstance(exc, BaseException):
+        raise WorkerError(text)
+    raise exc

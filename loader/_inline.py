@@ -44,8 +44,13 @@ class InlineEpoch:
     so that an error for one batch does not end the epoch: the next next()
     goes on with the following batch, as PyTorch's DataLoader does."""
 
-    def __init__(self, loader, epoch: int, resume: dict | None):
+    def __init__(self, loader, epoch: int, resume: dict | None, *, planner, tracer, owner):
+        """loader: its public arguments (dataset, batch_size, collate_fn,
+        output, ...); planner, tracer, owner: what the loader gives its
+        epochs (_epoch_planner.py, _trace.py, EpochOwner in _runs.py)."""
         self.loader, self.epoch, self.resume = loader, epoch, resume
+        self.planner, self.tracer, self.owner = planner, tracer, owner
+        self.torch_rules = planner.torch_rules
         self.cache = LayoutCache()
         self.seeder = SampleSeeder(loader.seed) if loader.reproducible else None
         self.plan = None  # made at the first next()
@@ -60,14 +65,14 @@ class InlineEpoch:
 
     def _begin(self) -> None:
         ld = self.loader
-        plan = self.plan = ld._plan(self.epoch, self.resume)
-        self.progress = ld._track(plan)
+        plan = self.plan = self.planner.plan(self.epoch, self.resume)
+        self.progress = self.owner.track(plan)
         self.k = 0                      # the next batch
         if ld.iterable:
             self.stream = iter(ld.dataset)
             self.seq, self.ended = 0, False
             return
-        order = order_of(plan, ld._rank, ld._world)
+        order = order_of(plan, self.planner.rank, self.planner.world)
         self.geometry = plan.progress.batches  # (a streamed batch sampler's: as it is pulled)
         self.index_of = _order.index_getter(order)
         self.order = order
@@ -89,16 +94,16 @@ class InlineEpoch:
             if clock is not None:  # the first StopIteration: the epoch's end
                 t1 = time.perf_counter_ns()
                 clock.loop_wait_ns += t1 - t0
-                tracer = self.loader._tracer
-                tracer.record(WAIT, t0, t1, self.epoch)
-                self.loader._record_stats(self.epoch, None, clock, self.batches, self.samples)
-                tracer.record(EPOCH, clock.t0, t1, self.epoch, self.batches, self.samples, 1)
+                self.tracer.record(WAIT, t0, t1, self.epoch)
+                self.owner.record_stats(self.epoch, None, clock, self.batches, self.samples)
+                self.tracer.record(EPOCH, clock.t0, t1, self.epoch, self.batches, self.samples,
+                                   1)
             raise
         finally:
             if self.clock is not None:
                 t1 = time.perf_counter_ns()
                 self.clock.loop_wait_ns += t1 - t0
-                self.loader._tracer.record(WAIT, t0, t1, self.epoch)
+                self.tracer.record(WAIT, t0, t1, self.epoch)
 
     def _next(self):
         if self.loader.iterable:
@@ -131,7 +136,7 @@ class InlineEpoch:
             feed.feed_batches(k + 1)
         else:
             feed.feed(self.geometry.span(k)[1] if k < self.geometry.count else self.plan.kept)
-        plan = settled_plan(self.plan, self.loader._plan_rules())
+        plan = settled_plan(self.plan, self.planner.rules())
         if plan is not None:
             self.plan, self.geometry = plan, plan.progress.batches
 
@@ -155,7 +160,8 @@ class InlineEpoch:
 
     def _next_of_stream(self):
         ld = self.loader
-        B, skip = ld._rows, self.progress.prefix[0]  # a resumed epoch: samples delivered already
+        B = 1 if ld.batch_size is None else ld.batch_size
+        skip = self.progress.prefix[0]  # a resumed epoch: samples delivered already
         pending = []
         while len(pending) < B and not self.ended:
             saved = _SavedGenerators() if self.seeder is not None else None
@@ -185,7 +191,7 @@ class InlineEpoch:
         ld = self.loader
         if ld.collate_fn is not None:
             out = ld.collate_fn(samples)
-            if ld._torch_rules:
+            if self.torch_rules:
                 return out  # as PyTorch returns it
             return self._convert(out)
         if ld.batch_size is None:
@@ -193,7 +199,7 @@ class InlineEpoch:
         spec, buf = stack(samples, self.cache, batch=k, index_of=index_of)
         if self.clock is not None:
             self.clock.bytes += buf.nbytes
-        return materialize(spec, buf, ld.output, ld._torch_rules)
+        return materialize(spec, buf, ld.output, self.torch_rules)
 
     def _convert(self, obj):
         """An unbatched value (batch_size=None, or a collate_fn's output)
@@ -203,4 +209,4 @@ class InlineEpoch:
         buf = np.empty(layout.nbytes, np.uint8)
         values = layout.write_row(buf, 0, leaves)
         return materialize(layout.spec(1, {0: values}), buf, self.loader.output,
-                           self.loader._torch_rules)
+                           self.torch_rules)

@@ -398,7 +398,7 @@ def stack(samples: list, cache: "LayoutCache", buffer=np.empty, batch: int = 0,
         except CollateError as e:
             if index_of is None:
                 raise
-            # what the workers' errors say (ShmLoader._raise_failed): which sample
+            # what the workers' errors say (raise_reported in _errors.py): which sample
             raise type(e)(f"on sample index {index_of(r)}: {e}") from None
         sig = s
         rows.append(leaves)

@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import atexit
 import os
-import sys
 import warnings
 import weakref
 
-import numpy as np
-
-from loader import _fetch
 from loader import _order
 from loader import _protocol
 from loader._arguments import check_arguments, positive_int
@@ -20,14 +16,13 @@ from loader._autoscale import Autoscaler
 from loader._epoch_iter import MapEpoch, StreamEpoch
 from loader._errors import LoaderTimeout, WorkerError
 from loader._frozen_state import FrozenState
-from loader._epoch_snapshot import EpochInfo
 from loader._inline import InlineEpoch
 from loader._materialize import Materializer
-from loader._native import derived_seeds
 from loader._pinning import cuda_available
 from loader._procs import LoaderStartError, this_pid
-from loader._planning import Plan, PlanRules, plan_run
-from loader._runs import EpochHost, Runs
+from loader._epoch_planner import EpochPlanner
+from loader._planning import Plan
+from loader._runs import EpochHost, EpochOwner, Runs
 from loader._progress import STATE_FORMAT, MapProgress
 from loader._sampler_feed import sampler_length
 from loader._session import Session
@@ -44,32 +39,6 @@ RENAMED_STATS = {"collator_busy_share": "batcher_busy_share",
                  "samples_written_by_collator": "samples_written_by_batcher"}
 
 _live_loaders: "weakref.WeakSet[ShmLoader]" = weakref.WeakSet()
-
-
-class _KeyErrorMessage(str):
-    """KeyError shows repr() of its argument; this keeps a traceback
-    readable (PyTorch does the same)."""
-
-    def __repr__(self):
-        return self
-
-
-def distributed_rank() -> tuple[int, int]:
-    """(rank, world size) of this process: from the initialised
-    torch.distributed process group, else the RANK and WORLD_SIZE
-    environment variables torchrun sets, else (0, 1)."""
-    torch = sys.modules.get("torch")
-    dist = None if torch is None else torch.distributed
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    try:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError as e:
-        raise ValueError(f"distributed=True: RANK and WORLD_SIZE must be integers ({e})") from None
-    if not 0 <= rank < world:
-        raise ValueError(f"distributed=True: RANK={rank} is not in 0..WORLD_SIZE-1 "
-                         f"(WORLD_SIZE={world})")
-    return rank, world
 
 
 class ShmLoader(FrozenState):
@@ -151,14 +120,12 @@ class ShmLoader(FrozenState):
         # a bad path fails here, not at close(); NOTE [ Trace records ] in _trace.py
         self._trace = None if trace is None else TraceLog(trace)
         self._tracer = tracer_of(self._trace, ROLE_MAIN)
-        self._torch_rules = False  # DataLoader: torch's seeding and collate structure
+        self._planner = EpochPlanner(self)  # seeds, generators, each epoch's plan
         self._epoch = 0          # epochs started by iter(): they pick the order and the seeds
-        self._runs = Runs(self)  # NOTE [ Runs ]
+        self._runs = Runs(self, self._planner)  # NOTE [ Runs ]
         self._owner_pid = os.getpid()
         self._session = None     # the processes and shared memory, once started (_session.py)
         self._autoscaler = None  # num_workers="auto": its decisions (_autoscale.py)
-        self._drawn_base_seed = None  # torch's rules: drawn once with persistent workers
-        self._early_base_seed = None  # torch's rules: drawn by iter(), taken by the epoch's plan
         self._resume = None           # a state to resume at the next iter()
         self._steps_epoch = None      # (epoch, its iterator) that steps() goes on with
         self._progress = self._progress_plan = None  # of the epoch state_dict() describes
@@ -166,7 +133,6 @@ class ShmLoader(FrozenState):
         self._stats = None
         self._moved_out = (0, 0)  # kept slabs and bytes moved out by lease books closed
         self._warned_stall = False
-        self._rank, self._world = (0, 1)
         _live_loaders.add(self)
 
     # --- sizes ----------------------------------------------------------------------
@@ -176,21 +142,15 @@ class ShmLoader(FrozenState):
         """Samples per batch (1 unbatched: batch_size=None)."""
         return 1 if self.batch_size is None else self.batch_size
 
-    def _dataset_len(self) -> int:
-        try:
-            return len(self.dataset)
-        except TypeError:
-            raise TypeError(f"this map-style dataset ({type(self.dataset).__name__}) has no "
-                            f"__len__: pass a sampler that says which indices to load") from None
-
     def __len__(self):
         if self.iterable:
             raise TypeError("an iterable dataset has no length; ShmLoader cannot know its "
                             "number of batches")
         if self.batch_sampler is not None:
             return len(self.batch_sampler)
-        n = self._sampler_len() if self.sampler is not None else self._dataset_len()
-        n = _order.shard_size(n, self._ranks()[1])
+        planner = self._planner
+        n = self._sampler_len() if self.sampler is not None else planner.dataset_len()
+        n = _order.shard_size(n, planner.ranks()[1])
         if self.batch_size is None:
             return n
         return -(-_order.kept_of(n, self.batch_size, self.drop_last) // self.batch_size)
@@ -199,7 +159,7 @@ class ShmLoader(FrozenState):
         """len(sampler), or a TypeError that says why there is none."""
         n = sampler_length(self.sampler)
         if n is None:
-            raise TypeError(f"this ShmLoader has no len(): its sampler ({self._sampler_name()}) "
+            raise TypeError(f"this ShmLoader has no len(): its sampler ({self._planner.sampler_name()}) "
                             f"has no __len__, so its number of batches is known only once the "
                             f"sampler ends (as torch's DataLoader, len() needs a sized sampler); "
                             f"iterate it to its end, or count batches with steps(n)")
@@ -263,36 +223,29 @@ class ShmLoader(FrozenState):
                 f"this ShmLoader belongs to process {self._owner_pid}; a process forked from it "
                 f"(this is {os.getpid()}) cannot use it: create a new ShmLoader here")
 
-    def _batched_fetch(self) -> bool:
-        """One dataset.__getitems__ call per batch (NOTE [ Batched fetch ])."""
-        return _fetch.batch_fetcher(self.dataset, self.batch_size, self.iterable) is not None
-
-    def _ranks(self) -> tuple[int, int]:
-        """(rank, world size) this loader shards epochs for."""
-        if self.distributed is True:
-            return distributed_rank()
-        if self.distributed:
-            return self.distributed
-        return 0, 1
-
     def _start(self):
+        planner = self._planner
         cfg = LoaderConfig(
             dataset=self.dataset, batch_size=None if self.batch_size is None else self._rows,
             num_workers=self.num_workers, prefetch=self.prefetch, drop_last=self.drop_last,
             in_order=self.in_order, iterable=self.iterable, collate_fn=self.collate_fn,
             worker_init_fn=self.worker_init_fn, seed=self.seed, reproducible=self.reproducible,
-            torch_seeding=self._torch_rules, memory_cap_bytes=self.memory_cap_bytes,
-            parent_pid=0 if self._threads else os.getpid(), rank=self._rank, world=self._world,
+            torch_seeding=planner.torch_rules, memory_cap_bytes=self.memory_cap_bytes,
+            parent_pid=0 if self._threads else os.getpid(), rank=planner.rank,
+            world=planner.world,
             threads=self._threads, max_workers=self.max_workers,
-            whole_batches=self._torch_rules and not self.iterable,
-            batched_fetch=self._batched_fetch(),
+            whole_batches=planner.torch_rules and not self.iterable,
+            batched_fetch=planner.batched_fetch(),
             shuffle_buffer=self.shuffle_buffer, trace=self._trace)
-        self._session = Session(cfg, timeout=self.timeout, torch_rules=self._torch_rules,
+        self._session = Session(cfg, timeout=self.timeout, torch_rules=planner.torch_rules,
                                 pin_memory=self.pin_memory)
         self._runs.session = self._session
         if self.auto:
             self._session.shared.control.set_active(self.num_workers)
-            self._autoscaler = Autoscaler(self, self.num_workers, self.max_workers)
+            set_active = weakref.WeakMethod(self._set_active_workers)  # (no cycle: see Runs)
+            self._autoscaler = Autoscaler(self._session.shared.waited,
+                                          lambda count: set_active()(count), self.num_workers,
+                                          self.max_workers)
 
     def _set_active_workers(self, active: int) -> None:
         """num_workers="auto": let `active` workers claim units (_autoscale.py)."""
@@ -344,117 +297,6 @@ class ShmLoader(FrozenState):
     def _threads(self) -> bool:
         return self.worker_mode == "thread"
 
-    # --- planning a pass ------------------------------------------------------------
-
-    def _base_seed(self, epoch: int, resumed: int | None = None) -> int:
-        """The seed workers take for an epoch (see seed_worker): drawn from
-        the generator as torch's DataLoader draws it (once per iterator it
-        makes: each epoch, or once with persistent workers), else from the
-        seed.  A resumed epoch takes the one its state recorded (`resumed`),
-        drawing nothing: the recorded generator states are those after it
-        was drawn (NOTE [ Resuming an epoch ])."""
-        early, self._early_base_seed = self._early_base_seed, None
-        if resumed is None:
-            resumed = early
-        if resumed is not None:
-            self._drawn_base_seed = resumed
-            return resumed
-        if self._torch_rules or self.generator is not None:
-            if self._drawn_base_seed is not None and self.persistent_workers and self.num_workers:
-                return self._drawn_base_seed
-            import torch
-
-            seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
-            self._drawn_base_seed = seed
-            return seed
-        return int(derived_seeds(self.seed & ((1 << 64) - 1), epoch, 0, 0)[0])
-
-    def _rng_states(self) -> dict:
-        """The states of the torch generators an epoch's order and base
-        seed are drawn from, as bytes (see NOTE [ Resuming an epoch ])."""
-        states = {}
-        if self.generator is not None:
-            states["generator"] = self.generator.get_state().numpy().tobytes()
-        elif self._torch_rules:  # DataLoader draws from torch's global generator
-            import torch
-
-            states["global"] = torch.get_rng_state().numpy().tobytes()
-        sampler_gen = getattr(self.sampler, "generator", None)
-        if sampler_gen is not None and hasattr(sampler_gen, "get_state"):
-            states["sampler"] = sampler_gen.get_state().numpy().tobytes()
-        return states
-
-    def _set_rng_states(self, states: dict) -> None:
-        import torch
-
-        def tensor(b):
-            return torch.from_numpy(np.frombuffer(b, np.uint8).copy())
-
-        if "generator" in states and self.generator is not None:
-            self.generator.set_state(tensor(states["generator"]))
-        if "global" in states:
-            torch.set_rng_state(tensor(states["global"]))
-        if "sampler" in states:
-            self.sampler.generator.set_state(tensor(states["sampler"]))
-
-    def _snapshot(self, epoch: int):
-        """The dataset's own view of the epoch starting, or None: see NOTE
-        [ Datasets that change with the epoch ] in _epoch_snapshot.py."""
-        take = getattr(self.dataset, "epoch_snapshot", None)
-        if not callable(take):
-            return None
-        return take(EpochInfo(epoch, self.seed, self._rank, self._world))
-
-    def _plan(self, epoch: int, resume: dict | None = None, snapshot=None) -> Plan:
-        """Decide epoch's pass: which indices in which order (see NOTE
-        [ Runs ]); with `resume`, only what the state says is left of it
-        (NOTE [ Resuming an epoch ])."""
-        if snapshot is None:
-            snapshot = self._snapshot(epoch)
-        if resume is None or "global" not in resume["rng"]:
-            plan = self._plan_drawn(epoch, resume)
-        else:
-            import torch
-
-            with torch.random.fork_rng(devices=[]):  # the user's global generator is left alone
-                plan = self._plan_drawn(epoch, resume)
-        return plan._replace(snapshot=snapshot)
-
-    def _plan_drawn(self, epoch: int, resume: dict | None) -> Plan:
-        if resume is not None:
-            if (resume["rank"], resume["world"]) != (self._rank, self._world):
-                raise ValueError(f"this state is of rank {resume['rank']} of {resume['world']}; "
-                                 f"this loader is rank {self._rank} of {self._world}: each rank "
-                                 f"resumes from its own state")
-            self._set_rng_states(resume["rng"])
-        base_seed = self._base_seed(epoch, None if resume is None else resume.get("base_seed"))
-        # after the base seed, as torch draws it before the order: these are
-        # the states the order is drawn from (NOTE [ Resuming an epoch ])
-        rng = self._rng_states()
-        return plan_run(self._plan_rules(), epoch=epoch, resume=resume, base_seed=base_seed,
-                        rng=rng)
-
-    def _plan_rules(self) -> PlanRules:
-        per_batch = self.collate_fn is not None or self.batch_size is None
-        return PlanRules(
-            iterable=self.iterable, num_workers=self.num_workers, batch_size=self.batch_size,
-            drop_last=self.drop_last, per_batch=per_batch,
-            claims_batches=per_batch or ((self._torch_rules or self._batched_fetch())
-                                         and self.num_workers > 0),
-            sampler=self.sampler, batch_sampler=self.batch_sampler,
-            sampler_name=self._sampler_name(), shuffle=self.shuffle, generator=self.generator,
-            seed=self.seed, torch_rules=self._torch_rules, rank=self._rank, world=self._world,
-            dataset_len=self._dataset_len)
-
-    def _runs_ahead(self) -> bool:
-        """Can the next epoch start before this one ends?  Not when the
-        next order is the user's to make (a sampler, which may wait for
-        set_epoch(); an iterable dataset), nor without persistent workers,
-        nor for DataLoader (torch draws its seeds at iter(), maybe after
-        the user reseeded the generator)."""
-        return (self.persistent_workers and self.sampler is None and self.batch_sampler is None
-                and not self.iterable and not self._torch_rules)
-
     # --- iteration ----------------------------------------------------------------------
 
     def __iter__(self):
@@ -462,24 +304,39 @@ class ShmLoader(FrozenState):
             raise ValueError("this ShmLoader is closed; create a new one")
         self._check_owner()
         self.thaw_state()  # a pass of its own, or a wrapper's (which freezes it again)
-        if self._session is None:  # (re)starting: the ranks are taken now (torchrun may have
-            self._rank, self._world = self._ranks()  # initialised its process group since)
+        if self._session is None:  # (re)starting: the ranks are taken now
+            self._planner.take_ranks()
         resume, self._resume = self._resume, None
         if resume is not None:
             self._epoch = resume["epoch"] - 1  # the epoch the state is in
         self._epoch += 1
-        if self._torch_rules and resume is None:  # torch draws it as the iterator is made
-            self._early_base_seed = None
-            self._early_base_seed = self._base_seed(self._epoch)
-        if self.pin_memory and not self._torch_rules and not cuda_available():
+        if self._planner.torch_rules and resume is None:  # as torch's iterator is made
+            self._planner.draw_at_iter(self._epoch)
+        if self.pin_memory and not self._planner.torch_rules and not cuda_available():
             warnings.warn("ShmLoader: pin_memory=True, but CUDA is not available: batches are not "
                           "pinned (pin_memory=False says the same without this warning)",
                           UserWarning, stacklevel=2)
         if self.num_workers == 0:
-            return InlineEpoch(self, self._epoch, resume)
+            return InlineEpoch(self, self._epoch, resume, planner=self._planner,
+                               tracer=self._tracer, owner=self._epoch_owner())
         if self._session is None:
             self._start()
-        return (StreamEpoch if self.iterable else MapEpoch)(EpochHost(self), self._epoch, resume)
+        host = EpochHost(runs=self._runs, session=self._session, owner=self._epoch_owner(),
+                         tracer=self._tracer, materializer=self._materializer,
+                         autoscaler=self._autoscaler, in_order=self.in_order,
+                         timeout=self.timeout, streams=max(self.num_workers, 1))
+        return (StreamEpoch if self.iterable else MapEpoch)(host, self._epoch, resume)
+
+    def _epoch_owner(self) -> EpochOwner:
+        """What this loader's epochs tell it (_runs.py)."""
+        return EpochOwner(track=self._track, check_current=self._check_current,
+                          record_stats=self._record_stats, epoch_closed=self._epoch_closed)
+
+    def _epoch_closed(self, epoch: int) -> None:
+        """An epoch's iterator is done: without persistent workers, the
+        processes stop (unless a newer iterator, already made, owns them)."""
+        if not self.persistent_workers and self._epoch == epoch:
+            self._shutdown()
 
     def steps(self, n: int | None = None):
         """Yield n batches (None: for ever), going from one epoch into the
@@ -531,7 +388,7 @@ class ShmLoader(FrozenState):
         s["summary"] = summary_line(s)
         self._stats = s
         # once per loader; loader.DataLoader keeps torch's behaviour (no warning)
-        if not self._warned_stall and not self._torch_rules:
+        if not self._warned_stall and not self._planner.torch_rules:
             advice = stall_advice(s)
             if advice is not None:
                 self._warned_stall = True  # (before: with -W error the warning raises)
@@ -547,39 +404,14 @@ class ShmLoader(FrozenState):
             raise RuntimeError("this ShmLoader iterator was superseded: iter(loader) was called "
                                "again, which starts a new epoch; use one iterator at a time")
 
-    def _raise_failed(self, msg: _protocol.Failed):
-        """Raise what a worker (or the batcher) reported: its exception's
-        own type when main can build one with a message, as PyTorch does,
-        with the worker's traceback in the message; else WorkerError."""
-        err = msg.error
-        index = msg.index
-        if index is None and msg.pos is not None:
-            index = self._runs.index_at(msg.run, msg.pos)  # the batcher knows positions only
-        if index is not None:
-            at = f" on sample index {index} (position {msg.pos})"
-        elif msg.batch is not None:
-            at = f" on batch {msg.batch}"
-        else:
-            at = ""
-        text = f"Caught {err.type_name} {err.where} (pid {msg.pid}){at}.\nOriginal {err.text}"
-        exc_type = err.exception_type()
-        if exc_type is KeyError:
-            text = _KeyErrorMessage(text)
-        try:
-            exc = exc_type(text) if exc_type is not None else None
-        except Exception:
-            exc = None
-        if not isinstance(exc, BaseException):
-            raise WorkerError(text)
-        raise exc
-
     @property
     def _materializer(self) -> Materializer:
         """Builds batches for this loader's output (its leaf plans kept
         across batches); made again if output or torch's rules changed."""
         m = self.__dict__.get("_materializer_made")
-        if m is None or m.output != self.output or m.torch_rules != self._torch_rules:
-            m = self.__dict__["_materializer_made"] = Materializer(self.output, self._torch_rules)
+        torch_rules = self._planner.torch_rules
+        if m is None or m.output != self.output or m.torch_rules != torch_rules:
+            m = self.__dict__["_materializer_made"] = Materializer(self.output, torch_rules)
         return m
 
     # --- resuming ---------------------------------------------------------------------
@@ -602,11 +434,12 @@ class ShmLoader(FrozenState):
         if frozen is not None:
             return frozen
         progress = self._progress
+        planner = self._planner
         state = {"format": STATE_FORMAT, "epoch": self._epoch, "seed": self.seed,
-                 "rank": self._rank, "world": self._world, "workers": self.num_workers,
+                 "rank": planner.rank, "world": planner.world, "workers": self.num_workers,
                  "iterable": self.iterable, "rng": {}, "base_seed": None, "map": None,
                  "stream": None, "batch_size": self.batch_size, "dataset_len": self._map_len(),
-                 "sampler": self._sampler_name()}
+                 "sampler": planner.sampler_name()}
         if progress is None:  # no epoch started: the next is the first
             state["complete"] = True
             return state
@@ -641,10 +474,6 @@ class ShmLoader(FrozenState):
             self._resume = state
         self._progress = None
 
-    def _sampler_name(self) -> str | None:
-        s = self.batch_sampler if self.batch_sampler is not None else self.sampler
-        return None if s is None else getattr(s, "sampler_name", type(s).__name__)
-
     def _map_len(self) -> int | None:
         """The dataset's length (None: iterable, or none)."""
         if self.iterable:
@@ -655,7 +484,7 @@ class ShmLoader(FrozenState):
             return None
 
     def _epoch_positions(self, world: int) -> int | None:
-        """The positions of a map-style epoch of this rank, as _plan counts
+        """The positions of a map-style epoch of this rank, as plan_run counts
         them (None: a batch sampler's, known only by iterating it)."""
         if self.iterable or self.batch_sampler is not None:
             return None
@@ -667,20 +496,37 @@ class ShmLoader(FrozenState):
                                                                     self.drop_last)
 
     def _expected_state(self) -> Expected:
-        rank, world = self._ranks()
+        rank, world = self._planner.ranks()
         return Expected(
             iterable=self.iterable, num_workers=self.num_workers, rank=rank, world=world,
             seed=self.seed if self._seed_given else None, batch_size=self.batch_size,
             positions=self._epoch_positions(world), dataset_len=self._map_len(),
-            sampler=self._sampler_name(),
-            rng_bytes={k: len(v) for k, v in self._rng_states().items()},
+            sampler=self._planner.sampler_name(),
+            rng_bytes={k: len(v) for k, v in self._planner.rng_states().items()},
             seeded_shuffle=(self.shuffle and self.generator is None and self.sampler is None
                             and self.batch_sampler is None and not self.iterable))
 
+def follow_torch_rules(loader: ShmLoader) -> None:
+    """Make a new loader load as torch's DataLoader does (loader.DataLoader's
+    own ShmLoader): torch's worker seeding, base seed per iterator, order
+    draws and collate structure."""
+    loader._planner.torch_rules = True
+
+
+def worker_children(loader: ShmLoader) -> list:
+    """The loader's worker processes now (none once they have stopped)."""
+    session = loader._session
+    return session.worker_children() if session is not None else []
+
+
 def _close_all():
     for loader in list(_live_loaders):
-        if loader._owner_pid == os.getpid():
-            loader.close()
+        _close_if_owned(loader)
+
+
+def _close_if_owned(loader: ShmLoader) -> None:
+    if loader._owner_pid == os.getpid():  # (a forked copy leaves its parent's processes alone)
+        loader.close()
 
 
 atexit.register(_close_all)

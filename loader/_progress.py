@@ -75,9 +75,10 @@ class DonePositions:
         starts = p[np.concatenate(([0], breaks))]
         stops = p[np.concatenate((breaks - 1, [len(p) - 1]))] + 1
         for a, b in zip(starts.tolist(), stops.tolist()):
-            self._add(a, b)
+            self.add_range(a, b)
 
-    def _add(self, a: int, b: int) -> None:
+    def add_range(self, a: int, b: int) -> None:
+        """Positions [a, b) were delivered."""
         if b <= self.prefix:
             return
         a = max(a, self.prefix)
@@ -115,7 +116,7 @@ class MapProgress:
         """In order: the run's batch `batch` was handed out."""
         start, stop = self.batches.span(batch)
         if self.remaining is None:
-            self.done._add(start, stop)  # the common case: one range, no array
+            self.done.add_range(start, stop)  # the common case: one range, no array
             return
         self._mark(np.arange(start, stop))
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 import collections
 import time
 import weakref
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from loader import _order
 from loader import _protocol
 from loader._control import RunWords
+from loader._errors import raise_reported
 from loader._planning import Plan, offsets_word, order_of, settled_plan
 from loader._sampler_feed import BatchFeed
 from loader._stats import EpochClock
@@ -36,14 +37,15 @@ class Run(NamedTuple):
 
 
 class Runs:
-    """The runs of one loader, which owns them: its planning (_plan, which
-    draws the seeds; _plan_rules), the dataset's view of an epoch
-    (_snapshot), len(dataset) and its public arguments (prefetch, timeout,
-    iterable) are read through a weak proxy, so that a loader dropped
-    without close() is freed, and closed, at once (no cycle to wait for)."""
+    """The runs of one loader, which owns them.  Plans come from the
+    loader's EpochPlanner (_epoch_planner.py); its public arguments
+    (prefetch, timeout, iterable) are read through a weak proxy, so that a
+    loader dropped without close() is freed, and closed, at once (no cycle
+    to wait for)."""
 
-    def __init__(self, loader):
+    def __init__(self, loader, planner):
         self.loader = weakref.proxy(loader)
+        self.planner = planner
         self.count = 0           # runs started (ids are never reused)
         self.current = None      # the run of the latest iter()
         self.ahead = None        # the next epoch's run, started before its iter()
@@ -122,7 +124,7 @@ class Runs:
         else:
             feed.feed(self._positions_below(run, self.limit(run, yielded)))
         feed.release_below(run.plan.progress.run_prefix())
-        plan = settled_plan(run.plan, self.loader._plan_rules())
+        plan = settled_plan(run.plan, self.planner.rules())
         if plan is not None:
             run = run._replace(plan=plan, batches=plan.progress.batches)
         return run, self.limit(run, yielded)
@@ -143,7 +145,7 @@ class Runs:
         deadline = None if timeout is None else time.monotonic() + timeout
         while run_id - 2 in self.unended:  # its block is about to be reused
             self.route(self.session.receive(deadline))
-        plan = self.loader._plan(epoch, resume, snapshot)
+        plan = self.planner.plan(epoch, resume, snapshot)
         if plan.shipped is not None:
             self.session.shared.write_order(run_id, plan.shipped)
         elif plan.remaining is not None:
@@ -182,9 +184,9 @@ class Runs:
         ahead, self.ahead = self.ahead, None
         self.end(self.current)  # an iterator this one supersedes
         self.current = None
-        snapshot = self.loader._snapshot(epoch)  # the dataset as this epoch starts
+        snapshot = self.planner.snapshot(epoch)  # the dataset as this epoch starts
         if ahead is not None and resume is None and ahead.plan.epoch == epoch and \
-                ahead.plan.size == self.loader._dataset_len() and ahead.plan.snapshot == snapshot:
+                ahead.plan.size == self.planner.dataset_len() and ahead.plan.snapshot == snapshot:
             self.current = ahead
             return ahead
         self.end(ahead)
@@ -200,47 +202,56 @@ class Runs:
             return None
         if run.plan.feed is not None:
             return run.plan.feed.index(pos)
-        rules = self.loader._plan_rules()
-        return _order.index_getter(order_of(run.plan, rules.rank, rules.world))(pos)
+        planner = self.planner
+        return _order.index_getter(order_of(run.plan, planner.rank, planner.world))(pos)
+
+
+class EpochOwner(NamedTuple):
+    """What an epoch tells the loader that owns it (ShmLoader's methods)."""
+    track: Callable           # (plan) -> its progress, the one state_dict() describes now
+    check_current: Callable   # (epoch): raise if a newer iter() superseded this one
+    record_stats: Callable    # (epoch, RunEnded | None, EpochClock, ...): for stats()
+    epoch_closed: Callable    # (epoch): its iterator is done
 
 
 class EpochHost:
     """What an epoch iterator (_epoch_iter.py) may ask of its loader, and
     nothing else: the run for its epoch, the next message of that run,
-    batches, limits, the run started ahead, and its end.  One per iter();
-    the one place outside _loader.py that reads the loader's insides."""
+    batches, limits, the run started ahead, and its end.  One per iter(),
+    given by the loader exactly what it may use."""
 
-    def __init__(self, loader):
-        self._loader, self._runs = loader, loader._runs
-        session = loader._session
-        self.in_order = loader.in_order
+    def __init__(self, *, runs: Runs, session, owner: EpochOwner, tracer, materializer,
+                 autoscaler, in_order: bool, timeout: float | None, streams: int):
+        self._runs, self._session, self._owner = runs, session, owner
+        self.tracer, self._materializer, self._autoscaler = tracer, materializer, autoscaler
+        self.in_order, self._timeout = in_order, timeout
         self.control = session.shared.control
-        self.tracer = loader._tracer
-        self.streams = max(loader.num_workers, 1)   # an iterable dataset's: one per worker
+        self.streams = streams                      # an iterable dataset's: one per worker
         self.per_batch = session.cfg.per_batch      # a row's tag is its unit
 
     @property
     def wait_clocks(self):
         """The children's wait clocks (NOTE [ Wait clocks ] in _stats.py)."""
-        return self._loader._session.shared.waited
+        return self._session.shared.waited
 
     def begin(self, epoch: int, resume: dict | None):
         """(the run of the epoch, its progress, which state_dict() now describes)."""
-        ld = self._loader
         run = self._runs.run_for(epoch, resume)
-        return run, ld._track(run.plan)
+        return run, self._owner.track(run.plan)
 
     def check_current(self, epoch: int) -> None:
-        self._loader._check_current(epoch)
+        self._owner.check_current(epoch)
 
     def raise_failed(self, msg: _protocol.Failed):
-        self._loader._raise_failed(msg)
+        index = None
+        if msg.index is None and msg.pos is not None:
+            index = self._runs.index_at(msg.run, msg.pos)  # the batcher knows positions only
+        raise_reported(msg, index)
 
     def next_message(self, run: Run):
         """The run's next message, within the loader's timeout."""
-        ld = self._loader
-        deadline = None if ld.timeout is None else time.monotonic() + ld.timeout
-        scaler = ld._autoscaler
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        scaler = self._autoscaler
         if scaler is None:
             return self._runs.next_of(run.id, deadline)
         t0 = time.perf_counter()  # the training loop waits for data from here (_autoscale.py)
@@ -251,13 +262,12 @@ class EpochHost:
 
     def hand_out(self, msg: _protocol.BatchReady):
         """The user's batch of msg."""
-        scaler = self._loader._autoscaler
-        if scaler is not None:
-            scaler.batch_handed_out()
-        return self._loader._session.batch(msg, self._loader._materializer)
+        if self._autoscaler is not None:
+            self._autoscaler.batch_handed_out()
+        return self._session.batch(msg, self._materializer)
 
     def tags(self, msg: _protocol.BatchReady) -> np.ndarray:
-        return self._loader._session.tags(msg)
+        return self._session.tags(msg)
 
     def advance(self, run: Run, yielded: int, left: int) -> Run:
         """`yielded` batches of run were handed out: raise its LIMIT, and
@@ -276,29 +286,28 @@ class EpochHost:
     def run_ahead(self, run: Run, next_epoch: int, left: int) -> None:
         """Every unit of run is claimed: start the next epoch's run now, if
         the loader runs ahead and none is started (NOTE [ Runs ])."""
-        ld = self._loader
-        if self._runs.ahead is None and ld._runs_ahead() and run.id - 1 not in self._runs.unended:
-            self._runs.ahead = self._runs.start(next_epoch, yielded=left)
+        runs = self._runs
+        if runs.ahead is None and runs.planner.runs_ahead() and run.id - 1 not in runs.unended:
+            runs.ahead = runs.start(next_epoch, yielded=left)
 
     def epoch_ended(self, epoch: int, msg: _protocol.RunEnded, clock: EpochClock) -> None:
         """The epoch ran to its end: its figures for stats() and the trace."""
-        ld = self._loader
-        ld._record_stats(epoch, msg, clock)
-        ld._tracer.record(EPOCH, clock.t0, time.perf_counter_ns(), epoch, msg.batches,
-                          msg.samples, 1)
+        self._owner.record_stats(epoch, msg, clock)
+        self.tracer.record(EPOCH, clock.t0, time.perf_counter_ns(), epoch, msg.batches,
+                           msg.samples, 1)
 
     def epoch_closed(self, epoch: int, run: Run, *, finished: bool, pending) -> None:
         """The iterator is done (ran to its end, or dropped early): batches
-        received but not handed out go back, the run ends unless it ran to
-        its end, and without persistent workers the processes stop."""
-        ld = self._loader
-        if self._runs.current is run:
+        received but not handed out go back, and the run ends unless it ran
+        to its end; then the loader hears of it (without persistent
+        workers, it stops the processes)."""
+        runs = self._runs
+        if runs.current is run:
             if not finished:
                 for msg in pending:
-                    ld._session.give_back(msg)
-                self._runs.end(run)
-                self._runs.current = None
+                    self._session.give_back(msg)
+                runs.end(run)
+                runs.current = None
             else:
-                self._runs.inboxes.pop(run.id, None)
-        if not ld.persistent_workers and ld._epoch == epoch:
-            ld._shutdown()  # (a newer iterator, already made, owns the processes)
+                runs.inboxes.pop(run.id, None)
+        self._owner.epoch_closed(epoch)

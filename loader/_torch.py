@@ -45,7 +45,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from loader._errors import LoaderTimeout, WorkerError
 from loader._frozen_state import FrozenState
-from loader._loader import ShmLoader
+from loader._loader import ShmLoader, follow_torch_rules, worker_children
 from loader._procs import wait_all
 from loader._torch_order import TorchOrder, epoch_sampler
 from loader._trace import check_path
@@ -137,7 +137,7 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
             timeout=self.timeout if self.timeout > 0 else None,
             output="keep" if custom else "torch", pin_memory=self.pin_memory,
             trace=self._trace if traced else None, **kwargs)
-        shm._torch_rules = True
+        follow_torch_rules(shm)
         return _Pool(shm, order, pipe)
 
     def _order_source(self, source):
@@ -352,9 +352,7 @@ class _Iterator:
     def _workers(self) -> list:
         """The worker processes, as torch's iterator lists them (pid,
         is_alive(), join(), exitcode)."""
-        session = self._pool.shm._session
-        children = session.worker_children() if session is not None else []  # (stopped)
-        return [_WorkerProcess(c) for c in children]
+        return [_WorkerProcess(c) for c in worker_children(self._pool.shm)]
 
     def __next__(self):
         if self.finished:
