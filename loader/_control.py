@@ -116,6 +116,22 @@ BATCHER_BELL = 6   # a message, a released slab, a new run, STOP: the batcher
 BELL_WORDS = 8
 
 
+class RunWordLayout(NamedTuple):
+    """Where a run's words lie in ctl, for the compiled code that reads
+    them (RunCounters in _native.pyx): built once from the constants
+    above, so the layout has one source."""
+    base: int      # RUN_BASE: the first run block's first word
+    words: int     # RUN_WORDS: words per run block (blocks alternate by run parity)
+    cursor: int    # CURSOR, LIMIT, ARRIVED: their offsets in a block
+    limit: int
+    arrived: int
+    shift: int     # RUN_SHIFT: a tagged word holds (run << shift) | value
+
+
+RUN_LAYOUT = RunWordLayout(base=RUN_BASE, words=RUN_WORDS, cursor=CURSOR, limit=LIMIT,
+                           arrived=ARRIVED, shift=RUN_SHIFT)
+
+
 def word(run: int, which: int) -> int:
     """Index in ctl of word `which` of the run's block."""
     return RUN_BASE + (run % 2) * RUN_WORDS + which

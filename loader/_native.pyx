@@ -126,22 +126,23 @@ include "_permutation.pxi"
 cdef class RunCounters:
     """A worker's hot path into the ctl words of NOTE [ Runs ]: claiming the
     next unit of a run and checking main's limit, without Python calls.
-    The word layout comes from _control.py (passed in: one source)."""
+    The word layout comes from _control.py (RUN_LAYOUT: one source)."""
 
     cdef object ctl_array
     cdef int64_t *ctl
     cdef Py_ssize_t n, base, words, cursor, limit, arrived, shift
 
-    def __init__(self, cnp.ndarray ctl not None, Py_ssize_t run_base, Py_ssize_t run_words,
-                 Py_ssize_t cursor, Py_ssize_t limit, Py_ssize_t arrived, Py_ssize_t run_shift):
+    def __init__(self, cnp.ndarray ctl not None, layout):
+        """layout: _control.RUN_LAYOUT (a RunWordLayout)."""
         if ctl.dtype != np.int64 or not ctl.flags.c_contiguous or ctl.ndim != 1:
             raise TypeError("ctl is a 1-d C-contiguous int64 array")
-        if run_base + 2 * run_words > ctl.shape[0]:
+        if layout.base + 2 * layout.words > ctl.shape[0]:
             raise IndexError("ctl is too short for two run blocks")
         self.ctl_array = ctl
         self.ctl = <int64_t *>cnp.PyArray_DATA(ctl)
-        self.base, self.words = run_base, run_words
-        self.cursor, self.limit, self.arrived, self.shift = cursor, limit, arrived, run_shift
+        self.base, self.words = layout.base, layout.words
+        self.cursor, self.limit, self.arrived = layout.cursor, layout.limit, layout.arrived
+        self.shift = layout.shift
 
     cdef inline int64_t *_word(self, int64_t run, Py_ssize_t which):
         return self.ctl + self.base + (run % 2) * self.words + which

@@ -123,9 +123,7 @@ class Worker:
         finished = (_control.word(0, _control.FINISHED), _control.word(1, _control.FINISHED))
         self.writer = RowWriter(shared.table, shared.arena, shared.hazards, worker_id, self.channel,
                                 shared.control.ctl, finished)
-        self.counters = RunCounters(shared.control.ctl, _control.RUN_BASE, _control.RUN_WORDS,
-                                    _control.CURSOR, _control.LIMIT, _control.ARRIVED,
-                                    _control.RUN_SHIFT)
+        self.counters = RunCounters(shared.control.ctl, _control.RUN_LAYOUT)
         self.started = False   # seeded, worker_init_fn called
         self.broken = False    # worker_init_fn raised: load nothing more
         self.seeder = None     # reproducible=True: made at the start (a thread's own generators)

@@ -288,8 +288,7 @@ def test_torch_tensors_are_written_through_the_reference_path():
 # --- run words and bells ------------------------------------------------------------------
 
 def run_counters(c):
-    return _native.RunCounters(c.ctl, _control.RUN_BASE, _control.RUN_WORDS, _control.CURSOR,
-                               _control.LIMIT, _control.ARRIVED, _control.RUN_SHIFT)
+    return _native.RunCounters(c.ctl, _control.RUN_LAYOUT)
 
 
 def words(*, epoch, limit, size=-1, kept=-1, units=-1, nbatches=-1, order=_order.ORDER_RANGE,
