@@ -9,12 +9,8 @@ with a resume state of a few hundred bytes."""
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -22,6 +18,7 @@ import pytest
 from loader import ShmLoader
 from loader._native import SeededOrder
 from loader._order import epoch_order, shard
+from capped import run_capped
 from shared_datasets import Ids
 
 # --- the generator, as documented, in plain Python ---------------------------------
@@ -277,16 +274,10 @@ def test_a_format_1_state_loads_unless_it_is_an_old_seeded_shuffle_in_progress()
 
 # --- 2,000,000,000 samples -----------------------------------------------------------
 
-_HUGE = textwrap.dedent("""
-    import json, os, pickle, resource, sys, time
-    import numpy as np
-    resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))  # a regression: MemoryError
+_HUGE = """
+    import pickle
     from loader import ShmLoader
-    from loader._order import epoch_order, computed_order
-
-    def rss_kb(pid):
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
+    from loader._order import computed_order
 
     def tree_kb(ld):
         kids = [c.pid for c in ld._session.procs]
@@ -320,7 +311,7 @@ _HUGE = textwrap.dedent("""
                                                       2_000_000_000)[0:5 * 4096])),
         "resumed_ok": all(np.array_equal(a, b) for a, b in zip(after, resumed)),
     }))
-""")
+"""
 
 
 def test_2e9_samples_start_at_once_in_bounded_memory_and_resume():
@@ -330,10 +321,7 @@ def test_2e9_samples_start_at_once_in_bounded_memory_and_resume():
     growing by less than 100 MB over what they start with, the epoch's
     order as documented, and a state of a few hundred bytes from which a
     new loader goes on with exactly the next batches."""
-    out = subprocess.run([sys.executable, "-c", _HUGE], capture_output=True, text=True,
-                         timeout=100, env=dict(os.environ))
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = run_capped(_HUGE, timeout=100)
     assert got["first_batch_s"] < 5, got
     assert got["grown_kb"] < 100 * 1024, got
     assert got["state_bytes"] < 1024, got

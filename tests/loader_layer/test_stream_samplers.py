@@ -6,17 +6,14 @@ loader/_sampler_feed.py, OPEN in NOTE [ Runs ] in loader/_control.py)."""
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import pickle
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
 
 from loader import ShmLoader
+from capped import run_capped
 from shared_datasets import Ids
 
 pytestmark = pytest.mark.timeout(120)
@@ -196,15 +193,8 @@ def test_a_state_at_the_end_of_an_epoch_starts_the_next_whole():
 
 # --- a billion indices, lazily ---------------------------------------------------------
 
-_BILLION = textwrap.dedent("""
-    import json, os, resource, time
-    import numpy as np
-    resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))  # a regression: MemoryError
+_BILLION = """
     from loader import ShmLoader
-
-    def rss_kb(pid):
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
 
     class Ids:
         def __len__(self): return 1_000_000_000
@@ -226,7 +216,7 @@ _BILLION = textwrap.dedent("""
     expect = (np.arange(300 * 4096, dtype=np.int64) * 7919) % 1_000_000_000
     print(json.dumps({"first_batch_s": took, "grown_kb": grown, "order_bytes": allocated,
                       "exact": bool(np.array_equal(np.concatenate(got), expect))}))
-""")
+"""
 
 
 def test_a_lazy_billion_index_sampler_without_len_starts_at_once_in_bounded_memory():
@@ -235,10 +225,7 @@ def test_a_lazy_billion_index_sampler_without_len_starts_at_once_in_bounded_memo
     killer): the first batch within a few seconds, the loader's processes
     growing by less than 100 MB, the order file holding only the window,
     and the first 300 batches exactly the sampler's first indices."""
-    out = subprocess.run([sys.executable, "-c", _BILLION], capture_output=True, text=True,
-                         timeout=100, env=dict(os.environ))
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = run_capped(_BILLION, timeout=100)
     assert got["first_batch_s"] < 5, got
     assert got["grown_kb"] < 100 * 1024, got
     assert got["order_bytes"] < 3 << 20, got
@@ -414,19 +401,12 @@ def test_dataloader_shuffle_is_torchs_order_without_iterating_its_sampler(
 
 # --- loader.DataLoader's other samplers, streamed too -----------------------------------
 
-_DATALOADER_BILLION = textwrap.dedent("""
-    import json, os, resource, sys, time
-    import numpy as np
-    resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))  # a regression: MemoryError
+_DATALOADER_BILLION = """
     import torch
     import torch.utils.data as tud
     from loader import DataLoader
 
     N = 1_000_000_000
-
-    def rss_kb(pid):
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
 
     class Ids(tud.Dataset):
         def __len__(self): return N
@@ -460,7 +440,7 @@ _DATALOADER_BILLION = textwrap.dedent("""
         del it
         ld.close()
     print(json.dumps(out))
-""")
+"""
 
 
 def test_dataloader_streams_a_users_billion_index_sampler_and_batch_sampler():
@@ -471,10 +451,7 @@ def test_dataloader_streams_a_users_billion_index_sampler_and_batch_sampler():
     seconds, the loader's processes growing by under 100 MB, len() torch's,
     and the first 200 batches exactly the sampler's indices."""
     pytest.importorskip("torch")
-    out = subprocess.run([sys.executable, "-c", _DATALOADER_BILLION], capture_output=True,
-                         text=True, timeout=110, env=dict(os.environ))
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = run_capped(_DATALOADER_BILLION, timeout=110)
     assert got["sampler"]["len"] == 1_000_000 and got["batch_sampler"]["len"] == 1_000_000
     for case in got.values():
         assert case["first_batch_s"] < 5, got
@@ -570,17 +547,10 @@ def test_an_error_on_a_key_names_the_key():
     assert "(0, 'row-0')" in str(raised.value)
 
 
-_KEYS_HUNDRED_MILLION = textwrap.dedent("""
-    import json, os, resource, time
-    import numpy as np
-    resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))  # a regression: MemoryError
+_KEYS_HUNDRED_MILLION = """
     from loader import ShmLoader
 
     N = 100_000_000
-
-    def rss_kb(pid):
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
 
     class Keyed:
         def __len__(self): return N
@@ -602,7 +572,7 @@ _KEYS_HUNDRED_MILLION = textwrap.dedent("""
     expect = (np.arange(2000 * 1000, dtype=np.int64) * 7919) % N
     print(json.dumps({"first_batch_s": took, "grown_kb": grown, "order_bytes": allocated,
                       "exact": bool(np.array_equal(np.concatenate(got), expect))}))
-""")
+"""
 
 
 def test_a_hundred_million_keys_start_at_once_in_bounded_memory():
@@ -611,10 +581,7 @@ def test_a_hundred_million_keys_start_at_once_in_bounded_memory():
     batch within a few seconds, the processes growing by under 100 MB, the
     order file holding the window (its pages below what the loop received
     given back), and the first 2,000 batches exactly the sampler's."""
-    out = subprocess.run([sys.executable, "-c", _KEYS_HUNDRED_MILLION], capture_output=True,
-                         text=True, timeout=110, env=dict(os.environ))
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = run_capped(_KEYS_HUNDRED_MILLION, timeout=110)
     assert got["first_batch_s"] < 5, got
     assert got["grown_kb"] < 100 * 1024, got
     assert got["order_bytes"] < 8 << 20, got
