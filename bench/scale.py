@@ -15,8 +15,9 @@ also seeds the generators before every sample, reproducible=True, which
 the -norepro row leaves out),
 ShmLoader(generator=) (torch's randperm, written out once), ShmLoader with
 a custom lazy sampler (streamed) with len() and without it,
-loader.DataLoader(shuffle=True) (RandomSampler drawn in one call),
-PyTorch's DataLoader (shuffle=True), and
+loader.DataLoader(shuffle=True) (RandomSampler drawn in one call) and
+with the custom lazy sampler (streamed), PyTorch's DataLoader
+(shuffle=True, and with the custom lazy sampler), and
 Grain's DataLoader (IndexSampler: a lazy index_shuffle).  A size a loader
 cannot hold in this machine's RAM is skipped and said so.
 
@@ -38,13 +39,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import machine  # noqa: E402
 
 LOADERS = ["shm-seed", "shm-seed-norepro", "shm-generator", "shm-sampler", "shm-sampler-nolen",
-           "dataloader", "torch", "grain"]
+           "dataloader", "dataloader-sampler", "torch", "torch-sampler", "grain"]
 
 # bytes per sample a loader needs up front, to skip sizes beyond RAM: the
 # written-out orders (torch: randperm, then a list of Python ints in main)
 _BYTES_PER_SAMPLE = {"shm-seed": 0, "shm-seed-norepro": 0, "shm-generator": 16,
                      "shm-sampler": 0, "shm-sampler-nolen": 0, "dataloader": 16,
-                     "torch": 48, "grain": 0}
+                     "dataloader-sampler": 0, "torch": 48, "torch-sampler": 0, "grain": 0}
 
 def _pss_kb(pid: int) -> int:
     try:
@@ -127,9 +128,15 @@ def _make(which: str, n: int, B: int):
     if which == "dataloader":  # loader.DataLoader: torch's RandomSampler, drawn in one call
         import loader
         return loader.DataLoader(Tiny(n), batch_size=B, shuffle=True, num_workers=2)
+    if which == "dataloader-sampler":  # loader.DataLoader: a user's sampler, streamed
+        import loader
+        return loader.DataLoader(Tiny(n), batch_size=B, sampler=Lazy(n), num_workers=2)
     if which == "torch":
         import torch
         return torch.utils.data.DataLoader(Tiny(n), batch_size=B, shuffle=True, num_workers=2)
+    if which == "torch-sampler":  # PyTorch's DataLoader pulls a sampler lazily too
+        import torch
+        return torch.utils.data.DataLoader(Tiny(n), batch_size=B, sampler=Lazy(n), num_workers=2)
     import grain.python as pygrain
     sampler = pygrain.IndexSampler(num_records=n, shard_options=pygrain.NoSharding(),
                                    shuffle=True, num_epochs=1, seed=1)
@@ -142,7 +149,7 @@ def child(which: str, n: int, B: int, nb: int, result: str) -> None:
     import threading
     import time
 
-    if which in ("shm-generator", "dataloader", "torch"):
+    if which in ("shm-generator", "dataloader", "dataloader-sampler", "torch", "torch-sampler"):
         import torch  # noqa: F401  (imported before the baseline: not the loader's memory)
     if which == "grain":
         import grain.python  # noqa: F401
