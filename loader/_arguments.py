@@ -7,11 +7,11 @@ record, which ShmLoader stores as its attributes."""
 from __future__ import annotations
 
 import secrets
-import sys
 from typing import Any, NamedTuple
 
 from loader._autoscale import cpu_count, default_max_workers
 from loader._slabs import ram_bytes
+from loader._optional import imported_torch
 
 DEFAULT_PREFETCH = 3
 
@@ -56,7 +56,7 @@ def is_iterable_dataset(dataset) -> bool:
     """As PyTorch decides: a torch IterableDataset is iterable (even with
     __len__); any other object is iterable when it has __iter__ and no
     __getitem__."""
-    torch = sys.modules.get("torch")
+    torch = imported_torch()
     if torch is not None and isinstance(dataset, torch.utils.data.IterableDataset):
         return True
     return hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")
@@ -106,7 +106,7 @@ def _check_order(batch_size, shuffle, sampler, batch_sampler, drop_last, generat
         raise ValueError("batch_sampler makes the batches: it is exclusive with batch_size, "
                          "shuffle, sampler and drop_last")
     if generator is not None:
-        torch = sys.modules.get("torch")
+        torch = imported_torch()
         if torch is None or not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got "
                             f"{type(generator).__name__}")

@@ -14,7 +14,6 @@ needs: the rank this loader shards for, torch's rules for loader.DataLoader
 from __future__ import annotations
 
 import os
-import sys
 import weakref
 
 import numpy as np
@@ -23,13 +22,14 @@ from loader import _fetch
 from loader._epoch_snapshot import EpochInfo
 from loader._native import derived_seeds
 from loader._planning import Plan, PlanRules, plan_run
+from loader._optional import imported_torch
 
 
 def distributed_rank() -> tuple[int, int]:
     """(rank, world size) of this process: from the initialised
     torch.distributed process group, else the RANK and WORLD_SIZE
     environment variables torchrun sets, else (0, 1)."""
-    torch = sys.modules.get("torch")
+    torch = imported_torch()
     dist = None if torch is None else torch.distributed
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()

@@ -5,7 +5,6 @@ without workers."""
 from __future__ import annotations
 
 import random
-import sys
 import time
 
 import numpy as np
@@ -19,6 +18,7 @@ from loader._materialize import materialize
 from loader._planning import order_of, settled_plan
 from loader._sampler_feed import BatchFeed
 from loader._seeding import SampleSeeder
+from loader._optional import imported_torch
 
 
 class _SavedGenerators:
@@ -27,7 +27,7 @@ class _SavedGenerators:
     shuffles), so their states are put back after each batch."""
 
     def __init__(self):
-        torch = sys.modules.get("torch")
+        torch = imported_torch()
         self.torch = torch
         self.states = (random.getstate(), np.random.get_state(),
                        torch.get_rng_state() if torch is not None else None)

@@ -26,13 +26,13 @@ import hashlib
 import io
 import math
 import pickle
-import sys
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from loader._class_identity import found_by_name
+from loader._optional import imported_torch
 
 ALIGN = 64
 ARRAY, NUMBER, OTHER, TENSOR = 0, 1, 2, 3   # leaf kinds; a TENSOR is stored as an ARRAY
@@ -239,7 +239,7 @@ def as_array(leaf):
         return leaf.view(np.ndarray)  # only storage: its data is what counts
     if isinstance(leaf, np.ndarray) or is_deferred(leaf):
         return leaf
-    torch = sys.modules.get("torch")
+    torch = imported_torch()
     if torch is not None and isinstance(leaf, torch.Tensor):
         t = leaf.detach().cpu().resolve_conj().resolve_neg()
         if t.dtype == torch.bfloat16:
@@ -249,7 +249,7 @@ def as_array(leaf):
 
 
 def _is_bfloat16(leaf) -> bool:
-    torch = sys.modules.get("torch")
+    torch = imported_torch()
     return torch is not None and isinstance(leaf, torch.Tensor) and leaf.dtype == torch.bfloat16
 
 
@@ -257,7 +257,7 @@ def leaf_meta(leaf):
     """(kind, dtype string, shape) of one leaf."""
     arr = as_array(leaf)
     if arr is not None:
-        torch = sys.modules.get("torch")
+        torch = imported_torch()
         kind = TENSOR if torch is not None and isinstance(leaf, torch.Tensor) else ARRAY
         if _is_bfloat16(leaf):
             return (TENSOR, BFLOAT16, arr.shape)

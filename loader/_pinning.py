@@ -11,15 +11,16 @@ Without CUDA, pinning does nothing (torch warns; so does ShmLoader).
 
 from __future__ import annotations
 
-import sys
 
 import numpy as np
+
+from loader._optional import imported_torch
 
 CHUNK_BYTES = 32 << 20
 
 
 def cuda_available() -> bool:
-    torch = sys.modules.get("torch")
+    torch = imported_torch()
     return torch is not None and torch.cuda.is_available()
 
 

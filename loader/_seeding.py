@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import _random
 import random
-import sys
 import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from loader._native import derived_seeds
+from loader._optional import imported_torch
 
 _worker_info = None              # a worker process's
 _thread_info = threading.local()  # a worker thread's (worker_mode="thread")
@@ -49,7 +49,7 @@ def set_worker_info(info: WorkerInfo) -> None:
         _thread_info.info = info  # torch's is one per process: not set for threads
         return
     _worker_info = info
-    torch = sys.modules.get("torch")
+    torch = imported_torch()
     if torch is not None:
         # torch.utils.data.get_worker_info() reads this module global, so the
         # standard sharding recipe for iterable datasets works unchanged.
@@ -67,7 +67,7 @@ def seed_worker(base_seed: int, worker_id: int, torch_rules: bool) -> int:
     derived_seeds' independent streams.  Returns the worker's seed."""
     seed = (base_seed + worker_id) & U64
     random.seed(seed)
-    torch = sys.modules.get("torch")
+    torch = imported_torch()
     if torch is not None:
         torch.manual_seed(seed)
     if torch_rules and torch is not None:
@@ -88,7 +88,7 @@ class Generators:
     alone)."""
 
     def __init__(self, own_seed: int | None):
-        torch = sys.modules.get("torch")
+        torch = imported_torch()
         if own_seed is None:
             self.random, self.numpy = random._inst, np.random.mtrand._rand
             self.torch = torch.default_generator if torch is not None else None

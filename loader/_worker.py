@@ -5,7 +5,6 @@ _control.py for how runs are started and ended without messages."""
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 
@@ -23,6 +22,7 @@ from loader._shared import LoaderConfig, SharedState
 from loader._stats import WaitClock
 from loader._table import SEQ
 from loader._trace import LOAD, TracedWriter, now
+from loader._optional import imported_torch
 
 def exit_if_orphaned(parent_pid: int) -> None:
     """The fallback to the parent-death signal, checked between bounded
@@ -137,7 +137,7 @@ class Worker:
             self.writer = TracedWriter(self.writer, self.tracer)
 
     def run(self) -> None:
-        torch = sys.modules.get("torch")
+        torch = imported_torch()
         if torch is not None and not self.cfg.threads:
             # One intra-op thread per worker, as PyTorch's workers have: the
             # parent's thread pool does not survive the fork.

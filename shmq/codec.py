@@ -142,7 +142,8 @@ class _OutOfBandPickler(pickle.Pickler):
         if isinstance(obj, _ndarray):
             return _reduce_subclass(obj)
         torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, torch.Tensor):
+        # (a torch still being imported, by another thread, has no Tensor yet)
+        if torch is not None and isinstance(obj, getattr(torch, "Tensor", ())):
             arr = _tensor_as_array(torch, obj)
             return _tensor_from_buffer, (pickle.PickleBuffer(arr), arr.dtype, arr.shape)
         if self.extra_reduce is not None:

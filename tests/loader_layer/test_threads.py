@@ -106,3 +106,51 @@ def test_threads_stop_at_close_and_streams_work():
 def test_bad_worker_mode():
     with pytest.raises(ValueError, match="worker_mode"):
         ShmLoader(Numbers(4), worker_mode="fiber")
+
+
+_TORCH_HALF_IMPORTED = """
+import importlib.machinery, json, sys, threading, types
+import numpy as np
+from loader import ShmLoader
+
+class Rows:
+    def __len__(self): return 2000
+    def __getitem__(self, i): return np.full(3, i, np.int64), i
+
+# What another thread's `import torch` looks like half-way: the module is in
+# sys.modules with its spec still initializing, and torch.Tensor not made yet.
+half = types.ModuleType("torch")
+half.__spec__ = importlib.machinery.ModuleSpec("torch", None)
+half.__spec__._initializing = True
+out = {}
+for mode, kw in (("threads", dict(num_workers=2, worker_mode="thread")),
+                 ("processes", dict(num_workers=2)), ("inline", dict(num_workers=0))):
+    with ShmLoader(Rows(), batch_size=64, seed=3, **kw) as ld:
+        first = [b[1].tolist() for b in ld]       # an epoch; the next one starts loading ahead
+        sys.modules["torch"] = half               # ... while "torch" is being imported
+        try:
+            second = [b[1].tolist() for b in ld]
+        finally:
+            del sys.modules["torch"]
+    out[mode] = [sorted(sum(first, [])) == list(range(2000)),
+                 sorted(sum(second, [])) == list(range(2000)), len(second)]
+print(json.dumps(out))
+"""
+
+
+def test_a_half_imported_torch_is_no_torch(tmp_path):
+    """The program imports torch in its main thread while thread workers
+    load the next epoch ahead (a bench did: torch's DataLoader made after a
+    thread-mode ShmLoader): the workers saw a half-made torch module in
+    sys.modules and failed on torch.Tensor.  Thread workers, forked workers
+    (a process forked mid-import keeps the half-made module) and
+    num_workers=0 each load whole epochs while it is there."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _TORCH_HALF_IMPORTED], capture_output=True,
+                         text=True, timeout=50)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "threads": [True, True, 32], "processes": [True, True, 32], "inline": [True, True, 32]}
