@@ -11,6 +11,8 @@ import textwrap
 import time
 import warnings
 
+import resource
+
 import numpy as np
 import pytest
 
@@ -335,6 +337,35 @@ def test_worker_seeding_differs_per_worker_and_repeats_across_runs():
     assert a[0] != a[1]        # epochs differ
     assert run(4) != a         # seeds matter
     assert get_worker_info() is None
+
+
+class FreshBuffers:
+    """Each sample makes 8 buffers of 1 MiB at once and frees them (as
+    decoding an image and building a sample's arrays do) and reports the
+    page faults its process took meanwhile."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        bufs = [np.ones(1 << 17, np.float64) for _ in range(8)]  # 1 MiB each, written through
+        del bufs
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_worker_processes_reuse_a_samples_freed_buffers():
+    """glibc maps every allocation over 128 KiB anew and faults its pages
+    in (256 a MiB), then unmaps it, unless told to keep freed memory: a
+    worker process keeps it (keep_freed_memory in _worker.py), so after its
+    first samples a sample's buffers cost no faults.  Measured: 1.9 ms a
+    JPEG decode without, 1.4 ms with."""
+    with ShmLoader(FreshBuffers(), batch_size=8, num_workers=2) as loader:
+        faults = np.concatenate([b for b in loader])
+    assert len(faults) == 64
+    # each worker's first sample may take its 2048 faults; the others take none
+    # of their buffers' pages (a few from elsewhere in the process: < 64)
+    assert np.sum(faults >= 8 * 256) <= 2 and np.median(faults) < 64, faults.tolist()
 
 
 def test_kept_batches_stay_intact_after_more_batches_close_and_del():
