@@ -196,17 +196,22 @@ class PeakMemory:
         self.shm_base = self._shm_used()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._sample()
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
+        self._sample()  # an epoch shorter than the sampling interval is still measured
 
     def _run(self):
         while not self._stop.wait(0.05):
-            self.pss = max(self.pss, sum(_pss(pid) for pid in _tree(os.getpid())))
-            self.shm = max(self.shm, self._shm_used() - self.shm_base)
+            self._sample()
+
+    def _sample(self):
+        self.pss = max(self.pss, sum(_pss(pid) for pid in _tree(os.getpid())))
+        self.shm = max(self.shm, self._shm_used() - self.shm_base)
 
     @staticmethod
     def _shm_used():
