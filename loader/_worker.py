@@ -35,7 +35,7 @@ from loader._optional import imported_torch
 # make: W11's decode ran 1.9 ms a sample in a worker forked before torch
 # was imported, 1.4 ms after, and 1.4 ms with these thresholds.)
 MALLOC_KEEP_BYTES = 64 << 20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (<malloc.h>)
 
 
 def keep_freed_memory() -> None:
