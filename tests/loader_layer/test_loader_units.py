@@ -48,6 +48,23 @@ def test_allocation_is_first_fit_in_whole_pages_and_refuses_when_full():
     assert len({s1.lease, s2.lease, s3.lease}) == 3
 
 
+def test_lease_ids_count_up_reuse_the_last_released_and_run_out_at_max_leases(monkeypatch):
+    from loader import _slabs
+
+    monkeypatch.setattr(_slabs, "MAX_LEASES", 16)  # (65,536 in use: the same, only slower)
+    a, released, _ = allocator(32 * P)
+    first = [a.allocate(1) for _ in range(3)]
+    assert [s.lease for s in first] == [0, 1, 2]
+    for s in first[:2]:
+        a.release(s.lease)
+    assert [a.allocate(1).lease for _ in range(3)] == [1, 0, 3]  # last released first
+    while a.allocate(1) is not None:
+        pass
+    assert len(a.live) == 16  # every id in use: no slab until one comes back
+    a.release(first[2].lease)
+    assert a.allocate(1).lease == 2
+
+
 def test_a_released_lease_is_reclaimed_only_for_its_own_generation():
     a, released, _ = allocator(P)
     s = a.allocate(P)
