@@ -247,6 +247,12 @@ class ShmLoader(FrozenState):
                                           lambda count: set_active()(count), self.num_workers,
                                           self.max_workers)
 
+    @property
+    def _procs(self) -> list:
+        """The loader's child processes now (pid, exitcode; none once
+        stopped): the name scripts written against earlier versions read."""
+        return self._session.procs if self._session is not None else []
+
     def _set_active_workers(self, active: int) -> None:
         """num_workers="auto": let `active` workers claim units (_autoscale.py)."""
         runs = self._runs

@@ -15,7 +15,7 @@ from collections import namedtuple
 import numpy as np
 import pytest
 
-from loader import DataLoader, ShmLoader
+from loader import ShmLoader
 from loader import _protocol
 from loader._layout import ArrayLeaf, Spec, Value
 from loader._materialize import Materializer
@@ -23,6 +23,7 @@ from loader._shared import batch_ready_from_wire, batch_ready_wire
 from loader._slabs import Slab
 
 torch = pytest.importorskip("torch")
+from loader import DataLoader  # noqa: E402  (needs torch)
 
 pytestmark = pytest.mark.timeout(180)
 

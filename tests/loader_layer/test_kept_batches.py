@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 import loader as loader_module
-from loader import DataLoader, ShmLoader, WorkerError
+from loader import ShmLoader, WorkerError
 from loader._session import Session
 
 torch = pytest.importorskip("torch")
+from loader import DataLoader  # noqa: E402  (needs torch)
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -142,8 +142,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
-from torch.utils.data import (
+
+pytest.importorskip("torch")
+
+import torch  # noqa: E402
+from torch.utils.data import (  # noqa: E402
     BatchSampler,
     ChainDataset,
     ConcatDataset,
