@@ -145,6 +145,8 @@ class EpochPlanner:
         return states
 
     def set_rng_states(self, states: dict) -> None:
+        if not states:  # no torch generator in play: nothing to restore (nor torch to import)
+            return
         import torch
 
         def tensor(b):

@@ -376,7 +376,7 @@ def test_dataloader_shuffle_is_torchs_order_without_iterating_its_sampler(
     in one randperm call: the same order as torch's DataLoader, epoch
     after epoch and after a break, its generator (or torch's global one)
     left in the same state, and RandomSampler.__iter__ never called."""
-    import torch
+    torch = pytest.importorskip("torch")
     from torch.utils.data import DataLoader as TorchDataLoader
     from torch.utils.data import RandomSampler
 
