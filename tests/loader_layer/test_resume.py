@@ -370,3 +370,42 @@ def test_dataloader_states_are_checked_against_its_sampler_and_generator():
         assert field in str(raised.value) and words in str(raised.value), str(raised.value)
         assert sum(len(b) for b in other) == 60  # still usable
         other.close()
+
+
+_WITHOUT_TORCH = """
+import json, sys
+sys.modules["torch"] = None   # `import torch` raises ImportError: as if it were not installed
+import numpy as np
+from loader import ShmLoader
+
+class Rows:
+    def __len__(self): return 1000
+    def __getitem__(self, i): return np.full(2, i)
+
+kw = dict(batch_size=10, shuffle=True, seed=5, num_workers=2)
+with ShmLoader(Rows(), **kw) as ld:
+    it = iter(ld)
+    head = [next(it)[:, 0].tolist() for _ in range(30)]
+    state = ld.state_dict()
+    rest = [b[:, 0].tolist() for b in it]
+with ShmLoader(Rows(), **kw) as ld:
+    ld.load_state_dict(state)
+    resumed = [b[:, 0].tolist() for b in ld]
+print(json.dumps({"same": resumed == rest, "rest": len(rest),
+                  "whole": sorted(sum(head + rest, [])) == list(range(1000))}))
+"""
+
+
+def test_a_state_resumes_where_torch_is_not_installed():
+    """ShmLoader needs numpy only: a state (no torch generator recorded in
+    it) resumes without importing torch (it imported torch to restore
+    generator states even when there were none)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"same": True, "rest": 70,
+                                                                "whole": True}
