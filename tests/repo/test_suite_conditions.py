@@ -6,6 +6,7 @@ Each test runs a selection of the suite in a child pytest (never this
 file: no recursion) and reads its JUnit XML for exact outcomes.
 """
 
+import importlib.util
 import os
 import select
 import signal
@@ -212,7 +213,9 @@ def test_suite_passes_while_another_shmq_program_runs(tmp_path):
     try:
         outcomes, out, code = run_pytest(tmp_path, *SHARED_MACHINE_TESTS)
         assert code == 0, out[-5000:]
-        assert set(outcomes.values()) == {"passed"}, outcomes
+        # (without torch, the tests of tensors in these files skip)
+        allowed = {"passed"} if importlib.util.find_spec("torch") else {"passed", "skipped"}
+        assert set(outcomes.values()) <= allowed and "passed" in outcomes.values(), outcomes
         files = {name.split("::")[0] for name in outcomes}
         assert files == {"tests.shmq_layer.test_queue", "tests.shmq_layer.test_anonymous",
                          "tests.shmq_layer.test_segments", "tests.shmq_layer.test_multiprocess",
