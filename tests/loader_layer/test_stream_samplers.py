@@ -204,15 +204,8 @@ _BILLION = """
         def __iter__(self):
             return ((i * 7919) % 1_000_000_000 for i in range(1_000_000_000))
 
-    base = rss_kb(os.getpid())
-    t0 = time.perf_counter()
-    with ShmLoader(Ids(), batch_size=4096, sampler=Billion(), num_workers=2) as ld:
-        it = iter(ld)
-        first = next(it).copy()
-        took = time.perf_counter() - t0
-        got = [first] + [next(it).copy() for _ in range(299)]
-        grown = rss_kb(os.getpid()) - base + sum(rss_kb(p.pid) - base for p in ld._session.procs)
-        allocated = os.fstat(ld._session.shared.order_fd(ld._runs.current.id)).st_blocks * 512
+    took, got, grown, allocated = first_batches(
+        lambda: ShmLoader(Ids(), batch_size=4096, sampler=Billion(), num_workers=2), 300)
     expect = (np.arange(300 * 4096, dtype=np.int64) * 7919) % 1_000_000_000
     print(json.dumps({"first_batch_s": took, "grown_kb": grown, "order_bytes": allocated,
                       "exact": bool(np.array_equal(np.concatenate(got), expect))}))
@@ -564,15 +557,8 @@ _KEYS_HUNDRED_MILLION = """
         def __len__(self): return N
         def __iter__(self): return (((i * 7919) % N, f"k{i}") for i in range(N))
 
-    base = rss_kb(os.getpid())
-    t0 = time.perf_counter()
-    with ShmLoader(Keyed(), sampler=Keys(), batch_size=1000, num_workers=2) as ld:
-        it = iter(ld)
-        first = next(it).copy()
-        took = time.perf_counter() - t0
-        got = [first] + [next(it).copy() for _ in range(1999)]
-        grown = rss_kb(os.getpid()) - base + sum(rss_kb(p.pid) - base for p in ld._session.procs)
-        allocated = os.fstat(ld._session.shared.order_fd(ld._runs.current.id)).st_blocks * 512
+    took, got, grown, allocated = first_batches(
+        lambda: ShmLoader(Keyed(), sampler=Keys(), batch_size=1000, num_workers=2), 2000)
     expect = (np.arange(2000 * 1000, dtype=np.int64) * 7919) % N
     print(json.dumps({"first_batch_s": took, "grown_kb": grown, "order_bytes": allocated,
                       "exact": bool(np.array_equal(np.concatenate(got), expect))}))

@@ -9,7 +9,8 @@ in the program (its stderr shows where), not a visit from the OOM killer.
     ''')
 
 The body runs after PREAMBLE, which imports json, os, sys, time and numpy,
-sets the cap and defines rss_kb(pid) (a process's resident KiB)."""
+sets the cap and defines rss_kb(pid) (a process's resident KiB) and
+first_batches(make, count) (a new loader's start: time, batches, growth)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,23 @@ PREAMBLE = textwrap.dedent(f"""
     def rss_kb(pid):
         with open(f"/proc/{{pid}}/status") as f:
             return next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
+
+    def first_batches(make, count):
+        # Make a ShmLoader and take its first `count` batches: (seconds to the
+        # first, the batches copied, KiB its processes grew by, bytes its
+        # run's order file holds).
+        base = rss_kb(os.getpid())
+        t0 = time.perf_counter()
+        with make() as ld:
+            it = iter(ld)
+            got = [next(it).copy()]
+            took = time.perf_counter() - t0
+            got += [next(it).copy() for _ in range(count - 1)]
+            grown = rss_kb(os.getpid()) - base + sum(rss_kb(p.pid) - base
+                                                     for p in ld._session.procs)
+            order_fd = ld._session.shared.order_fd(ld._runs.current.id)
+            allocated = os.fstat(order_fd).st_blocks * 512
+        return took, got, grown, allocated
 """)
 
 
