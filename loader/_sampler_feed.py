@@ -130,6 +130,7 @@ class SamplerFeed:
     len(), and `kept` is only a bound (an OPEN run) until it ends."""
 
     batched = False  # (BatchFeed: True)
+    row_bytes = 8    # bytes of the order file per run position (an int64 index)
 
     def __init__(self, it, name: str, length: int | None, kept: int, remaining=None,
                  pulling=None):
@@ -243,7 +244,7 @@ class SamplerFeed:
                 self.window = self.window[drop:].copy()
                 self.low += drop
             return
-        end = (8 * min(pos, self.fed)) // _PUNCH_BYTES * _PUNCH_BYTES
+        end = (self.row_bytes * min(pos, self.fed)) // _PUNCH_BYTES * _PUNCH_BYTES
         if end > self.punched:
             _punch(self.fd, self.punched, end)
             self.punched = end
@@ -257,7 +258,7 @@ class SamplerFeed:
             return None
         if self.fd is None:
             return self._item(pos - self.low) if pos >= self.low else None
-        if 8 * pos < self.punched:
+        if self.row_bytes * pos < self.punched:
             return None
         return self._read(pos)
 
@@ -296,6 +297,8 @@ class ObjectFeed(SamplerFeed):
     streams ints: each index pickled on its own into the run's order file
     (OBJECT_DATA_AT above), which workers read a position at a time
     (ObjectOrder).  num_workers=0 keeps the window as a list."""
+
+    row_bytes = _OBJECT_ROW
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -339,10 +342,7 @@ class ObjectFeed(SamplerFeed):
                 del self.window[:drop]
                 self.low += drop
             return
-        end = (_OBJECT_ROW * min(pos, self.fed)) // _PUNCH_BYTES * _PUNCH_BYTES
-        if end > self.punched:
-            _punch(self.fd, self.punched, end)
-            self.punched = end
+        super().release_below(pos)  # the rows
         # the data of the writes wholly below pos
         while len(self.data_starts) > 1 and self.data_starts[1][0] <= pos:
             self.data_starts.pop(0)

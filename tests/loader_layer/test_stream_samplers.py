@@ -576,3 +576,30 @@ def test_a_hundred_million_keys_start_at_once_in_bounded_memory():
     assert got["grown_kb"] < 100 * 1024, got
     assert got["order_bytes"] < 8 << 20, got
     assert got["exact"], got
+
+
+def test_an_object_feeds_file_gives_back_what_was_delivered_and_reads_the_rest():
+    """ObjectFeed's order file, as main and a worker see it: keys below
+    what the loop received are given back (rows and pickles: they read as
+    unknown), the others read exactly (ObjectOrder, one key or a slice)."""
+    from loader._sampler_feed import ObjectFeed, ObjectOrder
+
+    n = 300_000
+    fd = os.memfd_create("object-feed-test")
+    try:
+        feed = ObjectFeed(iter(Keys(n)), "Keys", n, n)
+        feed.attach(fd)
+        feed.feed(n)
+        expect = list(Keys(n))
+        order = ObjectOrder(fd)
+        assert order[0] == expect[0] and order[n - 1] == expect[n - 1]
+        assert order[1000:1010] == expect[1000:1010]
+        before = os.fstat(fd).st_blocks
+        feed.release_below(250_000)
+        assert os.fstat(fd).st_blocks < before  # pages given back
+        assert feed.index(10) is None  # given back (in 1 MiB steps: a key near the
+        assert feed.index(249_000) in (None, expect[249_000])  # line may still be known)
+        assert [feed.index(p) for p in (250_000, 299_999)] == [expect[250_000], expect[299_999]]
+        assert order[260_000:260_003] == expect[260_000:260_003]
+    finally:
+        os.close(fd)
