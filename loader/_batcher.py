@@ -11,7 +11,7 @@ import os
 import shmq
 from loader import _control
 from loader import _protocol
-from loader._batcher_runs import Batch, BatcherRun, ToMain, pack_rows
+from loader._batcher_runs import Batch, BatcherRun, ToMain, WaitingBatches, closed_up
 from loader._layout import (
     LayoutCache,
     castable,
@@ -20,7 +20,7 @@ from loader._layout import (
     signature_and_leaves,
 )
 from loader._shared import LoaderConfig, SharedState
-from loader._slabs import Slab, SlabAllocator, slab_bytes
+from loader._slabs import Slab, SlabAllocator, never_fits, slab_bytes
 from loader._stats import WaitClock
 from loader._table import CONFIRMED, REFUSED, count_of
 from loader._trace import POOL, ROLE_BATCHER, RUN, now, tracer_of
@@ -46,7 +46,7 @@ class Batcher:
         self.taken: dict[int, tuple[int, int]] = {}   # table entry -> (run, batch) published there
         self.layouts = LayoutCache()
         self.guess = None              # signature of the latest batch's layout
-        self.waiting: list[tuple[int, int]] = []      # (run, batch) waiting for memory or an entry
+        self.waiting = WaitingBatches(self.control)  # for memory or a table entry
         self.told_memory_wait = False
         self.early = None              # a message taken while checking whether to sleep
         self.freed = False             # memory was reclaimed while checking whether to sleep
@@ -156,7 +156,7 @@ class Batcher:
             # for memory wait no more (the memory may be what a newer run needs).
             for b in p.open.values():
                 b.wanted, b.held_rows = None, []
-            self.waiting = [(r, i) for r, i in self.waiting if r != p.run]
+            self.waiting.drop(p.run)
         for w in list(p.done):
             mine = [b for b in p.open.values() if not p.iterable or p.worker_of(b.index) == w]
             if any(b.wanted is not None or b.held_rows for b in mine):
@@ -175,7 +175,11 @@ class Batcher:
         which of its batches there are."""
         mine = sorted(mine, key=lambda b: b.index)
         if done.last_batch == _protocol.HOLES_TO_CLOSE:
-            self._close_up(p, mine)
+            for b, rows in closed_up(self.arena, mine, self.cfg.drop_last):
+                if rows:
+                    self._finish(p, b, rows)
+                else:
+                    self._drop(p, b)
             mine = [b for b in mine if b.index in p.open]
         for b in mine:
             rows = count_of(self.table.filled_word(p.run, b.index)) if b.published else 0
@@ -186,28 +190,6 @@ class Batcher:
                 self._drop(p, b)
         end, dropped = p.stream_end(w)
         self._send(_protocol.StreamEnded(p.run, w, end, dropped))
-
-    def _close_up(self, p: BatcherRun, batches: list) -> None:
-        """A shuffle buffer's last batches of one stream have rows here and
-        there (holes are tagged -1): move their rows to the front, batch by
-        batch in order, among batches of the same layout, and send the full
-        batches and a last short one (unless drop_last).  The only second
-        copy of a sample, and only at the end of a stream."""
-        groups: dict = {}
-        for b in batches:
-            if b.published and not b.refused:
-                groups.setdefault(b.layout.digest, []).append(b)
-        for group in groups.values():
-            layout = group[0].layout
-            rows = pack_rows(self.arena, group)
-            full, short = divmod(rows, layout.rows)
-            for k, b in enumerate(group):
-                if k < full:
-                    self._finish(p, b, layout.rows)
-                elif k == full and short and not self.cfg.drop_last:
-                    self._finish(p, b, short)
-                else:
-                    self._drop(p, b)
 
     def _values_complete(self, b: Batch, rows: int) -> bool:
         return not b.layout.value_leaves or all(r in b.values for r in range(rows))
@@ -238,7 +220,7 @@ class Batcher:
                 self._finish(p, b, rows)
             else:
                 self._drop(p, b)
-        self.waiting = [(r, i) for r, i in self.waiting if r != p.run]
+        self.waiting.drop(p.run)
         del self.passes[p.run]
         self.tracer.run_ended(p.run, self.laid_out)
         self._send(_protocol.RunEnded(run=p.run, batches=p.sent, samples=p.samples,
@@ -248,19 +230,14 @@ class Batcher:
     # --- layouts, slabs and the table --------------------------------------------------
 
     def _allocate(self, p: BatcherRun, b: Batch, nbytes: int) -> Slab | None:
-        """A slab, or None: then (run, batch) waits in self.waiting.  A
-        batch larger than the whole arena is refused at once."""
+        """A slab, or None: then (run, batch) waits in self.waiting, unless
+        the pool can never hold it (refused at once: _cannot_fit)."""
         nbytes = slab_bytes(nbytes)
-        if nbytes > self.slabs.capacity:
-            self._refuse(p, b, None, MemoryError(
-                f"batch {b.index} needs {nbytes} bytes of slab memory but memory_cap_bytes is "
-                f"{self.slabs.capacity}: pass memory_cap_bytes >= {nbytes} (a few batches' worth "
-                f"lets loading run ahead), or use smaller batches"))
+        if self._cannot_fit(p, b, nbytes):
             return None
-        slab = self._take_slab(nbytes)
+        slab = None if self.waiting.before(p.run, b.index) else self._take_slab(nbytes)
         if slab is None:
-            if (p.run, b.index) not in self.waiting:
-                self.waiting.append((p.run, b.index))
+            self.waiting.add(p.run, b.index)
             # A level, not only the message: main may hand out the batch
             # that holds the memory only after it saw MemoryWait.
             shmq.atomic_store(self.control.ctl, _control.MEMORY_WAIT, 1)
@@ -269,6 +246,26 @@ class Batcher:
                 self._send(_protocol.MemoryWait(self.slabs.held_bytes, self.slabs.capacity,
                                                 len(self.slabs.live), nbytes))
         return slab
+
+    def _cannot_fit(self, p: BatcherRun, b: Batch, nbytes: int) -> bool:
+        """Refuse a batch the pool can never hold (_slabs.never_fits): the
+        batch, or the whole run once (batch None: main raises it at once)."""
+        error, whole_run = never_fits(self.cfg, b.index, nbytes, self.slabs.capacity)
+        if error is None:
+            return False
+        if not whole_run:
+            self._refuse(p, b, None, error)
+            return True
+        b.refused = True
+        if not p.refused_window:
+            p.refused_window = True
+            self._fail(error, "in the batcher", run=p.run, batch=None, pos=None)
+        return True
+
+    def _older_run_first(self, p: BatcherRun) -> bool:
+        """NOTE [ Memory goes to batches in order ] in _batcher_runs.py."""
+        return any(q.run < p.run and self.control.live(q.run)
+                   and q.to_lay_out(self.cfg.publish_window) for q in self.passes.values())
 
     def _take_slab(self, nbytes: int) -> Slab | None:
         slab = self.slabs.allocate(nbytes)
@@ -280,9 +277,8 @@ class Batcher:
         return slab
 
     def _retry_waiting(self) -> None:
-        waiting, self.waiting = sorted(self.waiting), []
         self.told_memory_wait = False
-        for run, index in waiting:
+        for run, index in self.waiting.take():
             p = self.passes.get(run)
             b = None if p is None else p.open.get(index)
             if b is None:
@@ -323,7 +319,7 @@ class Batcher:
                 p.given_up[index] = b
             elif b.slab is not None:
                 self.slabs.release(b.slab.lease)
-            self.waiting = [(r, i) for r, i in self.waiting if (r, i) != (p.run, index)]
+            self.waiting.drop(p.run, index)
         p.finished.add(index)
         self._advance(p)
 
@@ -349,8 +345,7 @@ class Batcher:
         for its table entry."""
         if not self._entry_free(p, b):
             b.wanted = sig
-            if (p.run, b.index) not in self.waiting:
-                self.waiting.append((p.run, b.index))
+            self.waiting.add(p.run, b.index)
             return False
         layout = self.layouts.get(sig, b.rows, b.batched)
         slab = self._allocate(p, b, layout.nbytes)
@@ -395,9 +390,12 @@ class Batcher:
     def _publish_ahead(self, p: BatcherRun) -> None:
         """Lay out the next batches with the latest layout, so workers can
         write their rows without asking (NOTE [ Direct row writes ])."""
-        if self.guess is None or p.ended or any(r < p.run for r, _ in self.waiting):
-            return  # (an older run's batches waiting for memory come first)
+        if (self.guess is None or p.ended or not self.control.live(p.run)
+                or self._older_run_first(p)):
+            return  # (main reads none of a run it ended; an older run comes first)
         for index in p.ahead(self.cfg.publish_window):
+            if self.waiting.before(p.run, index):
+                continue  # NOTE [ Memory goes to batches in order ]
             if index in p.open or index in p.finished:
                 continue
             b = Batch(index, p.rows_of(index), not p.per_batch)

@@ -16,6 +16,53 @@ from loader._progress import stream_skips
 from loader._shared import LoaderConfig, SharedState, batch_ready_wire
 
 
+class WaitingBatches:
+    """The batches waiting for memory or for their table entry, as (run,
+    batch), and who may take memory while they wait.
+
+    NOTE [ Memory goes to batches in order ]
+    A batch may not take memory while a batch before it (an older live
+    run's, or one of its own run with a lower number) waits, or, to be
+    laid out ahead, while an older live run has batches still to lay out
+    (Batcher._older_run_first).  A later batch holding the pool's memory
+    can keep it from the earlier one for good: main delivers in order, and
+    the workers that claimed the earlier batch's positions wait for its
+    slab before they claim more, so a batch laid out ahead may never be
+    filled (with a pool of one batch, the next epoch's first batch laid out
+    ahead, or the next batch while this one waited, stalled the loader
+    until its timeout).  The memory a waiting batch needs comes back from
+    main, which moves out what it holds back (NOTE [ Kept batch memory ] in
+    _leases.pxi), and from retired slabs, never from later batches, so
+    waiting behind it is safe.  Runs main ended are not waited for."""
+
+    def __init__(self, control):
+        self.control = control
+        self.items: list[tuple[int, int]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def add(self, run: int, batch: int) -> None:
+        if (run, batch) not in self.items:
+            self.items.append((run, batch))
+
+    def drop(self, run: int, batch: int | None = None) -> None:
+        """Forget a batch, or (batch None) every batch of the run."""
+        self.items = [(r, i) for r, i in self.items
+                      if r != run or (batch is not None and i != batch)]
+
+    def take(self) -> list[tuple[int, int]]:
+        """All of them, in the order memory goes to them; the book is empty
+        until those that still cannot proceed are added again."""
+        items, self.items = sorted(self.items), []
+        return items
+
+    def before(self, run: int, batch: int) -> bool:
+        """A batch of a live run before (run, batch) waits: this one may not
+        take memory (NOTE [ Memory goes to batches in order ])."""
+        return any((r, i) < (run, batch) and self.control.live(r) for r, i in self.items)
+
+
 class Batch:
     """A batch being filled.  It is *published* while it owns its table
     entry; its layout is *confirmed* once it came from a sample of this
@@ -84,6 +131,7 @@ class BatcherRun:
         self.settled: set[int] = set()     # workers whose batches are all sent or freed
         self.sent = self.samples = self.rows_by_batcher = self.relayouts = 0
         self.peak_slab_bytes = 0
+        self.refused_window = False  # memory_cap_bytes cannot hold the shuffle windows
         self.ended = False
 
     def rows_of(self, index: int) -> int:
@@ -114,12 +162,11 @@ class BatcherRun:
     def ahead(self, window: int):
         """Batches to lay out ahead of the workers: `window` past those sent
         (per worker's stream for an iterable run)."""
-        if self.iterable:
-            for w in range(self.workers):
-                if w not in self.done and w not in self.settled:
-                    for j in range(self.low[w], self.low[w] + window):
-                        if j not in self.above[w]:
-                            yield j * self.workers + w
+        if self.iterable:  # in batch order across the streams: memory goes in order
+            yield from sorted(j * self.workers + w for w in range(self.workers)
+                              if w not in self.done and w not in self.settled
+                              for j in range(self.low[w], self.low[w] + window)
+                              if j not in self.above[w])
             return
         loadable = self.loadable_batches()
         if loadable == 0:  # (a run started ahead whose turn has not come)
@@ -128,6 +175,12 @@ class BatcherRun:
             yield from range(self.lo, min(self.sent + window, self.batches.count, loadable))
             return
         yield from range(self.lo, min(self.sent + window, self.nbatches, loadable + 1))
+
+    def to_lay_out(self, window: int) -> bool:
+        """A batch waits for memory, or one is still to be laid out."""
+        return not self.ended and (
+            any(not b.published for b in self.open.values())
+            or any(i not in self.open and i not in self.finished for i in self.ahead(window)))
 
     def loadable_batches(self) -> int:
         """Batches below main's LIMIT, which workers may load now.  One past
@@ -141,6 +194,27 @@ class BatcherRun:
         if self.claims_batches or limit <= 0:
             return max(limit, 0)
         return self.batches.locate(min(limit, self.batches.kept) - 1)[0] + 1
+
+
+def closed_up(arena: np.ndarray, batches: list, drop_last: bool):
+    """A shuffle buffer's last batches of one stream have rows here and
+    there (holes are tagged -1): move their rows to the front, batch by
+    batch in order, among batches of the same layout.  Yields (batch, rows
+    to send, or None: drop it): the full batches and a last short one
+    (unless drop_last).  The only second copy of a sample, and only at the
+    end of a stream."""
+    groups: dict = {}
+    for b in batches:
+        if b.published and not b.refused:
+            groups.setdefault(b.layout.digest, []).append(b)
+    for group in groups.values():
+        per_batch = group[0].layout.rows
+        full, short = divmod(pack_rows(arena, group), per_batch)
+        for k, b in enumerate(group):
+            if k < full:
+                yield b, per_batch
+            else:
+                yield b, short if k == full and short and not drop_last else None
 
 
 def pack_rows(arena: np.ndarray, group: list) -> int:

@@ -87,7 +87,7 @@ class _Epoch:
             self.host.raise_failed(msg)
 
     def _receive(self):
-        return self.host.next_message(self.run)
+        return self.host.next_message(self.run, self.pending)
 
     def _hand_out(self, msg: _protocol.BatchReady):
         self.clock.bytes += align(msg.tags + 8 * msg.rows)  # the batch, not its whole pages

@@ -34,6 +34,15 @@
 #
 # The copy is paid once per kept region, under pressure only; a loop that
 # keeps nothing never evicts, and W1's path is the one view per leaf.
+#
+# Batches main holds back are kept memory too: one that arrived ahead of
+# its turn (in order), or the next epoch's, received while this one ends.
+# The batch the loop waits for may need their memory (with a pool of one
+# batch it always does), so under MEMORY_WAIT main copies each of them into
+# its own memory and gives the slab back at once (Session.copy_out, from
+# Runs.copy_out_held); handed out later, its arrays view the copy.  The
+# batcher's side of the same rule: NOTE [ Memory goes to batches in order ]
+# in _batcher_runs.py.
 
 cimport cython
 from cpython.ref cimport PyObject, Py_INCREF

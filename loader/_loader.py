@@ -78,7 +78,8 @@ class ShmLoader(FrozenState):
         WORLD_SIZE) or (rank, world_size): each rank gets a disjoint share
         of every epoch.
     shuffle_buffer: iterable datasets: place each sample in a random row of
-        the next this-many samples' batches.
+        the next this-many samples' batches (all of them in memory at once:
+        a memory_cap_bytes too small for that is a MemoryError).
     worker_mode: "process" (default, forked) or "thread" (for preprocessing
         that releases the GIL, or that cannot be forked).
     trace: a path: close() writes a Chrome-trace / Perfetto JSON of the
@@ -175,7 +176,8 @@ class ShmLoader(FrozenState):
           their row tags, and "spilled_bytes": large bytes and str leaves,
           which come through the spill heap) and "bytes_per_second".
         - "kept_slabs_moved_out", "kept_bytes_moved_out": since the loader
-          started, slabs whose parts you still held were moved out of the
+          started, slabs whose parts you still held, or whose batches main
+          held back (received ahead of their turn), were moved out of the
           pool when it ran short, copying that many bytes (NOTE [ Kept batch
           memory ]).
         - "loop_wait_seconds", "loop_wait_share": how long the training loop

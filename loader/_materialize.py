@@ -67,6 +67,11 @@ class Materializer:
             arrays = list(map(plan.from_numpy, arrays))
         return _assemble(spec.structure, arrays, self.lists)
 
+    def from_array(self, spec: Spec, data: np.ndarray):
+        """The batch of spec over a plain array (a slab main copied out of
+        the pool): views of it, no lease."""
+        return materialize(spec, data, self.output, self.torch_rules)
+
     def _compile(self, spec: Spec):
         """The LeafPlan of spec (remembered), or None: a Value leaf, or a
         leaf materialize() refuses (it raises there, with its words)."""

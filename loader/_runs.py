@@ -78,11 +78,26 @@ class Runs:
         elif kind is _protocol.BatchReady:
             self.session.give_back(msg)
 
-    def next_of(self, run: int, deadline):
+    def next_of(self, run: int, deadline, held: dict | None = None):
+        """The run's next message; held: the batches its epoch received
+        ahead of their turn (they move out of the pool if it runs short)."""
         inbox = self.inboxes[run]
         while not inbox:
-            self.route(self.session.receive(deadline))
+            self.route(self.session.receive(deadline, lambda: self.copy_out_held(held)))
         return inbox.popleft()
+
+    def copy_out_held(self, held: dict | None = None) -> None:
+        """The batcher waits for memory: every batch main holds back (filed
+        for a run, or in `held`) moves out of the pool, since the batch the
+        loop waits for may need its memory (NOTE [ Kept batch memory ])."""
+        copy_out = self.session.copy_out
+        for inbox in self.inboxes.values():
+            for i, msg in enumerate(inbox):
+                if type(msg) is _protocol.BatchReady:
+                    inbox[i] = copy_out(msg)
+        if held:
+            for key, msg in held.items():
+                held[key] = copy_out(msg)
 
     def limit(self, run: Run, yielded: int) -> int:
         """Units workers may load once `yielded` batches were yielded: those
@@ -144,7 +159,7 @@ class Runs:
         timeout = self.loader.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         while run_id - 2 in self.unended:  # its block is about to be reused
-            self.route(self.session.receive(deadline))
+            self.route(self.session.receive(deadline, self.copy_out_held))
         plan = self.planner.plan(epoch, resume, snapshot)
         if plan.shipped is not None:
             self.session.shared.write_order(run_id, plan.shipped)
@@ -248,15 +263,16 @@ class EpochHost:
             index = self._runs.index_at(msg.run, msg.pos)  # the batcher knows positions only
         raise_reported(msg, index)
 
-    def next_message(self, run: Run):
-        """The run's next message, within the loader's timeout."""
+    def next_message(self, run: Run, held: dict):
+        """The run's next message, within the loader's timeout; held: the
+        batches the epoch received ahead of their turn (Runs.next_of)."""
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         scaler = self._autoscaler
         if scaler is None:
-            return self._runs.next_of(run.id, deadline)
+            return self._runs.next_of(run.id, deadline, held)
         t0 = time.perf_counter()  # the training loop waits for data from here (_autoscale.py)
         try:
-            return self._runs.next_of(run.id, deadline)
+            return self._runs.next_of(run.id, deadline, held)
         finally:
             scaler.waited_for(time.perf_counter() - t0)
 

@@ -29,6 +29,7 @@ from loader._native import LeaseBook
 from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import BATCHER, Role, fork_children, start_error, wait_all
 from loader._shared import LoaderConfig, SharedState
+from loader._slabs import CopiedSlab
 from loader._threads import start_threads
 from loader._worker import worker_main
 
@@ -64,6 +65,7 @@ class Session:
             raise
         self.pinned = self._pin_chunks()
         self.next_child_check = 0.0
+        self.copied_slabs = self.copied_bytes = 0  # batches held back, copied out (copy_out)
 
     # --- the children -------------------------------------------------------------------
 
@@ -156,13 +158,18 @@ class Session:
 
     # --- messages and batches -----------------------------------------------------------
 
-    def receive(self, deadline=None):
+    def receive(self, deadline=None, copy_out_held=None):
         """The next message from the batcher.  Waits in bounded slices,
-        checking the children and the deadline (the loader's timeout)."""
+        checking the children and the deadline (the loader's timeout).
+        While the batcher waits for memory, what the loop keeps moves out
+        of the pool, and so do the batches main holds back, through
+        copy_out_held() (NOTE [ Kept batch memory ])."""
         control = self.shared.control
         while True:
             if shmq.atomic_load(control.ctl, _control.MEMORY_WAIT):
                 self.move_kept_out(partial_only=False)  # NOTE [ Kept batch memory ]
+                if copy_out_held is not None:
+                    copy_out_held()
             try:
                 msg = self.shared.receive(self.shared.to_main.get(timeout=_protocol.WAIT_SLICE_S))
             except shmq.Empty:
@@ -189,18 +196,42 @@ class Session:
 
     def give_back(self, msg: _protocol.BatchReady) -> None:
         """A batch nobody will see: its slab is free at once."""
-        shmq.atomic_store(self.shared.released, msg.slab.lease, msg.slab.generation)
-        self.shared.control.batcher_bell.ring()
+        if type(msg.slab) is not CopiedSlab:
+            shmq.atomic_store(self.shared.released, msg.slab.lease, msg.slab.generation)
+            self.shared.control.batcher_bell.ring()
+
+    def copy_out(self, msg: _protocol.BatchReady) -> _protocol.BatchReady:
+        """A batch main holds back, its slab copied into main's memory and
+        given back to the pool (NOTE [ Kept batch memory ])."""
+        s = msg.slab
+        if type(s) is CopiedSlab:
+            return msg
+        if self.pinned is not None:  # pin_memory: the copy is page-locked as the arena is
+            import torch
+
+            data = torch.empty(s.nbytes, dtype=torch.uint8).pin_memory().numpy()
+        else:
+            data = np.empty(s.nbytes, np.uint8)
+        data[:] = self.shared.arena[s.offset:s.offset + s.nbytes]
+        self.give_back(msg)
+        self.copied_slabs += 1
+        self.copied_bytes += s.nbytes
+        return msg._replace(slab=CopiedSlab(data))
 
     def tags(self, msg: _protocol.BatchReady) -> np.ndarray:
         """The tags the writers gave the batch's rows (see _layout.Layout)."""
-        off = msg.slab.offset + msg.tags
+        s = msg.slab
+        if type(s) is CopiedSlab:
+            return s.data[msg.tags:msg.tags + 8 * msg.rows].view(np.int64).copy()
+        off = s.offset + msg.tags
         return self.shared.arena[off:off + 8 * msg.rows].view(np.int64).copy()
 
     def batch(self, msg: _protocol.BatchReady, build):
         """The user's batch: views of its slab, leased until every array of
         it is gone; build: the loader's Materializer (_materialize.py)."""
         s = msg.slab
+        if type(s) is CopiedSlab:
+            return build.from_array(msg.spec, s.data)
         if self.pinned is not None:
             self.pinned.pin(s.offset, s.nbytes)
         slab = self.leases.view(s.lease, s.generation, s.offset, s.nbytes)
@@ -223,8 +254,10 @@ class Session:
         return slabs
 
     def kept_moved_out(self) -> tuple[int, int]:
-        """Slabs (and their bytes) moved out of the pool by this session."""
-        return self.leases.evicted_slabs, self.leases.kept_bytes
+        """Slabs (and their bytes) moved out of the pool by this session:
+        kept by the loop, or held back by main (copy_out)."""
+        return (self.leases.evicted_slabs + self.copied_slabs,
+                self.leases.kept_bytes + self.copied_bytes)
 
     def _pin_chunks(self) -> PinnedChunks | None:
         """pin_memory: the chunks of the mapping new batches are viewed in."""

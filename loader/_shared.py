@@ -91,6 +91,13 @@ class LoaderConfig:
         return max(1, -(-share // self.rows_per_batch))
 
     @property
+    def slabs_to_progress(self) -> int:
+        """The fewest batches in memory at once that let loading go on: a
+        shuffle buffer fills each worker's window of batches at once (see
+        NOTE [ Memory goes to batches in order ] in _batcher_runs.py)."""
+        return max(self.num_workers, 1) * self.shuffle_batches or 1
+
+    @property
     def publish_window(self) -> int:
         """How many batches past those sent the batcher lays out ahead:
         workers load units below main's limit, `prefetch` batches past what

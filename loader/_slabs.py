@@ -35,6 +35,26 @@ def slab_bytes(nbytes: int) -> int:
     return whole_pages(max(nbytes, 1))
 
 
+def never_fits(cfg, index: int, nbytes: int, capacity: int) -> tuple[MemoryError | None, bool]:
+    """(Why the pool of `capacity` bytes can never hold batch `index` of
+    nbytes, and whether that holds for the whole run), or (None, False).
+    A shuffle buffer fills each worker's window of batches at once
+    (cfg.slabs_to_progress): a pool smaller than the windows waits for ever."""
+    if nbytes > capacity:
+        return MemoryError(
+            f"batch {index} needs {nbytes} bytes of slab memory but memory_cap_bytes is "
+            f"{capacity}: pass memory_cap_bytes >= {nbytes} (a few batches' worth lets loading "
+            f"run ahead), or use smaller batches"), False
+    need = nbytes * cfg.slabs_to_progress
+    if need > capacity:
+        return MemoryError(
+            f"shuffle_buffer={cfg.shuffle_buffer} fills {cfg.shuffle_batches} batches at once "
+            f"in each of the {max(cfg.num_workers, 1)} workers: {need} bytes of slab memory "
+            f"(batches of {nbytes} bytes), but memory_cap_bytes is {capacity}: pass "
+            f"memory_cap_bytes >= {need}, or a smaller shuffle_buffer or batch_size"), True
+    return None, False
+
+
 class Slab(NamedTuple):
     lease: int
     generation: int
@@ -45,6 +65,13 @@ class Slab(NamedTuple):
     def token(self) -> int:
         """Names this allocation of the lease in hazard words: never 0."""
         return (self.lease << 32) | self.generation
+
+
+class CopiedSlab(NamedTuple):
+    """A batch's slab that main copied into its own memory before handing
+    the batch out, so that the pool could reuse the original (NOTE [ Kept
+    batch memory ] in _leases.pxi: batches main holds back)."""
+    data: np.ndarray
 
 
 class SlabAllocator:
@@ -68,6 +95,7 @@ class SlabAllocator:
         # ids: 2.3 MB of the batcher's own memory)
         self.free_leases: list[int] = []
         self.next_lease = 0
+        self.gave_back = False  # memory freed since reclaim() last said so
 
     @property
     def capacity(self) -> int:
@@ -84,7 +112,7 @@ class SlabAllocator:
         # Reclaim first, always: reusing the lowest released slab keeps the
         # batch memory on pages already faulted in.  (Reclaiming only when
         # the arena is full walks through fresh pages for epochs.)
-        self.reclaim()
+        self._reclaim()
         found = self._first_fit(nbytes)
         if found is None:
             return None
@@ -121,7 +149,14 @@ class SlabAllocator:
 
     def reclaim(self) -> bool:
         """Free every slab main has released, and every retired slab no
-        worker's hazard names any more; True if any."""
+        worker's hazard names any more.  True if memory was freed since
+        the last call, here or elsewhere (release(), a retired slab, or
+        allocate()'s own reclaim): batches waiting for memory try again."""
+        self._reclaim()
+        freed, self.gave_back = self.gave_back, False
+        return freed
+
+    def _reclaim(self) -> None:
         load, released = shmq.atomic_load, self.released
         # SYNC POINT: acquire loads; main's release store of the generation
         # (LeaseBook.release) pairs with them: its reads of the slab are over.
@@ -135,10 +170,7 @@ class SlabAllocator:
             for s in self.limbo:
                 if s.token not in in_use:
                     self._free_lease(s)
-            freed_limbo = len(kept) != len(self.limbo)
             self.limbo = kept
-            return bool(done) or freed_limbo
-        return bool(done)
 
     def release(self, lease: int) -> None:
         self._free_lease(self.live.pop(lease))
@@ -149,6 +181,7 @@ class SlabAllocator:
         self.limbo.append(self.live.pop(lease))
 
     def _free_lease(self, slab: Slab) -> None:
+        self.gave_back = True
         self.in_use -= slab.nbytes
         self.free_leases.append(slab.lease)
         self._give_back(slab.offset, slab.nbytes)
