@@ -249,7 +249,8 @@ class Batcher:
 
     def _cannot_fit(self, p: BatcherRun, b: Batch, nbytes: int) -> bool:
         """Refuse a batch the pool can never hold (_slabs.never_fits): the
-        batch, or the whole run once (batch None: main raises it at once)."""
+        batch, or the whole run (main raises it at once and at every next()
+        of the run; its workers wait until main ends it)."""
         error, whole_run = never_fits(self.cfg, b.index, nbytes, self.slabs.capacity)
         if error is None:
             return False
@@ -257,9 +258,14 @@ class Batcher:
             self._refuse(p, b, None, error)
             return True
         b.refused = True
+        if b.published:  # (a relayout or promotion): writers drop their rows
+            self.table.add_flags(p.run, b.index, REFUSED)
+            self.control.table_bell.ring()
         if not p.refused_window:
             p.refused_window = True
-            self._fail(error, "in the batcher", run=p.run, batch=None, pos=None)
+            self._send(_protocol.Failed(run=p.run, batch=None, pos=None, index=None, worker=None,
+                                        pid=self.pid, ends_run=True,
+                                        error=_protocol.ErrorReport.of(error, "in the batcher")))
         return True
 
     def _older_run_first(self, p: BatcherRun) -> bool:
@@ -395,7 +401,7 @@ class Batcher:
             return  # (main reads none of a run it ended; an older run comes first)
         for index in p.ahead(self.cfg.publish_window):
             if self.waiting.before(p.run, index):
-                continue  # NOTE [ Memory goes to batches in order ]
+                return  # and every later one: NOTE [ Memory goes to batches in order ]
             if index in p.open or index in p.finished:
                 continue
             b = Batch(index, p.rows_of(index), not p.per_batch)

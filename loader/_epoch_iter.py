@@ -38,6 +38,7 @@ class _Epoch:
         self.errors: dict = {}    # batch -> Failed, raised when its turn comes (in order)
         self.ended = False        # RunEnded received
         self.finished = False     # every batch handed out (or raised)
+        self.fatal = None         # a Failed that ended the run (raised at every next())
         self.pid = os.getpid()
 
     def __iter__(self):
@@ -46,6 +47,8 @@ class _Epoch:
     def __next__(self):
         t0 = self.called = time.perf_counter_ns()  # all of next() is the loop waiting (stats())
         try:
+            if self.fatal is not None:
+                self.host.raise_failed(self.fatal)
             return self._next()
         finally:
             if self.clock is not None:
@@ -80,7 +83,10 @@ class _Epoch:
             self._begin()
 
     def _failed(self, msg: _protocol.Failed) -> None:
-        """In order, a batch's error is raised when its turn comes; else at once."""
+        """In order, a batch's error is raised when its turn comes; else at
+        once (and again at every next() if it ends the run)."""
+        if msg.ends_run:
+            self.fatal = msg
         if self.in_order and msg.batch is not None:
             self.errors.setdefault(msg.batch, msg)
         else:

@@ -218,3 +218,4 @@ class Failed(NamedTuple):
     worker: int | None  # None: the batcher
     pid: int
     error: ErrorReport
+    ends_run: bool = False  # the run cannot go on: every later next() raises it again

@@ -209,7 +209,7 @@ class Session:
         if self.pinned is not None:  # pin_memory: the copy is page-locked as the arena is
             import torch
 
-            data = torch.empty(s.nbytes, dtype=torch.uint8).pin_memory().numpy()
+            data = torch.empty(s.nbytes, dtype=torch.uint8, pin_memory=True).numpy()
         else:
             data = np.empty(s.nbytes, np.uint8)
         data[:] = self.shared.arena[s.offset:s.offset + s.nbytes]

@@ -92,10 +92,16 @@ class LoaderConfig:
 
     @property
     def slabs_to_progress(self) -> int:
-        """The fewest batches in memory at once that let loading go on: a
-        shuffle buffer fills each worker's window of batches at once (see
-        NOTE [ Memory goes to batches in order ] in _batcher_runs.py)."""
-        return max(self.num_workers, 1) * self.shuffle_batches or 1
+        """The fewest batches in memory at once that let loading go on.  A
+        shuffle buffer fills each worker's window of `shuffle_batches`
+        batches at once; memory goes to batches in order (NOTE [ Memory
+        goes to batches in order ] in _batcher_runs.py), so one worker with
+        its whole window, and every other short of one, is enough: the
+        first completes its lowest batch, and main moves out what it holds
+        back of it until its turn."""
+        if not self.shuffle_batches:
+            return 1
+        return max(self.num_workers, 1) * (self.shuffle_batches - 1) + 1
 
     @property
     def publish_window(self) -> int:

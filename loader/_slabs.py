@@ -38,8 +38,9 @@ def slab_bytes(nbytes: int) -> int:
 def never_fits(cfg, index: int, nbytes: int, capacity: int) -> tuple[MemoryError | None, bool]:
     """(Why the pool of `capacity` bytes can never hold batch `index` of
     nbytes, and whether that holds for the whole run), or (None, False).
-    A shuffle buffer fills each worker's window of batches at once
-    (cfg.slabs_to_progress): a pool smaller than the windows waits for ever."""
+    A shuffle buffer fills each worker's window of batches at once: a pool
+    of fewer than cfg.slabs_to_progress batches of this size waits for
+    ever (a bound per batch: batches of other sizes are judged by theirs)."""
     if nbytes > capacity:
         return MemoryError(
             f"batch {index} needs {nbytes} bytes of slab memory but memory_cap_bytes is "
@@ -49,9 +50,10 @@ def never_fits(cfg, index: int, nbytes: int, capacity: int) -> tuple[MemoryError
     if need > capacity:
         return MemoryError(
             f"shuffle_buffer={cfg.shuffle_buffer} fills {cfg.shuffle_batches} batches at once "
-            f"in each of the {max(cfg.num_workers, 1)} workers: {need} bytes of slab memory "
-            f"(batches of {nbytes} bytes), but memory_cap_bytes is {capacity}: pass "
-            f"memory_cap_bytes >= {need}, or a smaller shuffle_buffer or batch_size"), True
+            f"in each of the {max(cfg.num_workers, 1)} workers: loading needs "
+            f"{cfg.slabs_to_progress} batches of {nbytes} bytes in memory ({need} bytes), but "
+            f"memory_cap_bytes is {capacity}: pass memory_cap_bytes >= {need}, or a smaller "
+            f"shuffle_buffer or batch_size"), True
     return None, False
 
 

@@ -79,10 +79,15 @@ class SlowFirst(Jittered):
 def test_a_batch_received_out_of_turn_moves_out_of_a_pool_of_one_batch():
     """Batch 1 takes the only slab while batch 0 loads; main cannot hand it
     out before batch 0, so it copies it out of the pool, and says so in
-    stats()."""
+    stats().  The loop keeps no batch while it calls next(), so no slab it
+    keeps is moved out: what stats() counts is what main held back."""
     with ShmLoader(SlowFirst(40), batch_size=1, num_workers=2, memory_cap_bytes=PAGE,
                    timeout=20) as loader:
-        assert [k for b in loader for k in samples(b)] == list(range(40))
+        got = []
+        for b in loader:
+            got += samples(b)
+            del b
+        assert got == list(range(40))
         stats = loader.stats()
     assert stats["kept_slabs_moved_out"] >= 1
     assert stats["kept_bytes_moved_out"] == PAGE * stats["kept_slabs_moved_out"]
@@ -122,6 +127,15 @@ class Stream:
             yield {"x": np.full((2, 3), i, np.float32), "i": i, "name": f"s{i}"}
 
 
+def round_robin(n: int, workers: int, batch_size: int) -> list:
+    """Stream's samples in order: each worker's batches in turn, as
+    PyTorch delivers an iterable dataset's (every stream here is whole
+    batches long)."""
+    streams = [list(range(w, n, workers)) for w in range(workers)]
+    return [k for j in range(0, len(streams[0]), batch_size)
+            for s in streams for k in s[j:j + batch_size]]
+
+
 @pytest.mark.parametrize("batch_size", [1, 3])
 @pytest.mark.parametrize("in_order", [True, False])
 def test_an_iterable_dataset_with_a_pool_of_one_batch(in_order, batch_size):
@@ -129,32 +143,43 @@ def test_an_iterable_dataset_with_a_pool_of_one_batch(in_order, batch_size):
     with ShmLoader(Stream(n), batch_size=batch_size, num_workers=2, memory_cap_bytes=PAGE,
                    in_order=in_order, timeout=20) as loader:
         for _ in range(3):
-            assert sorted(k for b in loader for k in samples(b)) == list(range(n))
+            got = [k for b in loader for k in samples(b)]
+            if in_order:
+                assert got == round_robin(n, 2, batch_size)
+            else:
+                assert sorted(got) == list(range(n))
 
 
 @pytest.mark.parametrize("in_order", [True, False])
-def test_a_shuffle_buffer_in_a_pool_that_holds_its_windows_exactly(in_order):
+def test_a_shuffle_buffer_in_the_smallest_pool_that_lets_it_load(in_order):
     """shuffle_buffer=8 over 2 workers, one sample a batch: each worker
-    fills 4 batches at once, so 8 one-page batches must be in memory;
-    before, the batches one worker laid out ahead took the pool from the
-    other's next batch, and the loader waited until its timeout."""
+    fills 4 batches at once, and loading goes on with one worker's whole
+    window and the other's short of one: 7 one-page batches (before, the
+    batches one worker laid out ahead took the pool from the other's next
+    batch, and the loader waited until its timeout even with 8)."""
     n = 300
     with ShmLoader(Stream(n), batch_size=1, num_workers=2, shuffle_buffer=8, seed=3,
-                   memory_cap_bytes=8 * PAGE, in_order=in_order, timeout=20) as loader:
+                   memory_cap_bytes=7 * PAGE, in_order=in_order, timeout=20) as loader:
         for _ in range(3):
             got = [k for b in loader for k in samples(b)]
             assert sorted(got) == list(range(n)) and got != list(range(n))
 
 
 def test_a_shuffle_buffer_the_pool_cannot_hold_is_a_memory_error_naming_both_sizes():
-    """One page short of the windows: a MemoryError at the first batch that
-    says what is needed (before, the loader waited for ever by default),
-    and the same again from the next epoch."""
+    """One page short of that: a MemoryError at the first batch that says
+    what is needed, again at every next() of that epoch, and again from
+    the next epoch.  (Without the check, 6 pages waited for ever, by
+    default, for 3 seeds of 8: each worker short of the one batch it drew.)"""
+    need = 7 * PAGE
     with ShmLoader(Stream(300), batch_size=1, num_workers=2, shuffle_buffer=8, seed=3,
-                   memory_cap_bytes=7 * PAGE, timeout=20) as loader:
+                   memory_cap_bytes=need - PAGE, timeout=20) as loader:
         for _ in range(2):
-            with pytest.raises(MemoryError) as info:
-                next(iter(loader))
-            text = str(info.value)
-            assert "shuffle_buffer=8 fills 4 batches at once in each of the 2 workers" in text
-            assert f"memory_cap_bytes is {7 * PAGE}: pass memory_cap_bytes >= {8 * PAGE}" in text
+            it = iter(loader)
+            for _ in range(2):
+                with pytest.raises(MemoryError) as info:
+                    next(it)
+                text = str(info.value)
+                assert ("shuffle_buffer=8 fills 4 batches at once in each of the 2 workers: "
+                        f"loading needs 7 batches of {PAGE} bytes in memory ({need} bytes)") in text
+                assert (f"memory_cap_bytes is {need - PAGE}: pass memory_cap_bytes >= {need}"
+                        in text)
