@@ -124,9 +124,9 @@ class Batcher:
         self.to_main.send(msg)
 
     def _fail(self, exc: BaseException, note: str, *, run: int, batch: int | None,
-              pos: int | None) -> None:
+              pos: int | None, ends_run: bool = False) -> None:
         self._send(_protocol.Failed(run=run, batch=batch if self.cfg.in_order else None, pos=pos,
-                                    index=None, worker=None, pid=self.pid,
+                                    index=None, worker=None, pid=self.pid, ends_run=ends_run,
                                     error=_protocol.ErrorReport.of(exc, note)))
 
     # --- runs -----------------------------------------------------------------------
@@ -254,18 +254,7 @@ class Batcher:
         error, whole_run = never_fits(self.cfg, b.index, nbytes, self.slabs.capacity)
         if error is None:
             return False
-        if not whole_run:
-            self._refuse(p, b, None, error)
-            return True
-        b.refused = True
-        if b.published:  # (a relayout or promotion): writers drop their rows
-            self.table.add_flags(p.run, b.index, REFUSED)
-            self.control.table_bell.ring()
-        if not p.refused_window:
-            p.refused_window = True
-            self._send(_protocol.Failed(run=p.run, batch=None, pos=None, index=None, worker=None,
-                                        pid=self.pid, ends_run=True,
-                                        error=_protocol.ErrorReport.of(error, "in the batcher")))
+        self._refuse(p, b, None, error, whole_run=whole_run)
         return True
 
     def _older_run_first(self, p: BatcherRun) -> bool:
@@ -551,15 +540,23 @@ class Batcher:
         self._publish(p, b, counted)
         return True
 
-    def _refuse(self, p: BatcherRun, b: Batch, pos: int | None, exc: BaseException) -> None:
+    def _refuse(self, p: BatcherRun, b: Batch, pos: int | None, exc: BaseException,
+                whole_run: bool = False) -> None:
         """The batch cannot be made: every worker drops its row, and main
-        raises when it reaches it (then goes on with the next batch)."""
+        raises when it reaches it (then goes on with the next batch).
+        whole_run: no batch of the run can be; main hears it once, raises
+        it at once and again at every next() of the run."""
         if b.refused:
             return
         b.refused = True
         if b.published:
             self.table.add_flags(p.run, b.index, REFUSED)
             self.control.table_bell.ring()
+        if whole_run:
+            if not p.refused_window:
+                p.refused_window = True
+                self._fail(exc, "in the batcher", run=p.run, batch=None, pos=None, ends_run=True)
+            return
         self._fail(exc, "in the batcher", run=p.run, batch=b.index, pos=pos)
         if not p.iterable:
             self._give_up(p, b.index)
