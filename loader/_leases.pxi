@@ -17,23 +17,47 @@
 # `targets.append(y)` keeps y's lease, not x's.  A slab goes back to the
 # pool when its last leaf dies, as before.  When the pool is short of
 # memory (the batcher holds MEMORY_WAIT at 1), or slabs that are mostly dropped
-# hold a quarter of the cap, main *evicts* the slabs the user still holds:
+# hold a quarter of the cap, main *moves out* (evicts) the slabs the user
+# still holds, without copying a byte itself:
 #
-#   for each live leaf: its pages  ─ copy ─►  private pages  ─ mremap(MREMAP_FIXED) ─►
-#   the same addresses: every view, tensor and pointer the user holds stays
-#   valid and unchanged, and now owns what PyTorch's copy would (a page
-#   more per leaf at most); the slab's lease is released at once.
+#   1. the mapping they are viewed through (an ArenaMap, MAP_SHARED) is
+#      replaced, in one mmap(MAP_FIXED), by a MAP_PRIVATE mapping of the same
+#      memfd range: every address stays valid and reads the same pages;
+#   2. MADV_POPULATE_WRITE over each live leaf's pages breaks copy-on-write:
+#      the kernel gives each page a private copy, at the same address;
+#   3. the slab's lease is released, and the pool writes new batches into
+#      the arena; the user's pages no longer change.
 #
-# The mapping the evicted slabs were viewed through now has private pages
-# where the arena has new batches, so new slabs are viewed through a fresh
-# mapping of the arena's memfd (ArenaMap).  An old mapping is *retired*
-# once no slab it views is held: everything but the kept runs is unmapped.
-# A kept run (KeptRun) dies with its last leaf: unmapped if its mapping is
-# retired, else mapped back onto the arena.  Slabs are page-aligned
-# (_slabs.py), so a run never holds another slab's bytes.
+# Why not memcpy to fresh pages and mremap them over the leaf (as before):
+# a write another thread makes between the copy and the mremap went to the
+# old page and was lost.  Here a writer either wrote the shared page before
+# step 1 (the copy in step 2 carries it) or faults after it and gets its own
+# private copy first: the kernel's copy-on-write is atomic for every thread of
+# the process.  And nothing is unmapped or split while leaves move, so a move
+# cannot half-succeed: if step 2 is refused (ENOMEM), the slab simply stays
+# held (its private mapping still reads the arena's pages, which the pool does
+# not reuse while the slab is held) and is moved again later; every leaf keeps
+# its values and the loader goes on.
+#
+# New slabs are viewed through a fresh shared mapping of the memfd
+# (ArenaMap).  A private mapping is *retired* once no slab it views is held:
+# everything but the kept runs is unmapped.  A kept run (KeptRun) dies with
+# its last leaf: unmapped if its mapping is retired, else its private pages
+# are dropped (MADV_DONTNEED).  Slabs are page-aligned (_slabs.py), so a run
+# never holds another slab's bytes.
 #
 # The copy is paid once per kept region, under pressure only; a loop that
 # keeps nothing never evicts, and W1's path is the one view per leaf.
+#
+# A forked process holds what it inherited: os.fork() copies main's private
+# pages copy-on-write, but shares the arena's pages.  So before every fork
+# that is not one of the loader's own (an evaluation helper, an async
+# checkpoint, a multiprocessing 'fork' Process, another loader's workers),
+# every held slab is moved out as above (_before_fork): the child's views
+# and the parent's then never change under either of them, as with torch's
+# DataLoader.  And leases belong to the process that took them: in a forked
+# child, a dropped lease or a book's close() never touches the shared state
+# (the pool's released words, its bell, the arena's pages).
 #
 # Batches main holds back are kept memory too: one that arrived ahead of
 # its turn (in order), or the next epoch's, received while this one ends.
@@ -49,16 +73,48 @@ from cpython.ref cimport PyObject, Py_INCREF
 from libc.stdlib cimport calloc, free, malloc, qsort, realloc
 from libc.string cimport memcpy
 
+import warnings
+import weakref
+
+cdef extern from *:
+    """
+    #include <errno.h>
+    #include <fcntl.h>
+    #include <sys/mman.h>
+    #ifndef MADV_POPULATE_WRITE
+    #define MADV_POPULATE_WRITE 23  /* Linux 5.14 */
+    #endif
+
+    /* Give every page of [p, p + n) of a MAP_PRIVATE file mapping a private
+     * copy (break copy-on-write), values unchanged: 0, or -1 with errno.
+     * MADV_POPULATE_WRITE does it in the kernel and reports ENOMEM; before
+     * Linux 5.14 it is EINVAL, and an atomic add of 0 to a byte of each page
+     * makes the same write fault (atomic: a value another thread stores at
+     * the same moment is never undone). */
+    static int leases_own_pages(char *p, size_t n, size_t page) {
+        if (n == 0) return 0;
+        if (madvise(p, n, MADV_POPULATE_WRITE) == 0) return 0;
+        if (errno != EINVAL) return -1;
+        for (size_t at = 0; at < n; at += page)
+            __atomic_fetch_add((volatile unsigned char *)(p + at), 0, __ATOMIC_RELAXED);
+        return 0;
+    }
+
+    static int leases_punch(int fd, long offset, long n) {
+        return fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, n);
+    }
+    """
+    int leases_own_pages(char *p, size_t n, size_t page) nogil
+    int leases_punch(int fd, long offset, long n) nogil
+
 cdef extern from "sys/mman.h" nogil:
-    int MADV_REMOVE
+    int MADV_DONTNEED
     int PROT_READ, PROT_WRITE
-    int MAP_SHARED, MAP_PRIVATE, MAP_ANONYMOUS, MAP_FIXED, MAP_NORESERVE
-    int MREMAP_MAYMOVE, MREMAP_FIXED
+    int MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_NORESERVE
     void *MAP_FAILED
     int madvise(void *addr, size_t length, int advice)
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
     int munmap(void *addr, size_t length)
-    void *mremap(void *old_address, size_t old_size, size_t new_size, int flags, void *new_address)
 
 cdef extern from "unistd.h" nogil:
     int close_fd "close"(int fd)
@@ -73,14 +129,65 @@ cdef extern from "signal.h" nogil:
 
 cdef Py_ssize_t PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
-# Test hook (tests/loader_layer/test_loader_kill.py): raise SIGINT from inside the N-th
-# release, the moment a Ctrl-C is most easily lost.
+# Test hooks (tests/loader_layer/test_loader_kill.py, test_kept_batches.py):
+# raise SIGINT from inside the N-th release, the moment a Ctrl-C is most
+# easily lost; refuse the next N page moves with ENOMEM, as a system out of
+# memory does.
 cdef long _sigint_on_release = 0
+cdef long _refuse_moves = 0
 
 
 def _raise_sigint_on_release(long n):
     global _sigint_on_release
     _sigint_on_release = n
+
+
+def _refuse_next_moves(long n):
+    global _refuse_moves
+    _refuse_moves = n
+
+
+# --- forks: NOTE [ Kept batch memory ] -------------------------------------------------
+
+# Counted up in every child os.fork() makes: a book born in another
+# generation belongs to an ancestor, and its leases are not this process's.
+cdef long _fork_generation = 0
+cdef bint _own_fork = False          # the loader is forking one of its children
+_books = weakref.WeakSet()           # live LeaseBooks of this process
+
+
+class KeptBatchesShared(RuntimeWarning):
+    """A fork happened while batches were held and some could not be moved
+    out of the pool first: the child's views of them may change."""
+
+
+def forking_own_child(bint on):
+    """The loader's own forks (_procs._fork) set this: its children never
+    look at the batches main holds, so they need not move out first."""
+    global _own_fork
+    _own_fork = on
+
+
+def _before_fork():
+    if _own_fork:
+        return
+    for book in list(_books):
+        try:
+            (<LeaseBook>book).move_all_out()
+        except MemoryError as e:
+            warnings.warn(f"ShmLoader: a process was forked while you held batches, and "
+                          f"{e}; the child's views of those batches may change when the pool "
+                          f"reuses them: copy what a child must keep before forking",
+                          KeptBatchesShared)
+
+
+def _after_fork_in_child():
+    global _fork_generation, _own_fork
+    _fork_generation += 1
+    _own_fork = False
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 cdef inline Py_ssize_t _page_down(Py_ssize_t x) noexcept nogil:
@@ -91,9 +198,27 @@ cdef inline Py_ssize_t _page_up(Py_ssize_t x) noexcept nogil:
     return (x + PAGE_BYTES - 1) & ~(PAGE_BYTES - 1)
 
 
+cdef int _own_pages(char *addr, Py_ssize_t nbytes) except -1:
+    """Break copy-on-write over [addr, addr + nbytes) of a private mapping
+    (step 2 of NOTE [ Kept batch memory ]); MemoryError if refused."""
+    global _refuse_moves
+    cdef int rc, err
+    if _refuse_moves > 0:
+        _refuse_moves -= 1
+        rc, err = -1, ENOMEM
+    else:
+        with nogil:
+            rc = leases_own_pages(addr, nbytes, PAGE_BYTES)
+        err = errno
+    if rc != 0:
+        raise MemoryError(f"the system refused private pages for {nbytes} bytes of a batch you "
+                          f"hold ({os.strerror(err)})")
+    return 0
+
+
 cdef struct Run:
     char *addr
-    Py_ssize_t nbytes     # 0: dead (mapped back onto the arena)
+    Py_ssize_t nbytes     # 0: dead (unmapped, or its pages dropped)
 
 
 cdef int _by_addr(const void *a, const void *b) noexcept nogil:
@@ -104,14 +229,15 @@ cdef int _by_addr(const void *a, const void *b) noexcept nogil:
 
 cdef class ArenaFile:
     """The arena's memfd in main (a duplicate), shared by the book and its
-    mappings, so that closing it is seen by every mapping at once."""
+    mappings: a mapping is made private through it, and after the loader's
+    close() a dropped slab's pages are punched out of it."""
 
     cdef int fd
 
     def __cinit__(self):
         self.fd = -1
 
-    cdef void close(self) noexcept:
+    cdef void close(self) noexcept nogil:
         if self.fd >= 0:
             close_fd(self.fd)
             self.fd = -1
@@ -127,12 +253,13 @@ cdef class ArenaMap:
 
     cdef char *addr
     cdef Py_ssize_t nbytes
-    cdef ArenaFile file            # None: not to be mapped again (arena_array)
+    cdef ArenaFile file            # None: not to be made private (arena_array)
     cdef Py_ssize_t held_slabs    # slabs viewed here, held and not evicted
     cdef bint current             # new slabs are viewed here
+    cdef bint private             # MAP_PRIVATE now: step 1 of the NOTE happened
     cdef bint retired             # only its kept runs are still mapped
-    cdef Run *runs
-    cdef Py_ssize_t nruns, cap_runs
+    cdef Run *runs                # kept runs, and (nbytes > 0, no KeptRun) husks:
+    cdef Py_ssize_t nruns, cap_runs  # ranges that could not be unmapped yet
 
     def __cinit__(self):
         self.addr = NULL
@@ -141,9 +268,25 @@ cdef class ArenaMap:
     cdef int open(self, int fd, Py_ssize_t nbytes, ArenaFile file) except -1:
         cdef void *p = mmap(NULL, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0)
         if p == MAP_FAILED:
-            raise OSError(errno, f"cannot map the batch arena ({nbytes} bytes): "
-                                 f"{os.strerror(errno)}")
+            raise MemoryError(f"cannot map the batch arena ({nbytes} bytes): "
+                              f"{os.strerror(errno)}")
         self.addr, self.nbytes, self.file, self.current = <char *>p, nbytes, file, True
+        return 0
+
+    cdef int make_private(self) except -1:
+        """Step 1 of NOTE [ Kept batch memory ]: the same pages, at the same
+        addresses, now copy-on-write.  One mapping replaced by one of the
+        same range: the process's mapping count does not change."""
+        if self.private:
+            return 0
+        if self.file is None or self.file.fd < 0:
+            raise MemoryError("the arena's file is closed")
+        cdef void *p = mmap(self.addr, self.nbytes, PROT_READ | PROT_WRITE,
+                            MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, self.file.fd, 0)
+        if p == MAP_FAILED:
+            raise MemoryError(f"cannot map the batch arena's {self.nbytes} bytes privately "
+                              f"({os.strerror(errno)})")
+        self.private = True
         return 0
 
     cdef Py_ssize_t add_run(self, char *addr, Py_ssize_t nbytes) except -1:
@@ -160,14 +303,15 @@ cdef class ArenaMap:
     cdef void run_gone(self, Py_ssize_t i) noexcept nogil:
         """A kept run's last leaf died: give its private pages back."""
         cdef Run *r = &self.runs[i]
-        if self.retired:
-            munmap(r.addr, r.nbytes)
-        elif self.file is not None and self.file.fd >= 0:
-            # Map the arena back under it, so the mapping is whole again
-            # when it is retired (unmapped around the live runs).
-            mmap(r.addr, r.nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_NORESERVE,
-                 self.file.fd, r.addr - self.addr)
-        r.nbytes = 0
+        if self.retired and munmap(r.addr, r.nbytes) == 0:
+            r.nbytes = 0
+            return
+        # Not retired (the mapping still views held slabs), or the unmap
+        # was refused (at vm.max_map_count, splitting a mapping fails):
+        # drop the pages, keep the addresses (a husk, unmapped with the map).
+        madvise(r.addr, r.nbytes, MADV_DONTNEED)
+        if not self.retired:
+            r.nbytes = 0
 
     cdef void slab_gone(self) noexcept nogil:
         self.held_slabs -= 1
@@ -185,25 +329,42 @@ cdef class ArenaMap:
         cdef Run *by_addr = <Run *>malloc(max(1, self.nruns) * sizeof(Run))
         if by_addr == NULL:
             return  # not retired: its mapping stays whole until it is retired or freed
+        cdef Py_ssize_t i, n = self.nruns
+        memcpy(by_addr, self.runs, n * sizeof(Run))
+        qsort(by_addr, n, sizeof(Run), _by_addr)
         self.retired = True
-        memcpy(by_addr, self.runs, self.nruns * sizeof(Run))
-        qsort(by_addr, self.nruns, sizeof(Run), _by_addr)
         cdef char *at = self.addr
-        cdef Py_ssize_t i
-        for i in range(self.nruns):
+        for i in range(n):
             if by_addr[i].nbytes == 0:
                 continue
             if by_addr[i].addr > at:
-                munmap(at, by_addr[i].addr - at)
+                self._unmap_gap(at, by_addr[i].addr - at)
             at = by_addr[i].addr + by_addr[i].nbytes
         free(by_addr)
         if self.addr + self.nbytes > at:
-            munmap(at, self.addr + self.nbytes - at)
+            self._unmap_gap(at, self.addr + self.nbytes - at)
+
+    cdef void _unmap_gap(self, char *at, Py_ssize_t nbytes) noexcept nogil:
+        if munmap(at, nbytes) == 0:
+            return
+        # Refused (splitting the mapping would pass vm.max_map_count): the
+        # pages go now, the addresses when this mapping is freed.
+        madvise(at, nbytes, MADV_DONTNEED)
+        with gil:
+            try:
+                self.add_run(at, nbytes)
+            except MemoryError:
+                pass  # the range stays mapped for good: address space, no memory
 
     def __dealloc__(self):
         # Every kept run holds its mapping, so none is alive here.
+        cdef Py_ssize_t i
         if self.addr != NULL and not self.retired:
             munmap(self.addr, self.nbytes)
+        elif self.addr != NULL:
+            for i in range(self.nruns):
+                if self.runs[i].nbytes:
+                    munmap(self.runs[i].addr, self.runs[i].nbytes)
         free(self.runs)
 
 
@@ -242,9 +403,12 @@ cdef class LeaseBook:
     holds out of the pool (NOTE [ Kept batch memory ]).
 
     After close(), the arena's pages that no held slab uses are given back
-    at once (MADV_REMOVE, in every process that maps them: a later
-    loader's children inherit the mapping), and each held slab's pages go
-    back when it is dropped."""
+    at once (punched out of the memfd: gone in every process that maps
+    them, a later loader's children included), and each held slab's pages
+    go back when it is dropped.
+
+    Only the process that made the book touches the shared state; in a
+    forked child its leases are the child's own business."""
 
     cdef object released_array, bell
     cdef ArenaMap map                # where new slabs are viewed
@@ -255,10 +419,13 @@ cdef class LeaseBook:
     cdef Py_ssize_t *held_offset     # per lease; held_bytes 0: not held
     cdef Py_ssize_t *held_bytes
     cdef PyObject **holder           # per held lease: its SlabLease (borrowed)
+    cdef Py_ssize_t nheld            # leases held
+    cdef long generation             # _fork_generation of the process that made it
     cdef readonly Py_ssize_t dropped_bytes   # leaves dropped from slabs still held
     cdef readonly Py_ssize_t evicted_slabs, kept_bytes   # all evictions so far
     cdef readonly bint closed
     cdef uint32_t *page_users        # after close: held slabs on each page of the arena
+    cdef object __weakref__
 
     def __cinit__(self):
         self.held_offset = self.held_bytes = NULL
@@ -272,6 +439,7 @@ cdef class LeaseBook:
         self.file = ArenaFile.__new__(ArenaFile)
         self.file.fd = arena_fd  # ours now: it outlives the loader while batches are held
         self.arena_bytes = arena_bytes
+        self.generation = _fork_generation
         self.map = self._new_map()
         self.released_array, self.bell = released, bell
         self.released = <int64_t *>cnp.PyArray_DATA(released)
@@ -281,11 +449,15 @@ cdef class LeaseBook:
         self.holder = <PyObject **>calloc(self.max_leases, sizeof(PyObject *))
         if self.held_offset == NULL or self.held_bytes == NULL or self.holder == NULL:
             raise MemoryError()
+        _books.add(self)
 
     cdef ArenaMap _new_map(self):
         cdef ArenaMap m = ArenaMap.__new__(ArenaMap)
         m.open(self.file.fd, self.arena_bytes, self.file)
         return m
+
+    cdef inline bint _ours(self) noexcept nogil:
+        return self.generation == _fork_generation
 
     def __dealloc__(self):
         free(self.held_offset)
@@ -313,6 +485,8 @@ cdef class LeaseBook:
                              f"of {self.arena_bytes} bytes")
         if self.closed:
             raise RuntimeError("the loader is closed: no more batches")
+        if not self._ours():
+            raise RuntimeError("this loader's batches belong to the process that made it")
         if self.held_bytes[lease]:
             raise RuntimeError(f"lease {lease} is already held")
         cdef SlabLease slab = SlabLease.__new__(SlabLease)
@@ -320,6 +494,7 @@ cdef class LeaseBook:
         slab.offset, slab.nbytes = offset, nbytes
         self.held_offset[lease], self.held_bytes[lease] = offset, nbytes
         self.holder[lease] = <PyObject *>slab
+        self.nheld += 1
         self.map.held_slabs += 1
         return slab
 
@@ -330,8 +505,11 @@ cdef class LeaseBook:
         cdef Py_ssize_t offset = self.held_offset[lease], nbytes = self.held_bytes[lease]
         self.held_bytes[lease] = 0
         self.holder[lease] = NULL
+        self.nheld -= 1
         self.dropped_bytes -= slab.dropped
         slab.map.slab_gone()
+        if not self._ours():
+            return  # a forked child's copy: the parent's pool is not the child's to touch
         if _sigint_on_release > 0:
             _sigint_on_release -= 1
             if _sigint_on_release == 0:
@@ -343,11 +521,13 @@ cdef class LeaseBook:
             (<Bell>self.bell).ring_c()
             return
         self._discard_unused(offset // PAGE_BYTES, (offset + nbytes - 1) // PAGE_BYTES)
+        if self.nheld == 0:
+            self.file.close()  # no mapping will be made private any more
 
     cdef void _discard_unused(self, Py_ssize_t first, Py_ssize_t last) noexcept nogil:
-        """After close: one holder fewer on pages first..last; give back
-        each run of pages nobody holds any more (through the current
-        mapping, shared: the pages go in every mapping and process)."""
+        """After close: one holder fewer on pages first..last; punch each
+        run of pages nobody holds any more out of the memfd (the pages go
+        in every mapping and process)."""
         cdef Py_ssize_t p, run = -1
         for p in range(first, last + 2):
             if p <= last:
@@ -356,7 +536,7 @@ cdef class LeaseBook:
                 if run < 0:
                     run = p
             elif run >= 0:
-                madvise(self.map.addr + run * PAGE_BYTES, (p - run) * PAGE_BYTES, MADV_REMOVE)
+                leases_punch(self.file.fd, run * PAGE_BYTES, (p - run) * PAGE_BYTES)
                 run = -1
 
     # --- eviction: NOTE [ Kept batch memory ] -------------------------------------------
@@ -365,12 +545,22 @@ cdef class LeaseBook:
         """Move every held slab's live leaves out of the pool (or only those
         of slabs some leaf of which was dropped), release the slabs, and
         view new slabs through a fresh mapping.  Returns (slabs evicted,
-        bytes copied).  Raises MemoryError when the system refuses the
-        private pages (the slabs not moved yet stay held)."""
-        cdef Py_ssize_t lease, slabs = 0, copied = 0
-        cdef SlabLease slab
-        if self.closed:
+        bytes moved).  Raises MemoryError when the system refuses the
+        private pages; the slabs not moved stay held, every leaf keeps its
+        values, and a later call moves them."""
+        if self.closed or not self._ours():
             return 0, 0
+        return self._evict(partial_only)
+
+    cdef move_all_out(self):
+        """Before a fork (NOTE [ Kept batch memory ]): every held slab, also
+        after close()."""
+        if self.nheld and self._ours():
+            self._evict(False)
+
+    cdef _evict(self, bint partial_only):
+        cdef Py_ssize_t lease, slabs = 0, moved = 0
+        cdef SlabLease slab
         candidates = []
         for lease in range(self.max_leases):
             if self.holder[lease] != NULL:
@@ -380,29 +570,32 @@ cdef class LeaseBook:
         if not candidates:
             return 0, 0
         old = self.map
-        if any((<SlabLease>s).map is old for s in candidates):
-            # Its evicted pages will be private: new slabs are viewed elsewhere.
-            # First, so that a failure below leaves the old mapping unused.
-            self.map = self._new_map()
+        if not old.private and any((<SlabLease>s).map is old for s in candidates):
+            # New slabs are viewed elsewhere from now on.  Each step leaves
+            # everything as it was if it fails.
+            fresh = None if self.closed else self._new_map()
+            old.make_private()
+            if fresh is not None:
+                self.map = fresh
             old.current = False
         try:
             for slab in candidates:
-                copied += slab.evict()
+                moved += slab.evict()
                 slabs += 1
         finally:
             self.evicted_slabs += slabs
-            self.kept_bytes += copied
+            self.kept_bytes += moved
             old.retire_if_unused()
-        return slabs, copied
+        return slabs, moved
 
     def close(self):
         """Give back every page of the arena that no held slab uses; the
         others go back as their slabs are dropped."""
         if self.closed:
             return
-        # No mapping is made after close, and none holds the fd open: a kept
-        # run that dies now keeps its pages until its mapping goes (run_gone).
-        self.file.close()
+        if not self._ours():
+            self.closed = True
+            return
         cdef Py_ssize_t npages = (self.arena_bytes + PAGE_BYTES - 1) // PAGE_BYTES
         cdef Py_ssize_t i, p, first, last
         self.page_users = <uint32_t *>calloc(npages + 1, sizeof(uint32_t))
@@ -421,6 +614,8 @@ cdef class LeaseBook:
             self.page_users[p] += 1
         with nogil:
             self._discard_unused(0, npages - 1)
+        if self.nheld == 0:
+            self.file.close()
 
 
 @cython.no_gc_clear  # its book must still be there when it is deallocated
@@ -501,8 +696,10 @@ cdef class SlabLease:
         return leaf
 
     cdef Py_ssize_t evict(self) except -1:
-        """Copy the pages of the live leaves to private memory at the same
-        addresses, then release the slab; returns the bytes copied."""
+        """Steps 2 and 3 of NOTE [ Kept batch memory ] (its mapping is
+        private already): the live leaves' pages made this process's own,
+        then the slab released.  Returns the bytes moved.  If the system
+        refuses the pages, MemoryError, and the slab stays held."""
         cdef list spans = [], leaves = []
         cdef LeafLease leaf
         cdef PyObject *p = self.leaves
@@ -514,40 +711,29 @@ cdef class SlabLease:
                 leaves.append(leaf)
             p = leaf.next
         spans.sort()
-        cdef Py_ssize_t copied = 0, start, end, i = 0
+        cdef list runs = []              # (start, end, first span, last span + 1)
+        cdef Py_ssize_t start, end, i = 0, j
         while i < len(spans):
             start, end = spans[i][0], spans[i][1]
             j = i + 1
             while j < len(spans) and spans[j][0] < end:  # overlapping pages: one run
                 end = max(end, spans[j][1])
                 j += 1
-            run = self._keep(<char *>start, end - start)
-            for k in range(i, j):
-                (<LeafLease>leaves[spans[k][2]]).run = run
-            copied += end - start
+            runs.append((start, end, i, j))
             i = j
+        for start, end, _, _ in runs:    # all or nothing: the slab is released only after
+            _own_pages(<char *>start, end - start)
+        cdef Py_ssize_t moved = 0
+        cdef KeptRun kept
+        for start, end, i, j in runs:
+            kept = KeptRun.__new__(KeptRun)
+            kept.map, kept.index = self.map, self.map.add_run(<char *>start, end - start)
+            for k in range(i, j):
+                (<LeafLease>leaves[spans[k][2]]).run = kept
+            moved += end - start
         self.evicted = True
         self.book.release(self)
-        return copied
-
-    cdef KeptRun _keep(self, char *addr, Py_ssize_t nbytes):
-        cdef void *fresh = mmap(NULL, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                                -1, 0)
-        if fresh == MAP_FAILED:
-            raise MemoryError(f"ShmLoader: cannot move {nbytes} bytes of a batch you hold out of "
-                              f"the pool ({os.strerror(errno)}); drop batches you no longer need, "
-                              f"or copy what you keep")
-        memcpy(fresh, addr, nbytes)
-        if mremap(fresh, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, addr) == MAP_FAILED:
-            err = errno
-            munmap(fresh, nbytes)
-            raise MemoryError(f"ShmLoader: cannot move {nbytes} bytes of a batch you hold out of "
-                              f"the pool ({os.strerror(err)}; a process may hold at most "
-                              f"vm.max_map_count mappings, one per kept region): drop batches "
-                              f"you no longer need, or copy what you keep")
-        cdef KeptRun run = KeptRun.__new__(KeptRun)
-        run.map, run.index = self.map, self.map.add_run(addr, nbytes)
-        return run
+        return moved
 
     cdef void leaf_gone(self, LeafLease leaf) noexcept:
         if leaf.prev != NULL:

@@ -37,7 +37,7 @@ cdef extern from *:
     """
     int loader_die_with_parent(int parent, int sig) nogil
 
-from libc.errno cimport errno
+from libc.errno cimport ENOMEM, errno
 import os
 
 import numpy as np

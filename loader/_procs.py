@@ -295,15 +295,19 @@ def _fork_quietly() -> int:
     again: warnings.catch_warnings() or filterwarnings() would mark the
     filters changed, which empties every module's show-once registry, so
     warnings the program had already shown would be shown again."""
-    if sys.version_info < (3, 12):
-        return os.fork()
-    filters = warnings.filters
-    filters.insert(0, _FORK_WARNING)
+    _native.forking_own_child(True)  # no batch needs to move out first (NOTE [ Kept batch memory ])
     try:
-        return os.fork()
+        if sys.version_info < (3, 12):
+            return os.fork()
+        filters = warnings.filters
+        filters.insert(0, _FORK_WARNING)
+        try:
+            return os.fork()
+        finally:
+            if _FORK_WARNING in filters:
+                filters.remove(_FORK_WARNING)
     finally:
-        if _FORK_WARNING in filters:
-            filters.remove(_FORK_WARNING)
+        _native.forking_own_child(False)
 
 
 def _child_main(role, parent, target, args, report, mask):

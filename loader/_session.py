@@ -167,7 +167,15 @@ class Session:
         control = self.shared.control
         while True:
             if shmq.atomic_load(control.ctl, _control.MEMORY_WAIT):
-                self.move_kept_out(partial_only=False)  # NOTE [ Kept batch memory ]
+                try:
+                    self.move_kept_out(partial_only=False)  # NOTE [ Kept batch memory ]
+                except MemoryError as e:
+                    raise MemoryError(
+                        f"ShmLoader: the batch pool ({self.shared.arena.nbytes} bytes, "
+                        f"memory_cap_bytes) is full and what you hold of its batches could not "
+                        f"move out of it: {e}. Every batch you hold keeps its values; drop "
+                        f"batches you no longer need or copy what you keep, and the next next() "
+                        f"tries again") from None
                 if copy_out_held is not None:
                     copy_out_held()
             try:
@@ -238,8 +246,14 @@ class Session:
         batch = build(msg.spec, slab)
         if self.leases.dropped_bytes * 4 >= self.shared.arena.nbytes:
             # Slabs mostly dropped (targets.append(y)) hold a quarter of the
-            # pool: give them back before the pool runs short.
-            self.move_kept_out(partial_only=True)
+            # pool: give them back before the pool runs short.  Ahead of need:
+            # if the system refuses the memory now, the batch is still the
+            # user's, and the move is tried again when the pool is short
+            # (receive), where a refusal is raised.
+            try:
+                self.move_kept_out(partial_only=True)
+            except MemoryError:
+                pass
         return batch
 
     def move_kept_out(self, partial_only: bool) -> int:
