@@ -319,7 +319,8 @@ def list_segments() -> list[SegmentInfo]:
             continue
         st, head = got
         pid, pidns, state = _creator_state(head, entry, own)
-        found.append(SegmentInfo("/" + entry, st.st_size, pid, state, pidns, st.st_uid))
+        found.append(SegmentInfo(name="/" + entry, size_bytes=st.st_size, creator_pid=pid,
+                                 state=state, pidns=pidns, owner_uid=st.st_uid))
     return found
 
 
@@ -338,7 +339,7 @@ def remove_stale(dry_run: bool = False, force: bool = False) -> Cleaned:
     is skipped, not an error: the rest are removed all the same."""
     doomed = [s for s in list_segments() if s.state == STALE or (force and s.state != LIVE)]
     if dry_run:
-        return Cleaned(doomed, [])
+        return Cleaned(removed=doomed, not_permitted=[])
     removed, not_permitted = [], []
     for s in doomed:
         try:
@@ -347,4 +348,4 @@ def remove_stale(dry_run: bool = False, force: bool = False) -> Cleaned:
             not_permitted.append(s)
         else:
             removed.append(s)
-    return Cleaned(removed, not_permitted)
+    return Cleaned(removed=removed, not_permitted=not_permitted)
