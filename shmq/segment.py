@@ -158,6 +158,8 @@ def open_existing(name: str) -> tuple[int, int, bytes]:
             errno.ENOENT,
             f"no shmq queue named {name!r} in /dev/shm: it was closed by its creator, removed "
             f"with Queue.unlink(), or the name is mistyped", name) from None
+    except posix_ipc.PermissionsError:
+        raise _not_permitted(name) from None
     fd = os.dup(shm.fd)
     shm.close_fd()
     st = os.fstat(fd)
@@ -174,6 +176,22 @@ def open_existing(name: str) -> tuple[int, int, bytes]:
         os.close(fd)
         raise
     return fd, st.st_size, os.pread(fd, _core.HEADER_BYTES, 0)
+
+
+def _not_permitted(name: str) -> PermissionError:
+    """Why this process may not open the segment: another user's (an
+    UntrustedSegment, as if it could: whoever can open it must not), or its
+    own whose mode denies its owner."""
+    try:
+        st = os.lstat(SHM_DIR + name)
+        _check_trusted(name, st)
+    except UntrustedSegment as e:
+        return e
+    except OSError:
+        st = None
+    mode = f"mode {stat.S_IMODE(st.st_mode):04o}" if st is not None else "mode unknown"
+    return PermissionError(errno.EACCES, f"cannot open shmq segment {name!r} ({mode}): permission "
+                                         f"denied; shmq creates segments 0600 for its owner")
 
 
 def user_name(uid: int) -> str:
