@@ -256,7 +256,7 @@ def test_attach_refuses_a_segment_of_another_uid(procs, mode):
             f"refusing to attach to {name!r}: it belongs to {segment.user_name(NOBODY)}, not to "
             f"this process's {segment.user_name(0)} (mode {mode:04o}); its records would be "
             f"unpickled here")
-        assert f"Attach from a process running as its owner" in text
+        assert "Attach from a process running as its owner" in text
         assert f"(its owner or root can remove this one: rm {segment.SHM_DIR}{name})" in text
         assert isinstance(info.value, PermissionError)
         with pytest.raises(shmq.UntrustedSegment):
