@@ -52,6 +52,7 @@ One word per thing, in code, comments, messages and docs:
   first iter() to its shutdown (_session.py).
 """
 
+from loader._errors import TraceWriteError
 from loader._files import FileArray, FileDataset
 from loader._layout import BatchMismatch, CollateError, UnsupportedLeaf
 from loader._loader import LoaderTimeout, ShmLoader, WorkerError
@@ -69,7 +70,7 @@ _ray_integration.install_when_imported()
 __all__ = ["ShmLoader", "DataLoader", "FileDataset", "FileArray", "ParquetDataset",
            "get_worker_info", "WorkerInfo",
            "WorkerError", "LoaderTimeout", "LoaderStartError", "CollateError", "BatchMismatch",
-           "UnsupportedLeaf", "DataStallWarning"]
+           "UnsupportedLeaf", "DataStallWarning", "TraceWriteError"]
 
 
 def __getattr__(name):

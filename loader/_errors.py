@@ -2,6 +2,8 @@
 in main: an exception raised in dataset[i] reaches the training loop as
 its own type (raise_reported)."""
 
+import os
+
 
 class WorkerError(RuntimeError):
     """A worker or the batcher died, or raised an exception that cannot be
@@ -11,6 +13,23 @@ class WorkerError(RuntimeError):
 
 class LoaderTimeout(WorkerError, TimeoutError):
     """No batch arrived within the loader's ``timeout``."""
+
+
+class TraceWriteError(OSError):
+    """close() could not write ``trace=PATH`` (a full disk, a directory
+    gone or made read-only).  Its ``errno`` is the cause's.  The processes
+    are stopped all the same; nothing was left at PATH (it holds what it
+    held before), and the records are kept: close() again writes them."""
+
+    @classmethod
+    def of(cls, path: str, json_bytes: int, records: int, cause: OSError) -> "TraceWriteError":
+        folder = os.path.dirname(os.path.abspath(path))
+        reason = cause.strerror or str(cause)
+        return cls(cause.errno, (
+            f"ShmLoader: could not write the trace to {path!r} ({reason}; {json_bytes} bytes "
+            f"of JSON, {records} records): nothing was left at that path. The workers are "
+            f"stopped and the records are kept: make room in {folder!r} (or fix the cause) "
+            f"and call close() again to write the trace"))
 
 
 class _KeyErrorMessage(str):

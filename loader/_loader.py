@@ -277,7 +277,10 @@ class ShmLoader(FrozenState):
 
     def close(self):
         """Stop the workers and the batcher.  Batches you hold stay valid.
-        Safe to call again, e.g. after a Ctrl-C interrupted it."""
+        Safe to call again, e.g. after a Ctrl-C interrupted it.  With
+        trace=PATH, then write the trace; if that fails (a full disk), raise
+        TraceWriteError, everything stopped all the same and the records
+        kept: close() again writes them."""
         self._closed = True
         if os.getpid() != self._owner_pid:
             self._session = None  # a forked copy: its parent's processes
@@ -294,7 +297,7 @@ class ShmLoader(FrozenState):
 
     def __del__(self):
         trace = getattr(self, "_trace", None)
-        unwritten = trace is not None and not trace.written  # (workers stopped after each epoch)
+        unwritten = trace is not None and trace.pending  # (workers stopped after each epoch)
         if (getattr(self, "_session", None) is not None or unwritten) and \
                 os.getpid() == self._owner_pid:
             self.close()

@@ -26,18 +26,26 @@ on Linux: one clock in every process, the one stats() uses (NOTE [ Wait
 clocks ] in _stats.py), so the two add up.
 
 Nothing is formatted while the loader runs: main turns the records into
-JSON at close() (_trace_json.py), writing a temporary file beside PATH and
-renaming it, so PATH is either the whole trace or absent.
+JSON at close() (_trace_json.py), writing a new file beside PATH and
+renaming it, so PATH is either the whole trace or absent.  That file is
+made exclusively under a name nobody can guess (create_beside): PATH's
+directory may be writable by others, who must not be able to make main
+write through a link they planted.  If writing fails (a full disk), close()
+still stops every process, raises TraceWriteError naming the trace, PATH
+and the cause, and keeps the records: close() again writes them.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import secrets
 import struct
 import threading
 import time
 
 import shmq
+from loader._errors import TraceWriteError
 
 HEADER_WORDS = 8
 RECORD_WORDS = 8
@@ -83,14 +91,30 @@ def check_path(path) -> str:
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"ShmLoader: trace={path!r}: its directory {folder!r} does not "
                                 f"exist; create it first, or write the trace elsewhere")
-    probe = f"{path}.{os.getpid()}.tmp"  # the name close() writes first (_trace_json.py)
-    try:  # (access() says yes to root on a read-only mount: try it)
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    try:  # what close() does first (access() says yes to root on a read-only mount: try it)
+        fd, probe = create_beside(path)
+        os.close(fd)
         os.unlink(probe)
     except OSError as e:
         raise PermissionError(f"ShmLoader: trace={path!r}: cannot create a file in {folder!r} "
                               f"({e.strerror}); write the trace to a writable directory") from None
     return path
+
+
+def create_beside(path: str) -> tuple[int, str]:
+    """(fd, name) of a new file in path's directory, for writing, under a
+    random name, with the mode a plain open() gives (0666 less the umask).
+    O_CREAT | O_EXCL never opens an existing file, nor a symlink planted at
+    the name (O_NOFOLLOW states it again, should the flags ever change)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(16):
+        name = f"{path}.{secrets.token_hex(8)}.tmp"
+        try:
+            return os.open(name, flags, 0o666), name
+        except FileExistsError:  # a 2**-64 collision, or names planted by guessing
+            continue
+    raise FileExistsError(errno.EEXIST, f"16 random names beside trace={path!r} were all taken; "
+                                        f"write the trace to a directory only you can write")
 
 
 class TraceLog:
@@ -103,6 +127,7 @@ class TraceLog:
         self.words = shmq.shared_array(HEADER_WORDS + RECORD_WORDS * capacity, "int64")
         self.origin = now()  # the JSON's time zero
         self.written = False
+        self.failed = False  # the last attempt raised TraceWriteError
 
     def tracer(self, role: int) -> "Tracer":
         """This process's (or thread's) writer, announcing itself with a
@@ -120,15 +145,29 @@ class TraceLog:
         rows = rows.reshape(-1, RECORD_WORDS)
         return rows[rows[:, KIND_WORD] != 0].copy(), int(self.words[DROPPED])
 
+    @property
+    def pending(self) -> bool:
+        """Not written, and never tried: what the loader's __del__ writes.
+        After a failure only an explicit close() tries again (the error was
+        raised there; garbage collection must not raise it again)."""
+        return not self.written and not self.failed
+
     def write(self) -> None:
-        """Write the JSON (once): see _trace_json.py."""
+        """Write the JSON (_trace_json.py), unless written already.  A
+        failure raises TraceWriteError and keeps the records for a next
+        call (NOTE [ Trace records ])."""
         if self.written:
             return
-        self.written = True
-        from loader._trace_json import write_trace  # (it imports this module)
+        from loader._trace_json import trace_json, write_whole  # (they import this module)
 
         records, dropped = self.records()
-        write_trace(self.path, records, dropped, self.origin)
+        text = trace_json(records, dropped, self.origin)
+        try:
+            write_whole(self.path, text)
+        except OSError as e:
+            self.failed = True
+            raise TraceWriteError.of(self.path, len(text), len(records), e) from e
+        self.written, self.failed = True, False
 
 
 class Tracer:

@@ -23,7 +23,7 @@ import json
 import os
 
 from loader._trace import (BATCH, COLLATE, EPOCH, LOAD, NAME, POOL, ROLE_BATCHER, ROLE_MAIN, RUN,
-                           WAIT, WRITE)
+                           WAIT, WRITE, create_beside)
 
 EPOCHS_TID_OFFSET = 1 << 30  # the synthetic "epochs" track of main's process
 
@@ -116,17 +116,26 @@ def _metadata(whois: dict) -> list[dict]:
     return events
 
 
-def write_trace(path: str, records, dropped: int, origin_ns: int) -> None:
-    """Write the JSON to a temporary file beside `path`, then rename it:
-    `path` is the whole trace or nothing, never a torn file."""
+def trace_json(records, dropped: int, origin_ns: int) -> str:
+    """The whole JSON document of the records."""
     doc = {"traceEvents": trace_events(records, origin_ns), "displayTimeUnit": "ms",
            "otherData": {"writer": "loader.ShmLoader(trace=...)", "clock": "CLOCK_MONOTONIC",
                          "records": len(records), "dropped_records": dropped}}
-    tmp = f"{path}.{os.getpid()}.tmp"
+    return json.dumps(doc, separators=(",", ":"))  # (json.dump writes in small pieces)
+
+
+def write_whole(path: str, text: str) -> None:
+    """Write text to a new file beside `path` (create_beside: made
+    exclusively, never through a link, under a name nobody can guess),
+    flushed to the disk, then renamed over `path`: `path` is the whole
+    trace or what it was before, never a torn file.  On any failure the
+    new file is removed and the error raised."""
+    fd, tmp = create_beside(path)
     try:
-        text = json.dumps(doc, separators=(",", ":"))  # (json.dump writes in small pieces)
-        with open(tmp, "w") as f:
+        with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # a file system that fills up late (delayed allocation) fails here
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -18,7 +18,7 @@ Linux only (POSIX shared memory in /dev/shm, futexes, /proc).
 """
 
 from shmq.errors import (Closed, Empty, Full, IncompatibleRing, MessageTooLarge, PeerLost,
-                         ShmFull, ShmqError)
+                         ShmFull, ShmqError, UntrustedSegment)
 from shmq._core import (atomic_add, atomic_cas, atomic_load, atomic_store, discard_pages, prefault,
                         shared_array, wait, wake)
 from shmq.queue import Queue
@@ -42,5 +42,6 @@ __all__ = [
     "IncompatibleRing",
     "MessageTooLarge",
     "ShmFull",
+    "UntrustedSegment",
 ]
 __version__ = "0.1.0"

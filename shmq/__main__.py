@@ -2,7 +2,10 @@
 segments in /dev/shm whose creating process is gone (left by a crash or a
 kill).  A segment made in another pid namespace (another container sharing
 /dev/shm) cannot be checked from here: `list` shows it as unknown, and
-`clean` removes it only with --force."""
+`clean` removes it only with --force.  `clean` removes every stale segment
+it may remove, and skips (and names) another user's that it may not: only
+that user or root can.  Exit status: 0 when it ran to the end, skipped
+segments included; 2 for a usage error."""
 
 import argparse
 import sys
@@ -14,10 +17,15 @@ def _namespace(s: segment.SegmentInfo) -> str:
     return f"pidns {s.pidns}" if s.pidns else "pidns unrecorded"
 
 
+def _owner(s: segment.SegmentInfo) -> str:
+    return f"owner {segment.user_name(s.owner_uid)}"
+
+
 def _list() -> int:
     segments = segment.list_segments()
     for s in segments:
-        print(f"{s.name}\t{s.size_bytes}\tcreator pid {s.creator_pid}\t{_namespace(s)}\t{s.state}")
+        print(f"{s.name}\t{s.size_bytes}\t{_owner(s)}\tcreator pid {s.creator_pid}\t"
+              f"{_namespace(s)}\t{s.state}")
     unknown = sum(s.state not in (segment.LIVE, segment.STALE) for s in segments)
     print(f"{len(segments)} segment(s), {sum(s.state == segment.STALE for s in segments)} stale, "
           f"{unknown} unknown (this is pidns {segment.own_pidns() or 'unknown'})")
@@ -25,23 +33,32 @@ def _list() -> int:
 
 
 def _clean(dry_run: bool, force: bool) -> int:
-    removed = segment.remove_stale(dry_run=dry_run, force=force)
+    removed, not_permitted = segment.remove_stale(dry_run=dry_run, force=force)
     verb = "would remove" if dry_run else "removed"
     for s in removed:
         why = "is gone" if s.state == segment.STALE else f"is {s.state}, --force"
         print(f"{verb} {s.name} ({s.size_bytes} bytes, creator pid {s.creator_pid} {why})")
     print(f"{verb} {len(removed)} stale segment(s)")
+    for s in not_permitted:
+        print(f"skipped {s.name} ({s.size_bytes} bytes, creator pid {s.creator_pid}, "
+              f"{_owner(s)}): not permitted to remove it")
+    if not_permitted:
+        print(f"skipped {len(not_permitted)} stale segment(s) of other users: only their owners "
+              f"(or root) may remove them, with `python -m shmq clean`")
     if not force:
-        kept = [s for s in segment.list_segments()
-                if s.state not in (segment.LIVE, segment.STALE)]
-        for s in kept:
-            print(f"kept {s.name} ({s.size_bytes} bytes, creator pid {s.creator_pid}, "
-                  f"{_namespace(s)}): {s.state}")
-        if kept:
-            print(f"kept {len(kept)} segment(s) whose creator cannot be checked from this pid "
-                  f"namespace; run clean where they were made, or pass --force if you know "
-                  f"they are dead")
+        _report_kept()
     return 0
+
+
+def _report_kept() -> None:
+    kept = [s for s in segment.list_segments() if s.state not in (segment.LIVE, segment.STALE)]
+    for s in kept:
+        print(f"kept {s.name} ({s.size_bytes} bytes, creator pid {s.creator_pid}, "
+              f"{_namespace(s)}): {s.state}")
+    if kept:
+        print(f"kept {len(kept)} segment(s) whose creator cannot be checked from this pid "
+              f"namespace; run clean where they were made, or pass --force if you know "
+              f"they are dead")
 
 
 def main(argv=None) -> int:

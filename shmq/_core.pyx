@@ -377,7 +377,8 @@ cdef cnp.dtype _dtype_from_code(bytes code, Ring ring, uint64_t pos):
 # one object per opcode, strings no longer than their bytes.  What the
 # stream CALLS (REDUCE/NEWOBJ/BUILD of any importable name) is not bounded:
 # a pickle is code.  The trust model (README "Trust") covers that: segments
-# are 0600, writable only by the same user, who can run code as us anyway.
+# are 0600, writable only by the same user, who can run code as us anyway,
+# and attach refuses any other (NOTE [ Whose segment ] in segment.py).
 
 cdef enum:
     _A_INVALID = 0, _A_NONE, _A_FIX1, _A_FIX2, _A_FIX4, _A_FIX8,

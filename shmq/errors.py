@@ -17,6 +17,7 @@ __all__ = [
     "IncompatibleRing",
     "MessageTooLarge",
     "ShmFull",
+    "UntrustedSegment",
 ]
 
 
@@ -52,3 +53,10 @@ class MessageTooLarge(ShmqError, ValueError):
 
 class ShmFull(ShmqError, OSError):
     """``/dev/shm`` has no room for the segment."""
+
+
+class UntrustedSegment(ShmqError, PermissionError):
+    """``Queue.attach`` refuses a segment that another user owns, or that
+    users other than its owner may write: its records are unpickled by the
+    consumer, and a pickle can run any code (NOTE [ Whose segment ] in
+    segment.py)."""

@@ -111,12 +111,23 @@ class Queue:
 
     @classmethod
     def attach(cls, name: str) -> "Queue":
-        """Open an existing queue by name, from any process."""
+        """Open an existing queue by name, from any process of the same user.
+
+        ``name`` is ``q.name``; its leading ``/`` may be left out (as
+        ``ls /dev/shm`` shows it).  ``FileNotFoundError`` if no such queue
+        exists.  ``UntrustedSegment`` (a ``PermissionError``) if the segment
+        belongs to another user or its mode lets others write it.  Why: a
+        consumer unpickles every record that is not one plain array (what
+        ``put`` makes of a dict, tuple, list, scalar, tensor, ndarray
+        subclass, or a non-contiguous array), and a pickle can run any code
+        as the consumer.  Whoever can write the segment picks each record's
+        kind, so any ``get`` may unpickle: attach only to queues your own
+        user created (shmq creates them mode 0600)."""
         return cls._attach(name)
 
     @classmethod
     def _attach(cls, name, adopt_slot=-1, adopt_from_pid=0):
-        segment.check_name(name)  # before any system call sees it
+        name = segment.check_name(name)  # before any system call sees it
         fd, size, head = segment.open_existing(name)
         try:
             ring = _core.Ring.attach(fd, size, head, name, adopt_slot, adopt_from_pid)

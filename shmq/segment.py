@@ -7,6 +7,22 @@ creator died is *stale* and ``python -m shmq clean`` removes it.  A segment
 whose creator is alive (same pid and same start time, so a reused pid does
 not count) is never touched, nor is one whose creator ran in another pid
 namespace (NOTE [pid namespaces] in shmq_ring.h) unless --force says so.
+
+NOTE [ Whose segment ]
+~~~~~~~~~~~~~~~~~~~~~~
+A consumer unpickles the structure of every TREE record (any message but a
+single plain array), and a pickle can call any importable function: whoever
+can write a segment can run code as its consumer.  /dev/shm is writable by
+every local user, and names are public (`ls /dev/shm`): once a queue is
+gone, anyone may create a segment under its name.  So shmq creates
+segments 0600 (shm_open's mode, less the umask), and open_existing, the
+one place a segment is opened by name (Queue.attach, and a queue sent to a
+spawned process), refuses with UntrustedSegment a segment that another uid
+owns, or that its mode lets the group or others write (an ACL granting
+another user write shows as group write: the mode's group bits are the
+ACL mask).  It checks the open descriptor with fstat, so the checked file
+is the one mapped.  list_segments reads the headers of other users'
+segments, but only their creator's pid and start time, never a record.
 """
 
 from __future__ import annotations
@@ -14,14 +30,16 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import pwd
 import re
 import secrets
 import stat
+from typing import NamedTuple
 
 import posix_ipc
 
 from shmq import _core
-from shmq.errors import IncompatibleRing, ShmFull
+from shmq.errors import IncompatibleRing, ShmFull, UntrustedSegment
 
 PREFIX = "shmq-"
 SHM_DIR = "/dev/shm"
@@ -29,7 +47,7 @@ SHM_DIR = "/dev/shm"
 __all__ = ["PREFIX", "SHM_DIR", "NAME_RULE", "check_name", "new_name", "free_bytes", "shm_size_option", "create",
            "create_anonymous", "open_existing", "unlink",
            "LIVE", "STALE", "OTHER_PIDNS", "UNRECORDED", "SegmentInfo", "list_segments",
-           "own_pidns", "remove_stale"]
+           "own_pidns", "user_name", "Cleaned", "remove_stale"]
 
 
 # The naming rule of shmq_ring.h ("Segment names"): checked before any
@@ -37,17 +55,21 @@ __all__ = ["PREFIX", "SHM_DIR", "NAME_RULE", "check_name", "new_name", "free_byt
 # string (a NUL byte crashed it) and a name from outside (a config file,
 # another program, an entry of /dev/shm) can carry any byte.
 NAME_RULE = ("a shmq name is '/' followed by 1 to 255 characters from A-Z a-z 0-9 . _ - "
-             "(no NUL byte, no other '/', not '.' or '..')")
+             "(the '/' may be left out, as `ls /dev/shm` shows it; no NUL byte, no other '/', "
+             "not '.' or '..')")
 _NAME = re.compile(r"/[A-Za-z0-9._-]{1,255}")
 
 
 def check_name(name) -> str:
-    """name, if it follows NAME_RULE; TypeError or ValueError otherwise."""
+    """The name with its leading '/' (added if left out, as
+    multiprocessing.shared_memory does), if it follows NAME_RULE;
+    TypeError or ValueError otherwise."""
     if not isinstance(name, str):
         raise TypeError(f"a shmq name must be a str, not {type(name).__name__}")
-    if not _NAME.fullmatch(name) or name in ("/.", "/.."):
+    full = name if name.startswith("/") else "/" + name
+    if not _NAME.fullmatch(full) or full in ("/.", "/.."):
         raise ValueError(f"invalid shmq name {name!r}: {NAME_RULE}")
-    return name
+    return full
 
 
 def new_name(kind: str = "") -> str:
@@ -125,8 +147,10 @@ def create_anonymous(nbytes: int) -> int:
 
 
 def open_existing(name: str) -> tuple[int, int, bytes]:
-    """(fd, size in bytes, first bytes of the header) of an existing segment."""
-    check_name(name)
+    """(fd, size in bytes, first bytes of the header) of an existing
+    segment of this process's user that no other user can write; raises
+    UntrustedSegment otherwise (NOTE [ Whose segment ])."""
+    name = check_name(name)
     try:
         shm = posix_ipc.SharedMemory(name)
     except posix_ipc.ExistentialError:
@@ -134,6 +158,8 @@ def open_existing(name: str) -> tuple[int, int, bytes]:
             errno.ENOENT,
             f"no shmq queue named {name!r} in /dev/shm: it was closed by its creator, removed "
             f"with Queue.unlink(), or the name is mistyped", name) from None
+    except posix_ipc.PermissionsError:
+        raise _not_permitted(name) from None
     fd = os.dup(shm.fd)
     shm.close_fd()
     st = os.fstat(fd)
@@ -144,7 +170,58 @@ def open_existing(name: str) -> tuple[int, int, bytes]:
         raise IncompatibleRing(f"cannot attach to {name!r}: it is not a shared-memory segment "
                                f"but a {_kind(st.st_mode)} named like one; remove it if it is "
                                f"not yours")
+    try:
+        _check_trusted(name, st)
+    except UntrustedSegment:
+        os.close(fd)
+        raise
     return fd, st.st_size, os.pread(fd, _core.HEADER_BYTES, 0)
+
+
+def _not_permitted(name: str) -> PermissionError:
+    """Why this process may not open the segment: another user's (an
+    UntrustedSegment, as if it could: whoever can open it must not), or its
+    own whose mode denies its owner."""
+    try:
+        st = os.lstat(SHM_DIR + name)
+        _check_trusted(name, st)
+    except UntrustedSegment as e:
+        return e
+    except OSError:
+        st = None
+    mode = f"mode {stat.S_IMODE(st.st_mode):04o}" if st is not None else "mode unknown"
+    return PermissionError(errno.EACCES, f"cannot open shmq segment {name!r} ({mode}): permission "
+                                         f"denied; shmq creates segments 0600 for its owner")
+
+
+def user_name(uid: int) -> str:
+    """'uid N (name)', or 'uid N' for a uid with no passwd entry."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _check_trusted(name: str, st: os.stat_result) -> None:
+    """Refuse a segment whose records someone else could have written
+    (NOTE [ Whose segment ])."""
+    me, mode = os.geteuid(), stat.S_IMODE(st.st_mode)
+    path = SHM_DIR + name
+    why = ("its records would be unpickled here, and a pickle can run any code as this "
+           "process: shmq attaches only to segments of your own user that no other user can "
+           "write (README, \"Trust\")")
+    if st.st_uid != me:
+        raise UntrustedSegment(
+            f"refusing to attach to {name!r}: it belongs to {user_name(st.st_uid)}, not to this "
+            f"process's {user_name(me)} (mode {mode:04o}); {why}. Attach from a process "
+            f"running as its owner; if its owner did not make this queue, the name was taken "
+            f"after the queue was gone: have its creator make a new queue (its owner or root "
+            f"can remove this one: rm {path})")
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UntrustedSegment(
+            f"refusing to attach to {name!r}: its mode {mode:04o} lets users other than its "
+            f"owner ({user_name(st.st_uid)}) write it (shmq creates segments 0600); {why}. "
+            f"Make a new queue, and remove this one (rm {path})")
 
 
 def _kind(mode: int) -> str:
@@ -156,8 +233,8 @@ def _kind(mode: int) -> str:
     return "special file"
 
 
-def _read_head(path: str) -> tuple[int, bytes] | None:
-    """(size, first header bytes) of the regular file at path, or None for
+def _read_head(path: str) -> tuple[os.stat_result, bytes] | None:
+    """(fstat, first header bytes) of the regular file at path, or None for
     anything else.  Anyone can create entries in /dev/shm (mode 1777), so
     nothing that is not a regular file is opened: a FIFO would block a
     plain open() forever, a symlink could point anywhere.  lstat first, then
@@ -173,7 +250,7 @@ def _read_head(path: str) -> tuple[int, bytes] | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return None
-        return st.st_size, os.pread(fd, _core.HEADER_BYTES, 0)
+        return st, os.pread(fd, _core.HEADER_BYTES, 0)
     except OSError:
         return None
     finally:
@@ -181,13 +258,17 @@ def _read_head(path: str) -> tuple[int, bytes] | None:
 
 
 def unlink(name: str) -> bool:
-    """Remove the name; True if it existed."""
-    check_name(name)
+    """Remove the name; True if it existed.  PermissionError if this
+    process may not remove it (another user's, in sticky /dev/shm)."""
+    name = check_name(name)
     try:
         posix_ipc.unlink_shared_memory(name)
         return True
     except posix_ipc.ExistentialError:
         return False
+    except posix_ipc.PermissionsError as e:
+        raise PermissionError(errno.EPERM, f"cannot remove shmq segment {name!r}: {e}; only its "
+                              f"owner or root may", SHM_DIR + name) from None
 
 
 # SegmentInfo.state: what is known of the creator, in the terms `clean` uses.
@@ -202,6 +283,7 @@ class SegmentInfo:
     creator_pid: int | None
     state: str                 # LIVE, STALE, OTHER_PIDNS or UNRECORDED
     pidns: int | None = None   # the creator's pid namespace (inode), None if not recorded
+    owner_uid: int | None = None  # the file's owner: attach refuses another's (NOTE [ Whose segment ])
 
     @property
     def alive(self) -> bool:
@@ -253,18 +335,35 @@ def list_segments() -> list[SegmentInfo]:
         got = _read_head(os.path.join(SHM_DIR, entry))
         if got is None:
             continue
-        size, head = got
+        st, head = got
         pid, pidns, state = _creator_state(head, entry, own)
-        found.append(SegmentInfo("/" + entry, size, pid, state, pidns))
+        found.append(SegmentInfo(name="/" + entry, size_bytes=st.st_size, creator_pid=pid,
+                                 state=state, pidns=pidns, owner_uid=st.st_uid))
     return found
 
 
-def remove_stale(dry_run: bool = False, force: bool = False) -> list[SegmentInfo]:
+class Cleaned(NamedTuple):
+    """What remove_stale did: the segments it removed (or, in a dry run,
+    would try to remove), and those it was not permitted to remove
+    (another user's, in sticky /dev/shm: only their owner or root may)."""
+    removed: list[SegmentInfo]
+    not_permitted: list[SegmentInfo]
+
+
+def remove_stale(dry_run: bool = False, force: bool = False) -> Cleaned:
     """Unlink segments whose creator is provably gone; with force, also
     those whose creator cannot be checked from here (another pid
-    namespace, or none recorded).  Return what was (or would be) removed."""
+    namespace, or none recorded).  A segment this process may not remove
+    is skipped, not an error: the rest are removed all the same."""
     doomed = [s for s in list_segments() if s.state == STALE or (force and s.state != LIVE)]
-    if not dry_run:
-        for s in doomed:
+    if dry_run:
+        return Cleaned(removed=doomed, not_permitted=[])
+    removed, not_permitted = [], []
+    for s in doomed:
+        try:
             unlink(s.name)
-    return doomed
+        except PermissionError:
+            not_permitted.append(s)
+        else:
+            removed.append(s)
+    return Cleaned(removed=removed, not_permitted=not_permitted)

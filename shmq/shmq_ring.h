@@ -20,7 +20,9 @@
  * name handed to attach, list or clean must be "/" followed by 1 to 255
  * characters of the POSIX portable filename set [A-Za-z0-9._-], and not
  * "/." or "/..": no NUL byte (shm_open takes a C string), no other "/", no
- * byte a terminal or a shell would interpret.  shmq checks this before any
+ * byte a terminal or a shell would interpret.  The leading "/" may be left
+ * out (as `ls /dev/shm` shows the name, and as multiprocessing's shared
+ * memory accepts it): the name is the same.  shmq checks this before any
  * system call sees the name (segment.check_name) and raises ValueError
  * naming the rule; an entry of /dev/shm that breaks it is not a segment.
  *

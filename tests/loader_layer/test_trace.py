@@ -9,6 +9,7 @@ workers' busy time (stats: the time they did not wait) and the trace's
 load + write time differ by the bookkeeping between samples, bounded by
 BUSY_SLACK."""
 
+import errno as errno_module
 import json
 import importlib.util
 import os
@@ -261,3 +262,244 @@ def test_iterable_dataset_streams_are_traced(tmp_path):
         assert sum(runs.get(e["args"]["run"]) == epoch for e in named(events, "write")) == 120
         assert sum(e["args"]["epoch"] == epoch for e in named(events, "batch", "b")) \
             == s["batches"] == 16
+
+
+# --- where the file is written (issue 28, items 8 and 12) ----------------------------------
+
+MODES = [("process", 2), ("thread", 2), ("process", 0), ("dataloader", 2)]
+
+
+def traced_loader(ds, mode, workers, path, batch_size=8):
+    """(loader, close): ShmLoader in a worker mode, or loader.DataLoader."""
+    if mode == "dataloader":
+        pytest.importorskip("torch")
+        dl = loader.DataLoader(ds, batch_size=batch_size, num_workers=workers, trace=path)
+        return dl, dl.close
+    ld = ShmLoader(ds, batch_size=batch_size, num_workers=workers, worker_mode=mode, trace=path)
+    return ld, ld.close
+
+
+def epoch_loads(path, epoch=1) -> list:
+    _, events = load_trace(path)
+    return sorted(e["args"]["index"] for e in named(events, "load") if e["args"]["epoch"] == epoch)
+
+
+def assert_whole_trace(path, n, workers, batch_size=8):
+    """The trace of one epoch of n samples, whole."""
+    if workers:
+        assert epoch_loads(path) == list(range(n))
+    else:  # (no workers: the per-sample paths are not traced; the loop's waits are)
+        waits = named(load_trace(path)[1], "next()")
+        assert len([e for e in waits if e["args"]["epoch"] == 1]) == n // batch_size + 1
+
+
+def _symlink_child(uid, target, link, conn):
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    os.symlink(target, link)
+    conn.send(os.lstat(link).st_uid)
+
+
+def plant_symlink(procs, target, link):
+    """What another local user does in a directory it may write: a symlink
+    at a name main will write (as uid 65534 when we are root; the test's
+    own uid otherwise: O_NOFOLLOW does not care whose link it is)."""
+    import multiprocessing as mp
+
+    uid = 65534 if os.geteuid() == 0 else None
+    recv, send = mp.Pipe(False)
+    child = procs.fork(_symlink_child, uid, str(target), str(link), send)
+    assert recv.poll(20), "the child planting the link sent nothing"
+    owner = recv.recv()
+    child.join(20)
+    assert child.exitcode == 0 and owner == (os.geteuid() if uid is None else uid)
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory every local user may write, without the sticky bit (a
+    project directory a group writes), where another uid can reach it."""
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="shmq-trace-shared-", dir="/tmp")
+    os.chmod(path, 0o777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+@pytest.mark.parametrize("mode,workers", MODES)
+def test_the_trace_never_writes_through_a_planted_symlink(procs, shared_dir, tmp_path, mode,
+                                                            workers):
+    """repro_trace_symlink_tmp.py: close() wrote the JSON to PATH.<pid>.tmp
+    with a plain open(): a symlink another user planted there (or at PATH)
+    made main overwrite the file it pointed to.  Now the file is created
+    exclusively (O_EXCL | O_NOFOLLOW) under a random name, then renamed over
+    PATH: the victims stay intact, PATH is a regular file with the whole
+    trace, the planted links are left as they were, nothing else is left."""
+    victim = tmp_path / "victim.cfg"
+    victim.write_text("precious\n")
+    os.chmod(victim, 0o600)
+    path = os.path.join(shared_dir, "run.json")
+    old_tmp = f"{path}.{os.getpid()}.tmp"  # the name close() used to write
+    plant_symlink(procs, victim, old_tmp)  # before construction: its probe used the name too
+    n = 96
+    ld, close = traced_loader(Spin(n), mode, workers, path)
+    assert sum(len(b) for b in ld) == n
+    plant_symlink(procs, victim, path)  # and PATH itself
+    close()
+    assert victim.read_text() == "precious\n"
+    assert os.path.isfile(path) and not os.path.islink(path)
+    assert_whole_trace(path, n, workers)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask  # as a plain open() makes it
+    assert sorted(os.listdir(shared_dir)) == sorted(["run.json", os.path.basename(old_tmp)])
+    assert os.readlink(old_tmp) == str(victim)
+
+
+def test_the_new_file_beside_the_trace_has_a_new_random_name(tmp_path):
+    from loader._trace import create_beside
+
+    path = str(tmp_path / "run.json")
+    made = set()
+    for _ in range(20):
+        fd, name = create_beside(path)
+        os.close(fd)
+        assert os.path.dirname(name) == str(tmp_path) and name.startswith(path + ".")
+        assert re.fullmatch(re.escape(path) + r"\.[0-9a-f]{16}\.tmp", name)
+        made.add(name)
+    assert len(made) == 20 and f"{path}.{os.getpid()}.tmp" not in made
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(m) for m in made)
+
+
+def check_trace_write_error(info, path, errno_name: str, cause: str):
+    err = info.value
+    assert isinstance(err, loader.TraceWriteError) and isinstance(err, OSError)
+    assert err.errno == getattr(errno_module, errno_name)
+    text = str(err)
+    assert f"ShmLoader: could not write the trace to {str(path)!r} ({cause}; " in text
+    assert re.search(r"; \d+ bytes of JSON, \d+ records\): nothing was left at that path\. "
+                     r"The workers are stopped and the records are kept: make room in ", text)
+    assert text.endswith("(or fix the cause) and call close() again to write the trace")
+    assert isinstance(err.__cause__, OSError) and err.__cause__.errno == err.errno
+
+
+def running():
+    """(child processes, threads) of this process now."""
+    import threading
+
+    from conftest import descendants
+
+    return set(descendants()), threading.active_count()
+
+
+def assert_stopped(before):
+    """close() stopped every process and thread it started, even though it
+    raised: what runs is what ran before the loader."""
+    assert running() == before
+
+
+@pytest.mark.parametrize("mode,workers", MODES)
+def test_a_trace_directory_gone_at_close_is_a_trace_write_error_and_close_again_writes_it(
+        tmp_path, mode, workers):
+    """The same failure path as a full disk, for any uid: the directory is
+    removed before close()."""
+    import shutil
+
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    path = folder / "run.json"
+    n = 80
+    before = running()
+    ld, close = traced_loader(Spin(n), mode, workers, path)
+    assert sum(len(b) for b in ld) == n
+    shutil.rmtree(folder)
+    with pytest.raises(loader.TraceWriteError) as info:
+        close()
+    check_trace_write_error(info, path, "ENOENT", "No such file or directory")
+    assert_stopped(before)
+    folder.mkdir()
+    close()
+    assert_whole_trace(path, n, workers)
+    assert os.listdir(folder) == ["run.json"]
+    before = path.read_bytes()
+    close()  # written: a third close() leaves it alone
+    assert path.read_bytes() == before
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """An 8 KiB file system, to fill up; unmounted at teardown."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs to fill up needs root and mount(8)")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k,mode=0755", "tmpfs", str(mnt)],
+                   check=True, timeout=30)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True, timeout=30)
+
+
+def grow(mnt):
+    import subprocess
+
+    subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True, timeout=30)
+
+
+@pytest.mark.parametrize("mode,workers", MODES)
+def test_a_full_disk_at_close_keeps_the_trace_for_a_second_close(small_tmpfs, mode, workers):
+    """repro_trace_disk_full.py: the trace did not fit (an 8 KiB file
+    system; 31 KB to 0.77 MB of JSON), close() raised a bare "[Errno 28] No
+    space left on device" and a second close() wrote nothing.  Now:
+    TraceWriteError naming the trace, PATH and the cause; every process
+    stopped; nothing at PATH, no partial file anywhere; after room is
+    made, close() again writes the whole trace."""
+    path = small_tmpfs / "run.json"
+    n = 2000
+    before = running()
+    ld, close = traced_loader(Spin(n), mode, workers, path)
+    assert sum(len(b) for b in ld) == n
+    with pytest.raises(loader.TraceWriteError) as info:
+        close()
+    check_trace_write_error(info, path, "ENOSPC", "No space left on device")
+    assert_stopped(before)
+    assert os.listdir(small_tmpfs) == []
+    with pytest.raises(loader.TraceWriteError):
+        close()  # still full: the same error, still nothing left
+    assert os.listdir(small_tmpfs) == []
+    grow(small_tmpfs)
+    close()
+    assert_whole_trace(path, n, workers)
+    assert os.listdir(small_tmpfs) == ["run.json"]
+
+
+def test_a_trace_that_failed_is_not_written_again_by_garbage_collection(small_tmpfs):
+    """After close() raised, dropping the loader raises nothing more (the
+    suite turns an exception in __del__ into a failure) and writes nothing;
+    a loader never closed still writes its trace when collected."""
+    import gc
+
+    path = small_tmpfs / "run.json"
+    ld = ShmLoader(Spin(2000), batch_size=8, num_workers=2, trace=path)
+    assert sum(len(b) for b in ld) == 2000
+    with pytest.raises(loader.TraceWriteError):
+        ld.close()
+    grow(small_tmpfs)
+    del ld
+    gc.collect()
+    assert os.listdir(small_tmpfs) == []
+    ld = ShmLoader(Spin(64), batch_size=8, num_workers=2, trace=path)
+    assert sum(len(b) for b in ld) == 64
+    del ld
+    gc.collect()
+    assert epoch_loads(path) == list(range(64))

@@ -559,7 +559,7 @@ def test_repr_and_properties(q):
 
 def test_public_surface():
     errors = ["ShmqError", "Full", "Empty", "Closed", "PeerLost", "IncompatibleRing",
-              "MessageTooLarge", "ShmFull"]
+              "MessageTooLarge", "ShmFull", "UntrustedSegment"]
     assert sorted(shmq.__all__) == sorted(
         ["Queue", "shared_array", "atomic_add", "atomic_cas", "atomic_load", "atomic_store", "wait",
          "wake", "prefault", "discard_pages"] + errors)

@@ -487,7 +487,7 @@ def test_stale_segments_are_found_and_removed_and_live_ones_kept():
                 raise CleanedByAnother
             assert not infos[stale].alive and infos[live.name].alive
             assert infos[live.name].creator_pid == os.getpid()
-            removed = segment.remove_stale()
+            removed = segment.remove_stale().removed
             if stale not in {s.name for s in removed} and gone_meanwhile(stale):
                 raise CleanedByAnother
             assert stale in {s.name for s in removed}
@@ -572,7 +572,8 @@ def test_list_and_clean_never_open_a_fifo_or_follow_a_symlink():
 
 # --- names from outside (issue 15, item 1) -----------------------------------------------
 
-BAD_NAMES = ["/shmq-\x00x", "shmq-no-slash", "/shmq-a/b", "/", "/.", "/..", "/" + "a" * 256,
+BAD_NAMES = ["/shmq-\x00x", "shmq-\x00x", "shmq-a/b", "//shmq-x", "/shmq-a/b", "/", "/.", "/..",
+             ".", "..", "/" + "a" * 256, "a" * 256,
              "/shmq-\u00e9", "/shmq-x\n", "/shmq x", "", "/shmq-\udcff"]
 
 
@@ -610,6 +611,48 @@ def test_names_that_follow_the_rule_are_accepted():
         shmq.Queue.attach(b"/shmq-1-x")
     with shmq.Queue(1 << 16) as q:  # every name shmq makes follows it
         assert segment.check_name(q.name) == q.name
+
+
+@pytest.mark.parametrize("mpsc", [False, True])
+def test_a_name_without_its_slash_is_the_same_queue(mpsc):
+    """repro_attach_name_without_slash.py: a name as `ls /dev/shm` shows it
+    (no leading '/') was a ValueError; it attached before, and
+    multiprocessing.shared_memory takes both.  It is the same queue, and
+    the handle's name is the full one; a missing queue stays
+    FileNotFoundError, with or without the slash."""
+    assert segment.check_name("shmq-1-ab") == "/shmq-1-ab"
+    assert segment.check_name("/shmq-1-ab") == "/shmq-1-ab"
+    with shmq.Queue(1 << 16, multi_producer=mpsc) as q:
+        bare = q.name[1:]
+        assert os.path.exists(os.path.join(segment.SHM_DIR, bare))
+        with shmq.Queue.attach(bare) as p:
+            assert p.name == q.name
+            p.put(np.arange(5))
+            p.put({"a": np.arange(3), "b": "x"})
+        assert q.get(timeout=1).tolist() == [0, 1, 2, 3, 4]
+        got = q.get(timeout=1)
+        assert got["a"].tolist() == [0, 1, 2] and got["b"] == "x"
+        with pytest.raises(shmq.Closed):
+            q.get(timeout=1)  # the slash-less handle counted as the producer it was
+        fd, size, head = segment.open_existing(bare)
+        os.close(fd)
+        assert size == os.stat(segment.SHM_DIR + q.name).st_size
+    missing = f"shmq-no-such-{os.getpid()}-{os.urandom(6).hex()}"
+    for name in (missing, "/" + missing):
+        with pytest.raises(FileNotFoundError, match=f"no shmq queue named '/{missing}' in /dev/shm"):
+            shmq.Queue.attach(name)
+        assert segment.unlink(name) is False
+
+
+def test_unlink_takes_a_name_without_its_slash():
+    q = shmq.Queue(1 << 16)
+    try:
+        assert segment.unlink(q.name[1:]) is True
+        assert not os.path.exists(segment.SHM_DIR + q.name)
+        with pytest.raises(FileNotFoundError):
+            shmq.Queue.attach(q.name)
+    finally:
+        q.close()
 
 
 def test_list_and_clean_skip_dev_shm_entries_whose_names_break_the_rule():
@@ -652,7 +695,9 @@ def test_header_records_the_creators_pid_namespace():
         assert (info.state, info.pidns, info.alive) == (segment.LIVE, own, True)
         listed = subprocess.run([sys.executable, "-m", "shmq", "list"], capture_output=True,
                                 text=True, timeout=30).stdout
-        assert f"{q.name}\t{info.size_bytes}\tcreator pid {os.getpid()}\tpidns {own}\tlive\n" in listed
+        owner = segment.user_name(os.geteuid())
+        assert f"{q.name}\t{info.size_bytes}\towner {owner}\tcreator pid {os.getpid()}\t" \
+               f"pidns {own}\tlive\n" in listed
 
 
 @pytest.mark.parametrize("pidns,state", [(1, segment.OTHER_PIDNS), (0, segment.UNRECORDED)])
@@ -669,9 +714,9 @@ def test_clean_keeps_a_dead_creator_of_another_or_unrecorded_namespace(pidns, st
     try:
         info = {s.name: s for s in segment.list_segments()}[name]
         assert (info.state, info.pidns, info.alive) == (state, pidns or None, True)
-        assert name not in {s.name for s in segment.remove_stale()}
+        assert name not in {s.name for s in segment.remove_stale().removed}
         assert os.path.exists(segment.SHM_DIR + name)
-        assert name in {s.name for s in segment.remove_stale(dry_run=True, force=True)}
+        assert name in {s.name for s in segment.remove_stale(dry_run=True, force=True).removed}
         cli = lambda *a: subprocess.run([sys.executable, "-m", "shmq", *a], capture_output=True,
                                         text=True, timeout=30).stdout
         assert f"\tpidns {pidns}\t{state}\n" in cli("list") if pidns else \
