@@ -265,11 +265,12 @@ cdef class ArenaMap:
         self.addr = NULL
         self.runs = NULL
 
-    cdef int open(self, int fd, Py_ssize_t nbytes, ArenaFile file) except -1:
-        cdef void *p = mmap(NULL, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0)
+    cdef int open(self, int fd, Py_ssize_t nbytes, ArenaFile file, long offset=0) except -1:
+        cdef void *p = mmap(NULL, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd,
+                            offset)
         if p == MAP_FAILED:
-            raise MemoryError(f"cannot map the batch arena ({nbytes} bytes): "
-                              f"{os.strerror(errno)}")
+            raise MemoryError(errno, f"cannot map {nbytes} bytes of shared memory: "
+                                     f"{os.strerror(errno)}")
         self.addr, self.nbytes, self.file, self.current = <char *>p, nbytes, file, True
         return 0
 
@@ -368,12 +369,14 @@ cdef class ArenaMap:
         free(self.runs)
 
 
-def arena_array(int fd, Py_ssize_t nbytes):
-    """A uint8 array over a shared mapping of the memfd fd (nbytes long).
-    Not mmap.mmap: it keeps a duplicate of fd open for as long as any
-    array views it, so a loader's start failure or close would leave it."""
+def arena_array(int fd, Py_ssize_t nbytes, long offset=0):
+    """A uint8 array over a shared mapping of nbytes of the memfd fd, from
+    offset (a multiple of the page size).  MemoryError(errno, text) if the
+    system refuses it.  Not mmap.mmap: it keeps a duplicate of fd open for
+    as long as any array views it, so a loader's start failure or close
+    would leave it."""
     cdef ArenaMap m = ArenaMap.__new__(ArenaMap)
-    m.open(fd, nbytes, None)
+    m.open(fd, nbytes, None, offset)
     cdef cnp.npy_intp dims = nbytes
     arr = cnp.PyArray_SimpleNewFromData(1, &dims, cnp.NPY_UINT8, m.addr)
     cnp.set_array_base(arr, m)

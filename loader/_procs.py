@@ -189,6 +189,16 @@ def fork_children(specs, advise: bool = True) -> list[Child]:
 def start_error(exc: BaseException, doing: str) -> BaseException:
     """What to raise when starting failed with exc: a LoaderStartError
     naming the limits for what a limit causes, else exc itself."""
+    if _mapping_refused(exc):
+        from loader._spill import address_space_limits
+
+        err = LoaderStartError(
+            f"ShmLoader could not {doing}: {exc}. Its batch memory is mapped in every process "
+            f"(memory_cap_bytes; the default is a quarter of RAM) and the system refused "
+            f"the mapping ({address_space_limits()}): pass a smaller memory_cap_bytes, or "
+            f"raise `ulimit -v`")
+        err.__cause__ = exc
+        return err
     if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.EAGAIN,
                                                   errno.ENOMEM):
         limits = f" (here: {process_limits()})" if exc.errno == errno.EAGAIN else ""
@@ -200,6 +210,11 @@ def start_error(exc: BaseException, doing: str) -> BaseException:
         err.__cause__ = exc
         return err
     return exc
+
+
+def _mapping_refused(exc: BaseException) -> bool:
+    """A MemoryError(ENOMEM, text) of a shared mapping (_native.arena_array)."""
+    return type(exc) is MemoryError and len(exc.args) == 2 and exc.args[0] == errno.ENOMEM
 
 
 def process_limits() -> str:

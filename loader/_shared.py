@@ -268,6 +268,8 @@ class SharedState:
             q.close()
         for fd in self.order_fds + self.snapshot_fds:
             os.close(fd)
+        if self.spill is not None:
+            self.spill.close()
         self.rings, self.order_fds, self.snapshot_fds = [], [], []
 
 

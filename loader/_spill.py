@@ -48,8 +48,13 @@ never waits for a reader:
     the region is as large as RAM, so only memory bounds a message.
 
 Pages a rare huge message touched beyond the window go back to the system
-once nothing live lies beyond it.  The heap is mapped with no
-reservation: only pages written are memory.
+once nothing live lies beyond it.  The heap is one sparse memfd: only pages
+written are memory.  And since a region may grow as large as RAM, each
+process maps of a region only as far as it has used it, growing the mapping
+(a new, larger one; views of the old one stay valid, the same pages) when a
+block lies past it: the loader's address space is what it uses, not
+regions x RAM, so it starts under `ulimit -v` and with hundreds of workers
+on a machine of any size.
 
 FIRST and LAST (the oldest live block and the newest one) and each
 header's NEXT (the block written after it) live in shared memory so that
@@ -64,7 +69,9 @@ objects by reference.
 
 from __future__ import annotations
 
+import os
 import pickle
+import resource
 from collections import deque
 from typing import NamedTuple
 
@@ -74,10 +81,12 @@ import shmq
 from shmq.codec import encode
 
 from loader._class_identity import forked_class_reduce
+from loader._native import arena_array
 from loader._slabs import ram_bytes, whole_pages
 
 SPILL_BYTES = 64 << 10     # larger encodings go through the heap, not the ring
 RETAIN_BYTES = 64 << 20    # the least of a region kept faulted in and reused
+MAP_STEP_BYTES = 64 << 20  # the least of a region a process maps, when it first uses it
 _ALIGN = 64
 # A block's header, in int64 words at its start (one cache line: the reader
 # writes FREED there once).
@@ -102,37 +111,72 @@ def _align(n: int) -> int:
 
 
 class SpillHeap:
-    """`regions` logs of `region_bytes` each in anonymous shared memory, made
-    before the fork (every child inherits them; nothing has a name)."""
+    """`regions` logs of up to `region_bytes` each (default: as much as RAM)
+    in one sparse memfd, made before the fork (every child inherits it;
+    nothing has a name).  Each process maps a region only as far as it
+    uses it (see the NOTE)."""
 
     def __init__(self, regions: int, region_bytes: int | None = None):
         self.region_bytes = whole_pages(region_bytes or ram_bytes())
         self.regions = regions
-        self.data = shmq.shared_array(regions * self.region_bytes, np.uint8)
-        self.data_words = self.data.view(np.int64)
-        self.words = shmq.shared_array(regions * _REGION_WORDS, np.int64)
+        self.fd = os.memfd_create("shmloader-spill", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, regions * self.region_bytes)
+            self.words = shmq.shared_array(regions * _REGION_WORDS, np.int64)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.words[:] = -1
+        self.maps: dict[int, np.ndarray] = {}  # region -> its mapped start, in this process
 
-    def region(self, i: int) -> np.ndarray:
-        return self.data[i * self.region_bytes:(i + 1) * self.region_bytes]
+    def close(self) -> None:
+        """No mapping is made after this (those made stay valid)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def allocated_bytes(self) -> int:
+        """The memory the heap holds now (the memfd's allocated pages)."""
+        return os.fstat(self.fd).st_blocks * 512
 
     def word(self, region: int, name: int) -> int:
         """The index in self.words of a region's word."""
         return region * _REGION_WORDS + name
 
-    def header(self, region: int, pos: int, field: int) -> int:
-        """The index in self.data_words of a field of the block at pos."""
-        return (region * self.region_bytes + pos) // 8 + field
+    def span(self, region: int, start: int, stop: int) -> np.ndarray:
+        """Bytes start..stop of a region (a view: valid as long as it lives)."""
+        mapped = self.maps.get(region)
+        if mapped is None or len(mapped) < stop:
+            mapped = self._map(region, stop)
+        return mapped[start:stop]
+
+    def _map(self, region: int, stop: int) -> np.ndarray:
+        """A new mapping of the region's first bytes, at least stop of them:
+        twice what is needed, so a growing log maps again a few times only."""
+        if not 0 <= region < self.regions or stop > self.region_bytes:
+            raise IndexError(f"bytes ..{stop} of spill region {region} "
+                             f"({self.regions} of {self.region_bytes} bytes)")
+        size = min(self.region_bytes, whole_pages(max(MAP_STEP_BYTES, 2 * stop)))
+        try:
+            mapped = arena_array(self.fd, size, region * self.region_bytes)
+        except MemoryError as e:
+            raise MemoryError(f"cannot map {size} bytes of the loader's spill heap for a message "
+                              f"of up to {stop} bytes ({e.args[-1]}): {address_space_limits()}")
+        self.maps[region] = mapped
+        return mapped
+
+    def header(self, region: int, pos: int) -> np.ndarray:
+        """The int64 words of the header of the block at pos."""
+        return self.span(region, pos, pos + _HEADER_BYTES).view(np.int64)
 
     def block(self, ref: Spilled) -> np.ndarray:
-        start = ref.region * self.region_bytes + ref.pos
-        return self.data[start:start + ref.nbytes]
+        return self.span(ref.region, ref.pos, ref.pos + ref.nbytes)
 
     def free(self, ref: Spilled) -> None:
         """The block is read: its writer may reuse it."""
         # SYNC POINT: release store; the writer's acquire load of FREED
         # (SpillWriter._reclaim) pairs with it.
-        shmq.atomic_store(self.data_words, self.header(ref.region, ref.pos, FREED), 1)
+        shmq.atomic_store(self.header(ref.region, ref.pos), FREED, 1)
 
     def receive(self, msg):
         """msg itself, or the message a Spilled record stands for (its block
@@ -168,7 +212,6 @@ class SpillWriter:
 
     def __init__(self, heap: SpillHeap, region: int):
         self.heap, self.region_id = heap, region
-        self.region = heap.region(region)
         self.r = heap.region_bytes
         self.blocks: deque = deque()  # (pos, nbytes) of live blocks, oldest first
         self.runs: deque = deque()    # [start, end] of runs of consecutive blocks, oldest first
@@ -177,10 +220,11 @@ class SpillWriter:
         # after a predecessor's blocks, if any
         pos, last = self._word(FIRST), self._word(LAST)
         while pos >= 0:
-            self._track(pos, int(heap.data_words[heap.header(region, pos, NBYTES)]))
+            header = heap.header(region, pos)
+            self._track(pos, int(header[NBYTES]))
             if pos == last:
                 break
-            pos = int(heap.data_words[heap.header(region, pos, NEXT)])
+            pos = int(header[NEXT])
         self.touched = max((end for _, end in self.runs), default=0)
 
     def _word(self, name: int) -> int:
@@ -232,7 +276,7 @@ class SpillWriter:
         for j, (i, kind, data) in enumerate(raw):
             header[k + 4 * j:k + 4 * j + 4] = offsets[1 + len(views) + j], len(data), i, kind
         pos = self._allocate(end)
-        block = self.region[pos:pos + end]
+        block = self.heap.span(self.region_id, pos, pos + end)
         block[_HEADER_BYTES:_HEADER_BYTES + header.nbytes] = header.view(np.uint8)
         for off, n, data in zip(offsets, sizes, [pickled] + views + [data for _, _, data in raw]):
             block[off:off + n] = np.frombuffer(data, np.uint8)
@@ -264,12 +308,11 @@ class SpillWriter:
                         f"are not taken yet, and {n} more do not fit in this machine's memory "
                         f"({self.r} bytes); the receiving process is stuck or the batches are "
                         f"too large")
-        heap, words = self.heap, self.heap.data_words
-        words[heap.header(self.region_id, pos, NBYTES)] = n
-        words[heap.header(self.region_id, pos, FREED)] = 0
-        words[heap.header(self.region_id, pos, NEXT)] = -1
+        heap = self.heap
+        header = heap.header(self.region_id, pos)
+        header[NBYTES], header[FREED], header[NEXT] = n, 0, -1
         if self.blocks:
-            words[heap.header(self.region_id, self.blocks[-1][0], NEXT)] = pos
+            heap.header(self.region_id, self.blocks[-1][0])[NEXT] = pos
         self._track(pos, n)
         shmq.atomic_store(heap.words, heap.word(self.region_id, LAST), pos)
         if len(self.blocks) == 1:
@@ -297,8 +340,7 @@ class SpillWriter:
         heap, region, moved = self.heap, self.region_id, False
         # SYNC POINT: acquire load; the reader's release store of FREED
         # (SpillHeap.free) pairs with it: the block's bytes are read.
-        while self.blocks and shmq.atomic_load(heap.data_words,
-                                               heap.header(region, self.blocks[0][0], FREED)):
+        while self.blocks and shmq.atomic_load(heap.header(region, self.blocks[0][0]), FREED):
             _, n = self.blocks.popleft()
             self.live -= n
             run = self.runs[0]
@@ -317,7 +359,7 @@ class SpillWriter:
         if self.touched > top:
             start = whole_pages(top)
             if start < self.touched:
-                shmq.discard_pages(self.region[start:self.touched])
+                shmq.discard_pages(self.heap.span(self.region_id, start, self.touched))
             self.touched = top
 
 
@@ -340,3 +382,18 @@ def _decode(block: np.ndarray):
         raw.append((i, data.tobytes() if kind == _BYTES else
                     str(memoryview(data), "utf-8", "surrogatepass")))
     return pickle.loads(memoryview(stream), buffers=buffers), raw
+
+
+def address_space_limits() -> str:
+    """What bounds this process's mappings, in words (an mmap's ENOMEM does
+    not say whether it was the address space, the mapping count or memory)."""
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    said = ["`ulimit -v` (RLIMIT_AS) is " + ("unlimited" if soft == resource.RLIM_INFINITY
+                                            else f"{soft} bytes")]
+    for name in ("max_map_count", "overcommit_memory"):
+        try:
+            with open(f"/proc/sys/vm/{name}") as f:
+                said.append(f"vm.{name} is {f.read().strip()}")
+        except OSError:
+            pass
+    return "; ".join(said)

@@ -240,3 +240,93 @@ def test_a_3_gib_single_sample_arrives_whole():
     assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
     got = json.loads(out.stdout.splitlines()[-1])
     assert got["seen"] == [[[1, 3 << 30], 1, True], [[1, 3 << 30], 2, True]]
+
+
+# --- address space (issue 28, item 10) -----------------------------------------------------
+
+RAM = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+UNDER_RLIMIT_AS = textwrap.dedent("""
+    import json, os, resource, sys
+    limit = int(sys.argv[1])
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    import numpy as np
+    import loader._spill
+    from loader import ShmLoader
+    if len(sys.argv) > 3:  # os.sysconf on a machine of that much RAM
+        loader._spill.ram_bytes = lambda: int(sys.argv[3])
+
+    class Mixed:  # 20 MB of bytes a sample: its values travel in the spill heap
+        def __len__(self): return 64
+        def __getitem__(self, i):
+            return {"x": np.full(1000, i, np.int64), "raw": bytes([i]) * (20 << 20)}
+
+    def vm_kib(pid):
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmSize"))
+
+    workers = {"auto": "auto"}.get(sys.argv[2], None) or int(sys.argv[2])
+    kw = dict(max_workers=256) if workers == "auto" else {}
+    cap = int(os.environ.get("CAP_BYTES", 256 << 20))
+    try:
+        with ShmLoader(Mixed(), batch_size=8, num_workers=workers, timeout=60,
+                       memory_cap_bytes=cap, **kw) as ld:
+            got = []
+            for b in ld:
+                assert all(r == bytes([i]) * (20 << 20) for i, r in zip(b["x"][:, 0], b["raw"]))
+                got += b["x"][:, 0].tolist()
+            sizes = [vm_kib(os.getpid())] + [vm_kib(p.pid) for p in ld._session.procs]
+        print(json.dumps({"samples": got, "vm_kib": sizes}))
+    except Exception as e:
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+""")
+
+
+def under_rlimit_as(limit: int, workers, ram: int | None = None, cap: int = 256 << 20) -> dict:
+    args = [sys.executable, "-c", UNDER_RLIMIT_AS, str(limit), str(workers)]
+    out = subprocess.run(args + ([str(ram)] if ram else []), capture_output=True, text=True,
+                         timeout=100, env=dict(os.environ, CAP_BYTES=str(cap)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("workers", [2, 8])
+def test_the_loader_starts_and_spills_under_ulimit_v_of_twice_ram(workers):
+    """repro_spill_address_space.py (a): the spill heap reserved a region as
+    large as RAM per worker and one for the batcher, so ShmLoader could not
+    start under `ulimit -v` = 2 x RAM, where torch's DataLoader runs.  Now
+    each process maps what it uses: every process of the loader stays far
+    under the limit while 1.3 GB of bytes go through the heap."""
+    out = under_rlimit_as(2 * RAM, workers)
+    assert out.get("samples") == list(range(64)), out
+    # each process: the arena (256 MiB, mapped twice in main) and what it used of the
+    # heap (a sample's 20 MB, doubled as mappings grow, a few times): not regions x RAM
+    assert max(out["vm_kib"]) * 1024 < RAM // 2, out["vm_kib"]
+
+
+def test_auto_workers_up_to_256_start_on_a_machine_of_512_gib():
+    """repro_spill_address_space.py (b): with num_workers="auto" and 256
+    workers at most, 257 regions as large as RAM passed the 128 TiB of user
+    address space on machines of 480 GiB and more.  ram_bytes() reports
+    512 GiB here."""
+    out = under_rlimit_as(-1, "auto", ram=512 << 30)
+    assert out.get("samples") == list(range(64)), out
+
+
+def test_too_little_address_space_names_ulimit_v_and_memory_cap_bytes():
+    """Under an address-space limit the batch memory cannot be mapped in:
+    LoaderStartError names `ulimit -v` and memory_cap_bytes, not `ulimit -n`
+    or `-u` (which it named before)."""
+    out = under_rlimit_as(4 << 30, 2, cap=8 << 30)
+    error = out.get("error", "")
+    assert error.startswith("LoaderStartError") and "`ulimit -v` (RLIMIT_AS) is 4294967296 bytes" \
+        in error and "memory_cap_bytes" in error and "ulimit -n" not in error, out
+
+
+def test_a_message_past_the_address_space_names_ulimit_v():
+    """Enough address space to start, not enough to map a batch's 20 MB
+    values a few times over: the error (the worker's, or main's as it opens
+    the batch's values) names the spill heap and the limit."""
+    out = under_rlimit_as(int(1.05 * (1 << 30)), 2)
+    error = out.get("error", "")
+    assert "MemoryError" in error and "spill heap" in error and "`ulimit -v`" in error, out

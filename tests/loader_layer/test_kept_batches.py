@@ -95,7 +95,6 @@ def test_rows_of_bytes_go_to_main_by_reference_and_the_heap_stays_warm_and_small
     block once (stats' spilled_bytes counts them), and the heap's resident
     pages stay within the regions' windows instead of growing with the
     bytes sent."""
-    from test_loader_integrity import resident_bytes
     from loader._spill import RETAIN_BYTES
 
     n, size = 512, 200_000
@@ -107,7 +106,7 @@ def test_rows_of_bytes_go_to_main_by_reference_and_the_heap_stays_warm_and_small
             # and the slabs: 8 batches of 64 int64 labels and 64 row tags
             assert s["bytes"] - s["spilled_bytes"] == 8 * (64 * 8 + 64 * 8)
         heap = ld._session.shared.spill
-        assert resident_bytes(heap.data) <= 3 * RETAIN_BYTES  # two workers' windows, the batcher's
+        assert heap.allocated_bytes() <= 3 * RETAIN_BYTES  # two workers' windows, the batcher's
 
 
 @more_workers_than_cores
