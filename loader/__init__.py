@@ -64,7 +64,7 @@ from loader.integrations import ray as _ray_integration
 
 # Ray Train's prepare_data_loader rebuilds loaders as torch's class and wraps
 # them: make it keep ShmLoader and DataLoader (loader/integrations/ray.py),
-# whenever ray.train.torch is imported (a finder on sys.meta_path until then).
+# whenever ray.train.torch is imported (NOTE [ Installing the integrations ]).
 _ray_integration.install_when_imported()
 
 __all__ = ["ShmLoader", "DataLoader", "FileDataset", "FileArray", "ParquetDataset",

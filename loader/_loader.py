@@ -20,6 +20,7 @@ from loader._inline import InlineEpoch
 from loader._materialize import Materializer
 from loader._pinning import cuda_available
 from loader._procs import LoaderStartError, this_pid
+from loader.integrations import install_imported
 from loader._epoch_planner import EpochPlanner
 from loader._planning import Plan
 from loader._runs import EpochHost, EpochOwner, Runs
@@ -99,6 +100,7 @@ class ShmLoader(FrozenState):
                  reproducible=None, timeout=None, output="numpy", pin_memory=False,
                  memory_cap_bytes=None, distributed=False, shuffle_buffer=None,
                  worker_mode="process", max_workers=None, trace=None):
+        install_imported()  # NOTE [ Installing the integrations ]
         args = check_arguments(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
             drop_last, in_order, prefetch, persistent_workers, worker_init_fn, seed, generator,

@@ -50,6 +50,7 @@ from loader._procs import wait_all
 from loader._torch_order import TorchOrder, epoch_sampler
 from loader._trace import check_path
 from loader.integrations import accelerate as _accelerate_integration
+from loader.integrations import install_imported
 
 __all__ = ["DataLoader"]
 
@@ -71,6 +72,7 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, trace=None):
+        install_imported()  # NOTE [ Installing the integrations ]
         self._user_collate_fn = collate_fn
         self._trace = trace        # ShmLoader(trace=...): the loader's own workers' run
         if trace is not None:

@@ -297,3 +297,94 @@ print("ok")
 """
     r = _python(code)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+# Issue 28, item 11: the integration is installed however ray.train.torch
+# comes to be imported (NOTE [ Installing the integrations ]).
+_PREPARE_AS_RANK_0_OF_2 = """
+import sys, warnings
+import torch, loader
+import ray.train, ray.train.torch as rtt
+v2 = sys.modules["ray.train.v2.torch.train_loop_utils"]
+class Ctx:
+    def get_world_size(self): return 2
+    def get_world_rank(self): return 0
+    def get_local_rank(self): return 0
+ray.train.get_context = lambda: Ctx()
+v2.record_extra_usage_tag = lambda *a, **k: None
+class Sampler(torch.utils.data.DistributedSampler):
+    def __init__(self, dataset, shuffle=True, **kw):
+        super().__init__(dataset, num_replicas=2, rank=0, shuffle=shuffle)
+v2.DistributedSampler = Sampler
+dl = loader.DataLoader(torch.utils.data.TensorDataset(torch.arange(100)), batch_size=10,
+                       shuffle=True, num_workers=2)
+out = rtt.prepare_data_loader(dl, move_to_device=False)
+assert type(out) is loader.DataLoader, type(out)
+seen = sorted(i for (x,) in out for i in x.tolist())
+assert len(seen) == 50 and len(set(seen)) == 50, seen
+from loader.integrations import _pending
+assert "ray.train.torch" not in _pending, _pending  # (accelerate's waits: it is not imported)
+print("ok")
+"""
+
+_IMPORT_ORDERS = {
+    "a find_spec probe first": """
+import importlib.util, loader
+assert importlib.util.find_spec("ray.train.torch") is not None
+""",
+    "an instrumenting finder ahead": """
+import sys, importlib.abc, importlib.machinery, loader
+class Instrument(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.startswith("ray.train"):
+            return importlib.machinery.PathFinder.find_spec(name, path)
+sys.meta_path.insert(0, Instrument())
+""",
+    "the first import failed, then retried": """
+import sys, importlib.abc, loader
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "ray.train.torch.train_loop_utils":
+            raise ImportError("simulated")
+sys.meta_path.insert(0, Block())
+try:
+    import ray.train.torch
+except ImportError:
+    pass
+else:
+    raise AssertionError("the simulated failure did not happen")
+del sys.meta_path[0]  # the program's own finder, still at index 0
+assert type(sys.meta_path[0]).__name__ != "Block"
+for m in [m for m in sys.modules if m.startswith("ray.train.torch")]:
+    del sys.modules[m]
+""",
+}
+
+
+@pytest.mark.parametrize("order", list(_IMPORT_ORDERS))
+def test_the_ray_integration_survives_probes_other_finders_and_failed_imports(order):
+    """repro_ray_integration_lost.py: the finder left sys.meta_path at the
+    first find_spec (a probe's, whose spec nobody executes; a failed
+    import's), or never saw the import (a finder ahead of it found the
+    module): Ray then rebuilt the loader.DataLoader as torch's class,
+    silently.  Each order: the prepared loader is loader.DataLoader, with
+    rank 0's half of the samples, and Ray's install is no longer pending."""
+    r = _python(_IMPORT_ORDERS[order] + _PREPARE_AS_RANK_0_OF_2)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_one_finder_waits_for_every_integration_and_leaves_when_done():
+    code = """
+import sys
+import loader, loader._torch
+from loader.integrations import _IntegrationFinder, _pending
+finders = [f for f in sys.meta_path if isinstance(f, _IntegrationFinder)]
+assert len(finders) == 1 and set(_pending) == {"ray.train.torch", "accelerate.data_loader"}, _pending
+import ray.train.torch
+assert set(_pending) == {"accelerate.data_loader"}, _pending
+import accelerate
+assert not _pending and finders[0] not in sys.meta_path
+print("ok")
+"""
+    r = _python(code)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
