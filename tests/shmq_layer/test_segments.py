@@ -1,6 +1,7 @@
 """Segments: hostile or foreign contents (R11), /dev/shm full (R9), stale
 names after a crash (R15), and the `python -m shmq` cleaner."""
 
+import json
 import os
 import pickle
 import shutil
@@ -515,26 +516,55 @@ def test_reused_pid_does_not_make_a_segment_look_alive():
         segment.unlink(name)
 
 
+# `python -m shmq` as a program, started before the stale segment is made:
+# for each name read from stdin it runs list, clean --dry-run and clean and
+# prints their outputs as one JSON line.  The three start-ups of a new
+# interpreter are not inside the window in which another program's clean
+# (R26) can take the segment first: on a loaded machine they took longer
+# than that program's period, and every attempt was disturbed.
+_CLI_DRIVER = """
+import contextlib, io, json, sys
+from shmq.__main__ import main
+
+def run(*args):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(args))
+    return {"code": code, "stdout": out.getvalue()}
+
+print("ready", flush=True)
+for line in sys.stdin:
+    print(json.dumps([run("list"), run("clean", "--dry-run"), run("clean")]), flush=True)
+"""
+
+
 def test_cli_list_and_clean():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "shmq", *a], capture_output=True,
-                                    text=True, timeout=30)
+    driver = subprocess.Popen([sys.executable, "-c", _CLI_DRIVER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline() == "ready\n"
 
-    def check(stale):
-        listed = run("list")
-        if f"{stale}\t" not in listed.stdout and gone_meanwhile(stale):
-            raise CleanedByAnother
-        assert listed.returncode == 0 and f"{stale}\t" in listed.stdout and "stale" in listed.stdout
-        dry = run("clean", "--dry-run")
-        if gone_meanwhile(stale):
-            raise CleanedByAnother
-        assert f"would remove {stale}" in dry.stdout
-        cleaned = run("clean")
-        if f"removed {stale}" not in cleaned.stdout and gone_meanwhile(stale):
-            raise CleanedByAnother
-        assert f"removed {stale}" in cleaned.stdout
-        assert not os.path.exists(segment.SHM_DIR + stale)
+        def check(stale):
+            driver.stdin.write(stale + "\n")
+            driver.stdin.flush()
+            listed, dry, cleaned = json.loads(driver.stdout.readline())
+            if f"{stale}\t" not in listed["stdout"] and gone_meanwhile(stale):
+                raise CleanedByAnother
+            assert listed["code"] == 0 and f"{stale}\t" in listed["stdout"]
+            assert "stale" in listed["stdout"]
+            if f"would remove {stale}" not in dry["stdout"] and gone_meanwhile(stale):
+                raise CleanedByAnother
+            assert f"would remove {stale}" in dry["stdout"]
+            if f"removed {stale}" not in cleaned["stdout"] and gone_meanwhile(stale):
+                raise CleanedByAnother
+            assert cleaned["code"] == 0 and f"removed {stale}" in cleaned["stdout"]
+            assert not os.path.exists(segment.SHM_DIR + stale)
 
-    with_a_stale_segment(check)
+        with_a_stale_segment(check)
+    finally:
+        driver.stdin.close()
+        driver.wait(30)
+        driver.stdout.close()
 
 
 @pytest.mark.timeout(60)
