@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import os
+import re
 import stat
 import warnings
 from typing import NamedTuple
@@ -68,13 +69,29 @@ def open_regular(path: str) -> int:
 
 class FileArray:
     """A file's array, read on demand into the place it is stored (see
-    _layout.write_leaf: a leaf with read_into is deferred)."""
+    _layout.write_leaf: a leaf with read_into is deferred).  With `fd`, the
+    file is read through that descriptor (which it then owns and closes),
+    not opened by path: a cached object stays readable if it is evicted
+    (unlinked) meanwhile."""
 
-    __slots__ = ("path", "offset", "dtype", "shape", "fortran")
+    __slots__ = ("path", "offset", "dtype", "shape", "fortran", "fd")
 
-    def __init__(self, path: str, offset: int, dtype: np.dtype, shape: tuple, fortran=False):
+    def __init__(self, path: str, offset: int, dtype: np.dtype, shape: tuple, fortran=False,
+                 fd: int = -1):
         self.path, self.offset, self.dtype, self.shape = path, offset, dtype, shape
-        self.fortran = fortran
+        self.fortran, self.fd = fortran, fd
+
+    def __del__(self):
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __reduce__(self):
+        # Sent to another process (a sample the batcher lays out itself):
+        # a descriptor means nothing there, so its data travels instead.
+        if self.fd >= 0:
+            return (_identity, (self.load(),))
+        return (FileArray, (self.path, self.offset, self.dtype, self.shape, self.fortran))
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +104,7 @@ class FileArray:
         target = out if direct else np.empty(self.shape[::-1] if self.fortran else self.shape,
                                              self.dtype)
         buf = memoryview(target.reshape(-1).view(np.uint8))
-        fd = open_regular(self.path)
+        fd, self.fd = (self.fd, -1) if self.fd >= 0 else (open_regular(self.path), -1)
         try:
             done = 0
             while done < len(buf):
@@ -112,9 +129,26 @@ class FileArray:
         return f"FileArray({self.path!r}, {self.dtype}, {self.shape})"
 
 
-def npy_array(path: str) -> FileArray:
-    """A .npy file's array, from its header."""
-    with os.fdopen(open_regular(path), "rb") as f:
+def _identity(x):
+    return x
+
+
+def npy_array(path: str, fd: int = -1) -> FileArray:
+    """A .npy file's array, from its header (read through fd if given: the
+    FileArray then owns it)."""
+    if fd >= 0:
+        try:
+            head = _npy_header(os.fdopen(os.dup(fd), "rb"), path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return FileArray(path, *head, fd=fd)
+    return FileArray(path, *_npy_header(os.fdopen(open_regular(path), "rb"), path))
+
+
+def _npy_header(f, path: str) -> tuple:
+    """(data offset, dtype, shape, fortran) of the .npy file open as f (closed here)."""
+    with f:
         try:
             version = np.lib.format.read_magic(f)
             read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
@@ -125,11 +159,14 @@ def npy_array(path: str) -> FileArray:
         if dtype.hasobject:
             raise ValueError(f"{path} holds Python objects (a pickled array): FileDataset reads "
                              f"numeric .npy files only; pass decode= to read it your way")
-        return FileArray(path, f.tell(), dtype, tuple(shape), bool(fortran and len(shape) > 1))
+        return f.tell(), dtype, tuple(shape), bool(fortran and len(shape) > 1)
 
 
-def raw_array(path: str) -> FileArray:
-    """A file's bytes, as a uint8 array."""
+def raw_array(path: str, fd: int = -1) -> FileArray:
+    """A file's bytes, as a uint8 array (read through fd if given: the
+    FileArray then owns it)."""
+    if fd >= 0:
+        return FileArray(path, 0, np.dtype(np.uint8), (os.fstat(fd).st_size,), fd=fd)
     fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
@@ -261,6 +298,9 @@ def _is_dir(entry) -> bool:
         return False
 
 
+_REMOTE = re.compile(r"(s3|s3a|gs|az|abfss?|https?)://", re.IGNORECASE)
+
+
 class FileDataset:
     """Map-style dataset over the files `pattern` matches (glob, `**` for
     subdirectories; sorted), matched again at the start of every epoch:
@@ -269,7 +309,28 @@ class FileDataset:
 
     Sample i is file i: a `.npy` file's array (read straight into its row
     of the batch), any other file's bytes as a uint8 array, or with
-    `decode`, whatever decode(path) returns."""
+    `decode`, whatever decode(path) returns.
+
+    An object-store URL (s3://bucket/prefix/**/*.npy; gs://, az://,
+    http(s)://) lists the store instead, and reads each object from a local
+    cache that a fetcher process fills:
+
+        FileDataset(url, decode=None, *, cache_dir=None, cache_limit_bytes=None,
+                    train_on="all", storage_options=None)
+
+    (NOTE [ Remote data ] in loader/remote/__init__.py; README, "Data in an
+    object store")."""
+
+    def __new__(cls, pattern=None, decode=None, **remote):
+        if isinstance(pattern, str) and _REMOTE.match(pattern):
+            from loader.remote.dataset import RemoteFiles
+
+            return super().__new__(RemoteFiles if cls is FileDataset else cls)
+        if remote:
+            raise TypeError(f"FileDataset({pattern!r}): {', '.join(sorted(remote))} "
+                            f"appl{'y' if len(remote) > 1 else 'ies'} to object-store URLs "
+                            f"(s3://, gs://, az://, http(s)://) only")
+        return super().__new__(cls)
 
     def __init__(self, pattern: str, decode=None):
         if not isinstance(pattern, (str, os.PathLike)):

@@ -48,6 +48,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import re
 import secrets
 import sqlite3
 import time
@@ -55,7 +56,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from loader._native import Bell
+from loader.remote.board import Doorbell
 
 SCHEMA_VERSION = 1
 FETCHING, COMPLETE = 0, 1
@@ -121,7 +122,21 @@ class Reservation(NamedTuple):
 
 
 def object_name(url: str, etag: str) -> str:
-    return hashlib.sha256(f"{url}\0{etag}".encode("utf-8", "surrogatepass")).hexdigest()
+    """The cache's file name of an object: the digest of its URL and ETag,
+    and its URL's extension (decode(path) may go by it)."""
+    return digest(url, etag).hex() + extension(url)
+
+
+def digest(url: str, etag: str) -> bytes:
+    return hashlib.sha256(f"{url}\0{etag}".encode("utf-8", "surrogatepass")).digest()
+
+
+_EXTENSION = re.compile(r"\.[A-Za-z0-9_-]{1,15}")
+
+
+def extension(url: str) -> str:
+    ext = os.path.splitext(url.rsplit("/", 1)[-1])[1]
+    return ext if _EXTENSION.fullmatch(ext) else ""
 
 
 class ObjectCache:
@@ -448,7 +463,7 @@ class _transaction:
         return False
 
 
-def _open_bell(path: str) -> Bell:
+def _open_bell(path: str) -> Doorbell:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         if os.fstat(fd).st_size < 4096:
@@ -456,7 +471,7 @@ def _open_bell(path: str) -> Bell:
         words = np.memmap(path, np.int32, "r+", shape=(16,))
     finally:
         os.close(fd)
-    return Bell(words, 0)
+    return Doorbell(words, 0)
 
 
 def _set_identity(path: str, url: str, etag: str, size: int) -> None:
