@@ -11,7 +11,15 @@ import os
 import shmq
 from loader import _control
 from loader import _protocol
-from loader._batcher_runs import Batch, BatcherRun, ToMain, WaitingBatches, closed_up
+from loader._batcher_runs import (
+    Batch,
+    BatcherRun,
+    ToMain,
+    WaitingBatches,
+    closed_up,
+    copy_rows,
+    parked_rows,
+)
 from loader._layout import (
     LayoutCache,
     castable,
@@ -65,6 +73,8 @@ class Batcher:
             if self.waiting and (self.slabs.reclaim() or self.freed):
                 self._retry_waiting()
             self.freed = False
+            if self.waiting and self._make_room():
+                self._retry_waiting()
             for p in list(self.passes.values()):
                 if p.done:  # Done messages whose batches waited for memory
                     self._settle(p)
@@ -124,9 +134,13 @@ class Batcher:
         self.to_main.send(msg)
 
     def _fail(self, exc: BaseException, note: str, *, run: int, batch: int | None,
-              pos: int | None, ends_run: bool = False) -> None:
-        self._send(_protocol.Failed(run=run, batch=batch if self.cfg.in_order else None, pos=pos,
-                                    index=None, worker=None, pid=self.pid, ends_run=ends_run,
+              pos: int | None, ends_run: bool = False, given_up: bool = False) -> None:
+        """given_up: the batch will never come, and main is told which it
+        is in first-ready mode too (it counts it as handed out)."""
+        if not (self.cfg.in_order or given_up):
+            batch = None
+        self._send(_protocol.Failed(run=run, batch=batch, pos=pos, index=None, worker=None,
+                                    pid=self.pid, ends_run=ends_run,
                                     error=_protocol.ErrorReport.of(exc, note)))
 
     # --- runs -----------------------------------------------------------------------
@@ -155,10 +169,12 @@ class Batcher:
             # Main ended the run and reads none of its batches: those waiting
             # for memory wait no more (the memory may be what a newer run needs).
             for b in p.open.values():
-                b.wanted, b.held_rows = None, []
+                b.wanted, b.held_rows, b.parked = None, [], None
             self.waiting.drop(p.run)
         for w in list(p.done):
             mine = [b for b in p.open.values() if not p.iterable or p.worker_of(b.index) == w]
+            if p.iterable or p.settled | set(p.done) >= p.expected:
+                self._stop_waiting_for_rows(p, mine)
             if any(b.wanted is not None or b.held_rows for b in mine):
                 continue  # settled later: see run()
             done = p.done.pop(w)
@@ -167,6 +183,17 @@ class Batcher:
                 self._end_stream(p, w, done, mine)
         if p.settled >= p.expected and not p.ended:
             self._end_pass(p)
+
+    def _stop_waiting_for_rows(self, p: BatcherRun, batches: list) -> None:
+        """Batches no worker writes into any more: one waiting for memory
+        with no row to keep (laid out ahead, then parked for an earlier
+        batch) waits no more; it is dropped with the rest (the memory it
+        waits for may be held by batches that wait for it to settle)."""
+        for b in batches:
+            if (b.wanted is not None and not b.held_rows and not b.published
+                    and (b.parked is None or not b.parked.counted)):
+                b.wanted = b.parked = None
+                self.waiting.drop(p.run, b.index)
 
     def _end_stream(self, p: BatcherRun, w: int, done: _protocol.Done, mine: list) -> None:
         """Worker w's stream of an iterable run ended: send its short last
@@ -208,9 +235,8 @@ class Batcher:
         a complete prefix; it is short when samples failed), free the
         rest, and tell main."""
         p.ended = True
-        for b in p.given_up.values():  # every worker is done: nothing writes into them
+        for b in p.given_up.values():  # every worker is done: no row comes for them
             self._unpublish(p, b)
-            self.slabs.release(b.slab.lease)
         p.given_up.clear()
         arrival_order = not self.cfg.in_order and not p.iterable
         for b in sorted(p.open.values(), key=lambda b: b.index):
@@ -230,14 +256,12 @@ class Batcher:
     # --- layouts, slabs and the table --------------------------------------------------
 
     def _allocate(self, p: BatcherRun, b: Batch, nbytes: int) -> Slab | None:
-        """A slab, or None: then (run, batch) waits in self.waiting, unless
-        the pool can never hold it (refused at once: _cannot_fit)."""
+        """A slab, or None: then (run, batch) waits in self.waiting (the
+        caller refused what the pool can never hold: _cannot_fit)."""
         nbytes = slab_bytes(nbytes)
-        if self._cannot_fit(p, b, nbytes):
-            return None
         slab = None if self.waiting.before(p.run, b.index) else self._take_slab(nbytes)
         if slab is None:
-            self.waiting.add(p.run, b.index)
+            self.waiting.add(p.run, b.index, nbytes)
             # A level, not only the message: main may hand out the batch
             # that holds the memory only after it saw MemoryWait.
             shmq.atomic_store(self.control.ctl, _control.MEMORY_WAIT, 1)
@@ -247,10 +271,12 @@ class Batcher:
                                                 len(self.slabs.live), nbytes))
         return slab
 
-    def _cannot_fit(self, p: BatcherRun, b: Batch, nbytes: int) -> bool:
-        """Refuse a batch the pool can never hold (_slabs.never_fits): the
-        batch, or the whole run (main raises it at once and at every next()
-        of the run; its workers wait until main ends it)."""
+    def _cannot_fit(self, p: BatcherRun, b: Batch, layout) -> bool:
+        """Refuse a batch the pool can never hold in `layout`
+        (_slabs.never_fits): the batch, or the whole run (main raises it at
+        once and at every next() of the run; its workers wait until main
+        ends it)."""
+        nbytes = slab_bytes(layout.nbytes)
         error, whole_run = never_fits(self.cfg, b.index, nbytes, self.slabs.capacity)
         if error is None:
             return False
@@ -284,6 +310,8 @@ class Batcher:
             held, b.held_rows = b.held_rows, []
             for msg in held:
                 self._sample_row(p, msg)
+            if p.open.get(index) is b:
+                self._finish_if_complete(p, b)  # its rows were all counted when it was parked
         if not self.waiting:
             shmq.atomic_store(self.control.ctl, _control.MEMORY_WAIT, 0)
 
@@ -309,18 +337,26 @@ class Batcher:
         b = p.open.pop(index, None)
         if b is not None:
             self._forget_values(b)
+            b.parked = None
             if b.published:
                 self.table.add_flags(p.run, b.index, REFUSED)  # writers drop their rows now
+                self._retire_refused(b)
                 p.given_up[index] = b
-            elif b.slab is not None:
-                self.slabs.release(b.slab.lease)
             self.waiting.drop(p.run, index)
         p.finished.add(index)
         self._advance(p)
 
     def _drop_given_up(self, p: BatcherRun, b: Batch) -> None:
         self._unpublish(p, b)
-        self.slabs.retire(b.slab.lease)  # a worker may be inside it: freed once no hazard names it
+
+    def _retire_refused(self, b: Batch) -> None:
+        """A batch whose entry says REFUSED: no worker writes into its slab
+        any more, so batches waiting for memory need not wait for its
+        entry to go (a worker may be inside it: freed once no hazard
+        names it).  Its entry stays, so that its workers drop their rows."""
+        if b.slab is not None:
+            self.slabs.retire(b.slab.lease)
+            b.slab = None
 
     def _advance(self, p: BatcherRun) -> None:
         """Move the run's finished prefix, and tell the workers (FINISHED)."""
@@ -334,37 +370,125 @@ class Batcher:
             shmq.atomic_store(self.control.ctl, finished, p.lo)  # SYNC POINT
             self.control.table_bell.ring()  # workers waiting for a batch given up
 
-    def _lay_out(self, p: BatcherRun, b: Batch, sig, provisional: bool = False) -> bool:
-        """Give b a slab with sig's layout and publish it (first layout, or
-        a provisional one replaced).  False if it must wait for memory or
-        for its table entry."""
+    def _lay_out(self, p: BatcherRun, b: Batch, sig) -> bool:
+        """Give b a slab with sig's layout and publish it: its first layout,
+        a provisional one replaced, or the one its parked rows go back
+        into.  False if it must wait for memory or for its table entry."""
         if not self._entry_free(p, b):
             b.wanted = sig
             self.waiting.add(p.run, b.index)
             return False
         layout = self.layouts.get(sig, b.rows, b.batched)
+        if self._cannot_fit(p, b, layout):
+            b.wanted = None
+            return False
+        if b.published and not self._replace_provisional(p, b):
+            return True
         slab = self._allocate(p, b, layout.nbytes)
         if slab is None:
-            b.wanted = None if b.refused else sig
+            b.wanted = sig
             return False
-        if b.published:
-            # Replacing a provisional layout: only while no row is counted.
-            if not self.table.replace_if_uncounted(p.run, b.index):
-                # A row was counted: the layout stands, confirmed; a worker
-                # whose sample differs sends it whole.
-                self.slabs.release(slab.lease)
-                b.confirmed = True
-                self.control.table_bell.ring()
-                return True
-            b.version += 1
-            self.slabs.retire(b.slab.lease)
-            p.relayouts += 1
+        parked, b.parked = b.parked, None
         b.layout, b.slab = layout, slab
-        self._mark_holes(b)
-        b.confirmed = not provisional
-        self._forget_values(b)  # rows' values are re-sent by their writers after a relayout
-        self._publish(p, b)
+        if parked is None or parked.data is None:
+            self._mark_holes(b)
+            self._forget_values(b)  # rows' values are re-sent by their writers after a relayout
+        else:
+            copy_rows(layout, self._slab_view(b), parked.layout, parked.data)
+        counted = 0 if parked is None else parked.counted
+        # A layout a sample asked for, or one rows were counted in or promoted to, is confirmed
+        b.confirmed = (parked is None or parked.confirmed or counted > 0
+                       or layout.digest != parked.layout.digest)
+        self._publish(p, b, counted)
         return True
+
+    def _replace_provisional(self, p: BatcherRun, b: Batch) -> bool:
+        """Give up b's provisional layout if no row is counted: True, and b
+        waits for its new slab unpublished (its old one retired first, so
+        a batch laid out again never needs room for two).  Else the layout
+        stands, confirmed (a worker whose sample differs sends it whole):
+        False."""
+        if not self.table.replace_if_uncounted(p.run, b.index):
+            b.confirmed = True
+            self.control.table_bell.ring()
+            return False
+        b.version += 1
+        p.relayouts += 1
+        self._set_aside(p, b)
+        return True
+
+    def _set_aside(self, p: BatcherRun, b: Batch) -> None:
+        """b's entry was unpublished by a version bump (no count of its old
+        version succeeds): its slab is retired (a worker may be inside it)
+        and the entry given up until b is laid out again."""
+        self.slabs.retire(b.slab.lease)
+        b.slab = None
+        del self.taken[self.table.entry(p.run, b.index)]
+        b.published = False
+        self.control.table_bell.ring()
+
+    def _park(self, p: BatcherRun, b: Batch) -> None:
+        """Copy b's counted rows into the batcher's own memory and give its
+        slab back; it waits to be laid out again with them (NOTE [ Memory
+        goes to batches in order ] in _batcher_runs.py)."""
+        counted = self.table.freeze(p.run, b.index)
+        b.version += 1
+        b.parked = parked_rows(self.arena, b, counted)
+        b.counted = counted == b.rows
+        self._set_aside(p, b)
+
+    def _make_room(self) -> bool:
+        """The first batch waiting for memory takes it back from later
+        batches: park them, latest first, until what is free, retired or
+        parked holds it (NOTE [ Memory goes to batches in order ] in
+        _batcher_runs.py).  True if it fits now (the batch it waited
+        behind went without taking memory): try again."""
+        first = self.waiting.first_for_memory()
+        if first is None or first[0][0] not in self.passes:
+            return False
+        (run, index), need = first
+        if self.slabs.fits_now(need):
+            return True
+        freed = []
+        for q, b in self._later_holders(run, index):
+            if self.slabs.fits(need, freed):
+                break
+            freed.append(b.slab)
+            nbytes = b.slab.nbytes
+            self._park(q, b)
+            b.wanted = b.layout.signature
+            self.waiting.add(q.run, b.index, nbytes)
+        return False
+
+    def _later_holders(self, run: int, index: int) -> list:
+        """(run, batch) of the batches after batch `index` of run `run` that
+        hold a slab and may be parked, latest first: published, of a live
+        run, neither refused nor complete (that one goes to main, which
+        moves it out if it holds it back), nor in the shuffle window that
+        batch `index` may share (its worker places rows into both at once)."""
+        found = []
+        for q in self.passes.values():
+            if q.run < run or not self.control.live(q.run):
+                continue
+            for b in q.open.values():
+                if ((q.run, b.index) <= (run, index) or not b.published or b.refused or b.counted
+                        or (q.run == run and self._same_window(q, index, b.index))
+                        or count_of(self.table.filled_word(q.run, b.index)) == b.rows):
+                    continue
+                found.append((q, b))
+        found.sort(key=lambda qb: (qb[0].run, qb[1].index), reverse=True)
+        return found
+
+    def _same_window(self, p: BatcherRun, first: int, later: int) -> bool:
+        """Whether a worker may place rows into batch `later` before batch
+        `first` has all its rows: a shuffle buffer's window spans
+        shuffle_batches of its stream from its lowest incomplete batch (at
+        most `first`; StreamSlots)."""
+        return (p.iterable and p.worker_of(first) == p.worker_of(later)
+                and later // p.workers < first // p.workers + self.cfg.shuffle_batches)
+
+    def _slab_view(self, b: Batch):
+        return self.arena[b.slab.offset:b.slab.offset + b.layout.nbytes]
 
     def _publish(self, p: BatcherRun, b: Batch, count: int = 0) -> None:
         flags = (CONFIRMED if b.confirmed else 0) | (REFUSED if b.refused else 0)
@@ -464,11 +588,13 @@ class Batcher:
             self._lay_out(p, b, m.signature)
             return
         if not b.published:
+            # (one waiting for memory, parked too, is laid out when memory comes)
             if b.wanted is None and not b.refused:
                 b.wanted = m.signature
                 self._lay_out(p, b, m.signature)
             return
-        if m.version == _protocol.NO_VERSION or m.version != b.version or b.confirmed:
+        if (m.version == _protocol.NO_VERSION or m.version != b.version or b.confirmed
+                or b.refused):
             return  # the entry changed since the worker looked: it looks again
         self._lay_out(p, b, m.signature)
 
@@ -505,10 +631,10 @@ class Batcher:
                 self._refuse(p, b, m.pos, misfit(b.index, m.row, b.layout.signature, sig, leaves))
                 return
             if not self._promote(p, b, wider):
-                b.held_rows.append(m)
+                if not b.refused:
+                    b.held_rows.append(m)
                 return
-        view = self.arena[b.slab.offset:b.slab.offset + b.layout.nbytes]
-        values = b.layout.write_row(view, m.row, leaves, m.pos)
+        values = b.layout.write_row(self._slab_view(b), m.row, leaves, m.pos)
         if b.layout.value_leaves:
             self.shared.free_values(b.values.get(m.row))
             b.values[m.row] = values
@@ -520,23 +646,25 @@ class Batcher:
     def _promote(self, p: BatcherRun, b: Batch, sig) -> bool:
         """Lay b out again with wider dtypes, copying the rows counted so
         far (safe casts).  Workers still writing the old layout fail to count
-        and send their samples whole.  False if it must wait for memory."""
+        and send their samples whole.  False if it must wait for memory
+        (its rows parked: it gives its slab back while it waits) or was
+        refused."""
         layout = self.layouts.get(sig, b.rows, b.batched)
+        if self._cannot_fit(p, b, layout):
+            return False
+        p.relayouts += 1
         slab = self._allocate(p, b, layout.nbytes)
         if slab is None:
+            self._park(p, b)
+            b.wanted = sig
             return False
         counted = self.table.freeze(p.run, b.index)
         b.version += 1
         old_layout, old = b.layout, b.slab
-        new_slab = self.arena[slab.offset:slab.offset + layout.nbytes]
-        old_slab = self.arena[old.offset:old.offset + old_layout.nbytes]
-        for dst, src in zip(layout.views(new_slab), old_layout.views(old_slab)):
-            if dst is not None:
-                dst[...] = src  # every row: those not counted are written again
-        layout.tags(new_slab)[...] = old_layout.tags(old_slab)
-        self.slabs.retire(old.lease)
         b.layout, b.slab, b.confirmed = layout, slab, True
-        p.relayouts += 1
+        copy_rows(layout, self._slab_view(b), old_layout,
+                  self.arena[old.offset:old.offset + old_layout.nbytes])
+        self.slabs.retire(old.lease)
         self._publish(p, b, counted)
         return True
 
@@ -549,15 +677,24 @@ class Batcher:
         if b.refused:
             return
         b.refused = True
+        b.parked = None
         if b.published:
             self.table.add_flags(p.run, b.index, REFUSED)
+            self._retire_refused(b)
+            self.control.table_bell.ring()
+        elif not whole_run and self._entry_free(p, b):
+            # Its workers may wait for its entry already (a stream's have no
+            # FINISHED word to pass it): it says REFUSED, and they drop their rows.
+            self.table.publish_refused(p.run, b.index)
+            self.taken[self.table.entry(p.run, b.index)] = (p.run, b.index)
+            b.published = True
             self.control.table_bell.ring()
         if whole_run:
             if not p.refused_window:
                 p.refused_window = True
                 self._fail(exc, "in the batcher", run=p.run, batch=None, pos=None, ends_run=True)
             return
-        self._fail(exc, "in the batcher", run=p.run, batch=b.index, pos=pos)
+        self._fail(exc, "in the batcher", run=p.run, batch=b.index, pos=pos, given_up=True)
         if not p.iterable:
             self._give_up(p, b.index)
 
@@ -566,7 +703,8 @@ class Batcher:
         leaves, every row's values seen (a worker sends them before it
         counts its row, but a row the batcher wrote may complete the count
         while another row's values are still behind in the ring)."""
-        if b.counted and not b.refused and (not b.layout.value_leaves or len(b.values) == b.rows):
+        if (b.counted and b.published and not b.refused
+                and (not b.layout.value_leaves or len(b.values) == b.rows)):
             self._finish(p, b, b.rows)
 
     def _finish(self, p: BatcherRun, b: Batch, rows: int) -> None:

@@ -5,6 +5,7 @@ sends main (ToMain).  The batcher itself is in _batcher.py."""
 from __future__ import annotations
 
 import collections
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,32 +31,69 @@ class WaitingBatches:
     slab before they claim more, so a batch laid out ahead may never be
     filled (with a pool of one batch, the next epoch's first batch laid out
     ahead, or the next batch while this one waited, stalled the loader
-    until its timeout).  The memory a waiting batch needs comes back from
-    main, which moves out what it holds back (NOTE [ Kept batch memory ] in
-    _leases.pxi), and from retired slabs, never from later batches, so
-    waiting behind it is safe.  Runs main ended are not waited for."""
+    until its timeout).
+
+    That rule alone does not cover memory a batch asks for *after* later
+    batches took theirs: a batch laid out again (a provisional layout of
+    the wrong shape, or dtypes promoted by a later row) or a layout
+    request that arrives after the next batch's.  So the first batch
+    waiting for memory takes it back from later batches (Batcher._make_room):
+    from the latest on, each is *parked* (Parked: its counted rows copied
+    into the batcher's own memory, its slab retired, its entry left
+    unpublished, so its workers wait) until what is free, retired or
+    parked holds the waiting batch in one piece.  A parked batch waits in
+    turn, and gets a slab and its rows back when memory comes to it.
+    Batches are never parked for a batch after them, so every wait ends:
+    a worker places its rows batch after batch, so no batch before a
+    parked one needs a row from a worker waiting for it (except within a
+    worker's shuffle window, whose batches are never parked for one
+    another: the pool must hold that window, _slabs.never_fits).  A batch
+    laid out again when memory is short gives its own slab back first (its
+    rows parked, or none counted), so a batch never needs room for two:
+    a pool that holds its largest batch never waits for ever, and a smaller
+    one is a MemoryError naming both sizes.
+
+    The rest of the memory a waiting batch needs comes back from main,
+    which moves out what it holds back (NOTE [ Kept batch memory ] in
+    _leases.pxi), from batches before it, which complete, and from retired
+    slabs, never from later batches, so waiting behind it is safe.  Runs
+    main ended are not waited for."""
 
     def __init__(self, control):
         self.control = control
         self.items: list[tuple[int, int]] = []
+        self.need: dict[tuple[int, int], int] = {}  # those waiting for memory -> the bytes
 
     def __bool__(self) -> bool:
         return bool(self.items)
 
-    def add(self, run: int, batch: int) -> None:
+    def add(self, run: int, batch: int, need_bytes: int | None = None) -> None:
+        """need_bytes: the slab it waits for (None: it waits for its table entry)."""
         if (run, batch) not in self.items:
             self.items.append((run, batch))
+        if need_bytes is not None:
+            self.need[run, batch] = need_bytes
 
     def drop(self, run: int, batch: int | None = None) -> None:
         """Forget a batch, or (batch None) every batch of the run."""
         self.items = [(r, i) for r, i in self.items
                       if r != run or (batch is not None and i != batch)]
+        self.need = {k: n for k, n in self.need.items() if k in self.items}
 
     def take(self) -> list[tuple[int, int]]:
         """All of them, in the order memory goes to them; the book is empty
         until those that still cannot proceed are added again."""
-        items, self.items = sorted(self.items), []
+        items, self.items, self.need = sorted(self.items), [], {}
         return items
+
+    def first_for_memory(self) -> tuple[tuple[int, int], int] | None:
+        """((run, batch), bytes) of the first batch of a live run that waits
+        for memory, if it is the first of all that wait (one waiting for
+        its table entry comes first: memory would not let it go on)."""
+        live = sorted(k for k in self.items if self.control.live(k[0]))
+        if not live or live[0] not in self.need:
+            return None
+        return live[0], self.need[live[0]]
 
     def before(self, run: int, batch: int) -> bool:
         """A batch of a live run before (run, batch) waits: this one may not
@@ -69,7 +107,7 @@ class Batch:
     batch (else it is a guess from earlier batches)."""
 
     __slots__ = ("index", "rows", "batched", "layout", "slab", "version", "confirmed", "published",
-                 "refused", "counted", "values", "wanted", "held_rows")
+                 "refused", "counted", "values", "wanted", "held_rows", "parked")
 
     def __init__(self, index, rows, batched):
         self.index, self.rows, self.batched = index, rows, batched
@@ -79,6 +117,37 @@ class Batch:
         self.values: dict[int, list] = {}   # row -> its non-numeric leaves
         self.wanted = None      # a signature waiting for memory (or for the table entry)
         self.held_rows = []     # SampleRow messages waiting for memory to promote the batch
+        self.parked: Parked | None = None  # its rows, while it waits for a slab to put them in
+
+
+class Parked(NamedTuple):
+    """A batch's rows set aside while it waits for a slab (NOTE [ Memory
+    goes to batches in order ]): a copy of what its old slab held."""
+    layout: object              # the Layout they were written in
+    data: np.ndarray | None     # the old slab's bytes; None when no row was counted
+    counted: int                # rows counted when it was parked
+    confirmed: bool             # its layout came from a sample of the batch
+
+
+def parked_rows(arena: np.ndarray, b: Batch, counted: int) -> Parked:
+    """b's rows, copied out of its slab into the batcher's own memory."""
+    data = None
+    if counted:
+        data = arena[b.slab.offset:b.slab.offset + b.layout.nbytes].copy()
+    return Parked(b.layout, data, counted, b.confirmed)
+
+
+def copy_rows(layout, dst: np.ndarray, old_layout, src: np.ndarray) -> None:
+    """A batch's rows into its new slab: byte for byte in the same layout,
+    else leaf by leaf with the safe casts of a promotion.  Every row: those
+    not counted are written again."""
+    if layout.digest == old_layout.digest:
+        dst[...] = src
+        return
+    for d, s in zip(layout.views(dst), old_layout.views(src)):
+        if d is not None:
+            d[...] = s
+    layout.tags(dst)[...] = old_layout.tags(src)
 
 
 class BatcherRun:

@@ -139,7 +139,7 @@ class MapEpoch(_Epoch):
     def __init__(self, host, epoch: int, resume: dict | None):
         super().__init__(host, epoch, resume)
         self.yielded = 0                    # batches handed out or raised
-        self.failed: set = set()            # in order: batches an error was reported for
+        self.failed: set = set()            # batches an error was reported for
 
     def _started(self) -> None:
         self.total = self.run.plan.nbatches
@@ -159,8 +159,7 @@ class MapEpoch(_Epoch):
             self._maybe_run_ahead()
             kind = type(msg)
             if kind is _protocol.Failed:
-                if self.in_order and msg.batch is not None:
-                    self.failed.add(msg.batch)
+                self._batch_lost(msg)
                 self._failed(msg)
             elif kind is _protocol.RunEnded:
                 if self.in_order and msg.batches != self.total - len(self.failed):
@@ -172,6 +171,17 @@ class MapEpoch(_Epoch):
                 self._run_ended(msg)
             else:
                 self.pending[msg.batch] = msg
+
+    def _batch_lost(self, msg: _protocol.Failed) -> None:
+        """A batch the failure spoils will never come.  In order, it counts
+        when its turn comes; first-ready, it counts now (once, however
+        many of its samples failed), else the workers would wait for a
+        LIMIT that only the batches handed out raise."""
+        if msg.batch is None or msg.batch < 0 or msg.batch in self.failed:
+            return
+        self.failed.add(msg.batch)
+        if not self.in_order:
+            self._advance()
 
     def _maybe_run_ahead(self) -> None:
         if self.control.claimed(self.run.id) >= self.run.plan.units:
@@ -220,11 +230,21 @@ class StreamEpoch(_Epoch):
         super().__init__(host, epoch, resume)
         self.workers = host.streams
         self.ends: dict = {}  # worker -> (its batch count, those it left empty)
+        self.lost: set = set()  # batches a failure spoiled, counted as handed out
 
     def _started(self) -> None:
         # a resumed epoch goes on where the round-robin was (NOTE [ Resuming an epoch ])
         self.next_id = min(j * self.workers + w
                            for w, j in enumerate(self.progress.first_batches()))
+
+    def _batch_lost(self, batch: int | None) -> None:
+        """A batch a failure spoils counts as handed out (in order when its
+        turn comes, first-ready at once): its worker may fill one more, else
+        it would wait for a limit only the batches handed out raise."""
+        if batch is None or batch < 0 or batch in self.lost:
+            return
+        self.lost.add(batch)
+        self.control.raise_worker_limit(self.run.id, batch % self.workers)
 
     def _skipped(self, batch: int) -> bool:
         w, j = batch % self.workers, batch // self.workers
@@ -248,6 +268,8 @@ class StreamEpoch(_Epoch):
             msg = self._receive()
             kind = type(msg)
             if kind is _protocol.Failed:
+                if not self.in_order:
+                    self._batch_lost(msg.batch)
                 self._failed(msg)
             elif kind is _protocol.StreamEnded:
                 self.ends[msg.worker] = (msg.batches, set(msg.dropped))
@@ -261,6 +283,7 @@ class StreamEpoch(_Epoch):
             while True:
                 failed = self.errors.pop(self.next_id, None)
                 if failed is not None:
+                    self._batch_lost(self.next_id)
                     self.next_id += 1
                     self.host.raise_failed(failed)
                 if self._skipped(self.next_id) and not self._all_over():

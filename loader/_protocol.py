@@ -212,7 +212,9 @@ class Failed(NamedTuple):
     collate_fn, or the batcher (worker None)."""
     run: int
     batch: int | None   # the batch it spoils, in in-order mode: main raises when it gets
-                        # there; None: raise at once
+                        # there; None: raise at once.  First-ready mode (raised at once):
+                        # a batch given up (refused, or a sample that could not be placed),
+                        # which main counts as handed out; None or -1: no batch is lost
     pos: int | None     # position in the run's order; None when not about one sample
     index: int | None   # dataset index; None when not known
     worker: int | None  # None: the batcher

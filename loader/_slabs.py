@@ -131,6 +131,24 @@ class SlabAllocator:
         slab = self.live[lease] = Slab(lease, int(self.generation[lease]), found, nbytes)
         return slab
 
+    def fits_now(self, nbytes: int) -> bool:
+        """Whether allocate(nbytes) would find a piece at once."""
+        return any(size >= slab_bytes(nbytes) for _, size in self.free)
+
+    def fits(self, nbytes: int, freed=()) -> bool:
+        """Whether a slab of nbytes fits in one piece once the retired slabs
+        and `freed` (slabs about to be given back) are free too: the memory
+        soon back, without what main or other batches hold."""
+        soon = sorted(self.free + [(s.offset, s.nbytes) for s in (*self.limbo, *freed)])
+        end = start = -1
+        for off, size in soon:
+            if off > end:  # a gap: a new piece starts here
+                start = off
+            end = max(end, off + size)
+            if end - start >= slab_bytes(nbytes):
+                return True
+        return False
+
     def _first_fit(self, nbytes):
         for i, (off, size) in enumerate(self.free):
             if size >= nbytes:

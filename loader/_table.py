@@ -128,6 +128,20 @@ class BatchTable:
         shmq.atomic_store(w, base + STAMP, stamp(run, batch))
         self._end(base)
 
+    def publish_refused(self, run: int, batch: int) -> None:
+        """An entry without a slab that says REFUSED: a batch refused
+        before it was laid out (too large for the pool).  Workers read the
+        flag before anything else and drop their rows."""
+        w, base = self.words, self.base(run, batch)
+        self._begin(base)
+        w[base + OFFSET] = -1
+        w[base + ROWS] = 0
+        w[base + DIGEST0], w[base + DIGEST1] = 0, 0
+        w[base + TOKEN] = 0
+        shmq.atomic_store(w, base + FILLED, REFUSED << 32)
+        shmq.atomic_store(w, base + STAMP, stamp(run, batch))
+        self._end(base)
+
     def unpublish(self, run: int, batch: int) -> None:
         base = self.base(run, batch)
         self._begin(base)
