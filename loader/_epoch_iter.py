@@ -155,6 +155,7 @@ class MapEpoch(_Epoch):
                     self._done()
                 raise WorkerError(f"ShmLoader: the run ended without batch {self.yielded} of "
                                   f"{self.total} and without an error for it")
+            self.host.raise_feed_failure(self.run, self.yielded)
             msg = self._receive()
             self._maybe_run_ahead()
             kind = type(msg)
