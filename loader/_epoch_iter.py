@@ -67,7 +67,7 @@ class _Epoch:
     def _begin(self) -> None:
         """The first next(): the epoch's run (NOTE [ Runs ])."""
         self.run, self.progress = self.host.begin(self.epoch, self.resume)
-        self.clock = EpochClock(self.host.wait_clocks, self.called)
+        self.clock = EpochClock(self.host.wait_clocks, self.called, self.host.cpu_tasks)
         self.run_ended = None     # its RunEnded, for stats() at the epoch's end
         self._started()
 

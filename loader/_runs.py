@@ -256,6 +256,10 @@ class EpochHost:
         """The children's wait clocks (NOTE [ Wait clocks ] in _stats.py)."""
         return self._session.shared.waited
 
+    def cpu_tasks(self) -> tuple[dict, list]:
+        """Whose CPU time and waits to read (NOTE [ CPU starvation ] in _stats.py)."""
+        return self._session.cpu_tasks()
+
     def begin(self, epoch: int, resume: dict | None):
         """(the run of the epoch, its progress, which state_dict() now describes)."""
         run = self._runs.run_for(epoch, resume)
