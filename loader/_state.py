@@ -43,7 +43,7 @@ def _fail(field: str, got, expected: str, remedy: str = "") -> StateError:
     return StateError(f"{text}; {remedy}" if remedy else text)
 
 
-def path(parent: str, key) -> str:
+def _path(parent: str, key) -> str:
     """A field's name in errors: parent.key (parent[key] for a key that is
     not a name)."""
     if isinstance(key, str) and key.isidentifier():
@@ -138,16 +138,16 @@ def _keys_of(d: dict, parent: str, required: frozenset, optional: frozenset,
              fmt: str) -> None:
     missing = sorted(required - d.keys())
     if missing:
-        raise StateError(f"load_state_dict: the state has no field {path(parent, missing[0])!r}"
+        raise StateError(f"load_state_dict: the state has no field {_path(parent, missing[0])!r}"
                          f": truncated, or not from state_dict() ({_FOREIGN})")
     unknown = [key for key in d if key not in required and key not in optional]
     if unknown:
-        name = path(parent, unknown[0])
+        name = _path(parent, unknown[0])
         why = _WRITTEN_BY_OTHERS.get(name, "edited, or written by another version of the loader "
                                            "(which this one would misread)")
         raise StateError(f"load_state_dict: the state has a field {name!r}, which a state of "
-                         f"format {fmt!r} does not define: {why}; remove the field, or "
-                         f"{_FOREIGN} and version")
+                         f"format {fmt!r} does not define: {why}; {_FOREIGN}, of this "
+                         f"version")
 
 
 # fields of states that other classes' state_dict() write, and what to do
@@ -200,12 +200,12 @@ def _check_identity(state: dict, exp: Expected) -> None:
 def _check_rng(state: dict, exp: Expected) -> None:
     for key, value in state["rng"].items():  # (its keys: _check_keys)
         if key not in exp.rng_bytes:
-            raise _fail(path("rng", key), f"{len(value) if isinstance(value, bytes) else value}",
+            raise _fail(_path("rng", key), f"{len(value) if isinstance(value, bytes) else value}",
                         "this loader has no such generator (a generator= or a sampler's "
                         "generator it was made without)", _FOREIGN)
         if not isinstance(value, bytes) or len(value) != exp.rng_bytes[key]:
             got = f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
-            raise _fail(path("rng", key), got, f"this loader's generator state is "
+            raise _fail(_path("rng", key), got, f"this loader's generator state is "
                         f"{exp.rng_bytes[key]} bytes", _FOREIGN)
 
 
