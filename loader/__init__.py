@@ -55,6 +55,7 @@ One word per thing, in code, comments, messages and docs:
 from loader._errors import TraceWriteError
 from loader._files import FileArray, FileDataset
 from loader._layout import BatchMismatch, CollateError, UnsupportedLeaf
+from loader._errors import StateError
 from loader._loader import LoaderTimeout, ShmLoader, WorkerError
 from loader._parquet import ParquetDataset
 from loader._procs import LoaderStartError
@@ -70,7 +71,7 @@ _ray_integration.install_when_imported()
 __all__ = ["ShmLoader", "DataLoader", "FileDataset", "FileArray", "ParquetDataset",
            "get_worker_info", "WorkerInfo",
            "WorkerError", "LoaderTimeout", "LoaderStartError", "CollateError", "BatchMismatch",
-           "UnsupportedLeaf", "DataStallWarning", "TraceWriteError"]
+           "UnsupportedLeaf", "StateError", "DataStallWarning", "TraceWriteError"]
 
 
 def __getattr__(name):

@@ -67,7 +67,7 @@ class _Epoch:
     def _begin(self) -> None:
         """The first next(): the epoch's run (NOTE [ Runs ])."""
         self.run, self.progress = self.host.begin(self.epoch, self.resume)
-        self.clock = EpochClock(self.host.wait_clocks, self.called)
+        self.clock = EpochClock(self.host.wait_clocks, self.called, self.host.cpu_tasks)
         self.run_ended = None     # its RunEnded, for stats() at the epoch's end
         self._started()
 
@@ -155,6 +155,7 @@ class MapEpoch(_Epoch):
                     self._done()
                 raise WorkerError(f"ShmLoader: the run ended without batch {self.yielded} of "
                                   f"{self.total} and without an error for it")
+            self.host.raise_feed_failure(self.run, self.yielded)
             msg = self._receive()
             self._maybe_run_ahead()
             kind = type(msg)

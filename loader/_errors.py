@@ -32,6 +32,13 @@ class TraceWriteError(OSError):
             f"and call close() again to write the trace"))
 
 
+class StateError(ValueError):
+    """load_state_dict() refused a state: a field (named by its path, as
+    ``map.done_ranges`` or ``stream[1].extra``) is missing, of a wrong type
+    or value, one the state's format does not define, or of another
+    loader.  The loader is left as it was."""
+
+
 class _KeyErrorMessage(str):
     """KeyError shows repr() of its argument; this keeps a traceback
     readable (PyTorch does the same)."""

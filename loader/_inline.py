@@ -4,14 +4,16 @@ without workers."""
 
 from __future__ import annotations
 
+import os
 import random
+import threading
 import time
 
 import numpy as np
 
 from loader import _fetch
 from loader import _order
-from loader._stats import EpochClock
+from loader._stats import EpochClock, Task
 from loader._trace import EPOCH, WAIT
 from loader._layout import LayoutCache, signature_and_leaves, stack
 from loader._materialize import materialize
@@ -19,6 +21,12 @@ from loader._planning import order_of, settled_plan
 from loader._sampler_feed import BatchFeed
 from loader._seeding import SampleSeeder
 from loader._optional import imported_torch
+
+
+def _training_thread() -> tuple[dict, list]:
+    """num_workers=0: the thread that loads is the training loop's
+    (NOTE [ CPU starvation ] in _stats.py)."""
+    return {"loop": [Task(threading.get_native_id(), thread=True)]}, [os.getpid()]
 
 
 class _SavedGenerators:
@@ -81,7 +89,7 @@ class InlineEpoch:
     def __next__(self):
         t0 = time.perf_counter_ns()  # all of next() is the training loop waiting
         if self.plan is None:
-            self.clock = EpochClock(None, t0)
+            self.clock = EpochClock(None, t0, _training_thread)
         try:
             if self.plan is None:
                 self._begin()

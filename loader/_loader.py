@@ -184,10 +184,20 @@ class ShmLoader(FrozenState):
           memory ]).
         - "loop_wait_seconds", "loop_wait_share": how long the training loop
           waited in next() for a batch (num_workers=0: loading them).  Above
-          half of an epoch of 5 s or more, a DataStallWarning says why, once.
+          half of an epoch of 5 s or more, a DataStallWarning says why, once
+          (unless other programs held the CPUs: see "cpu_wait_share").
         - "workers_busy_share", "batcher_busy_share": the share of the
           epoch the workers (on average) and the batcher were not waiting;
           None with num_workers=0.
+        - "cpu_wait_share": the share of the epoch the loading spent ready
+          to run with no CPU free: the training thread's, the batcher's and
+          an average worker's run-queue time, added up (num_workers=0: the
+          training thread's).  "other_programs_cpu_share" and
+          "loader_cpu_share": the share of the "cpus" this process may use
+          that other programs, and the loader's processes (this one
+          included), used.  A stall that other programs holding the CPUs
+          explains is no DataStallWarning (NOTE [ CPU starvation ] in
+          _stats.py).  None where /proc does not say.
         - "peak_slab_bytes" of "memory_cap_bytes": the most batch memory in
           use (batches being filled, ready, or still referenced by you).
         - "samples_written_by_workers" / "samples_written_by_batcher":

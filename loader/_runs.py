@@ -108,13 +108,17 @@ class Runs:
             ahead = self.session.cfg.worker_prefetch + self.session.cfg.shuffle_batches
             return [j + ahead for j in run.plan.progress.first_batches()]
         upto = max(min(yielded + self.loader.prefetch, run.plan.nbatches), 0)
+        feed = run.plan.feed
+        if feed is not None and feed.failure is not None:  # (NOTE [ Int indices ])
+            upto = min(upto, feed.whole_batches(run.batches))
         if run.plan.claims_batches:  # workers claim whole batches
             return upto
         return run.batches.span(upto - 1)[1] if upto > 0 else 0
 
     def open_limit(self, run: Run, yielded: int) -> int:
         """_limit(), once a streamed sampler has written the indices of
-        every position below it (NOTE [ Streamed samplers ]).  A run whose
+        every position below it (NOTE [ Streamed samplers ]), or below its
+        failure (NOTE [ Int indices ]: the epoch raises it).  A run whose
         sampler (without len()) ended there is settled first: its final
         length is stored before the LIMIT that reaches it, and the run main
         holds (_current, _ahead) is replaced by the settled one."""
@@ -134,10 +138,13 @@ class Runs:
         feed = run.plan.feed
         if feed is None or run.batches is None:
             return run, self.limit(run, yielded)
+        # (needed=0: a failure is kept in the feed, not raised here: the epoch
+        # that owns the run raises it at the batch it stopped (EpochHost))
         if isinstance(feed, BatchFeed):  # its batches' offsets first: _limit reads them
-            feed.feed_batches(max(min(yielded + self.loader.prefetch, run.plan.nbatches), 0))
+            feed.feed_batches(max(min(yielded + self.loader.prefetch, run.plan.nbatches), 0),
+                              needed=0)
         else:
-            feed.feed(self._positions_below(run, self.limit(run, yielded)))
+            feed.feed(self._positions_below(run, self.limit(run, yielded)), needed=0)
         feed.release_below(run.plan.progress.run_prefix())
         plan = settled_plan(run.plan, self.planner.rules())
         if plan is not None:
@@ -249,6 +256,10 @@ class EpochHost:
         """The children's wait clocks (NOTE [ Wait clocks ] in _stats.py)."""
         return self._session.shared.waited
 
+    def cpu_tasks(self) -> tuple[dict, list]:
+        """Whose CPU time and waits to read (NOTE [ CPU starvation ] in _stats.py)."""
+        return self._session.cpu_tasks()
+
     def begin(self, epoch: int, resume: dict | None):
         """(the run of the epoch, its progress, which state_dict() now describes)."""
         run = self._runs.run_for(epoch, resume)
@@ -275,6 +286,15 @@ class EpochHost:
             return self._runs.next_of(run.id, deadline, held)
         finally:
             scaler.waited_for(time.perf_counter() - t0)
+
+    def raise_feed_failure(self, run: Run, yielded: int) -> None:
+        """The loop asks for the run's batch `yielded` (first-ready: one
+        more than the `yielded` it had): if its streamed sampler failed
+        before that batch, raise what it raised (NOTE [ Int indices ])."""
+        feed = run.plan.feed
+        if feed is not None and feed.failure is not None and \
+                yielded >= feed.whole_batches(run.batches):
+            raise feed.failure.with_traceback(None)
 
     def hand_out(self, msg: _protocol.BatchReady):
         """The user's batch of msg."""

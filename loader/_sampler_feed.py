@@ -54,9 +54,9 @@ them to dataset[...] as they are) is an ORDER_OBJECTS run, fed by an
 ObjectFeed: each index is pickled on its own into the order file, a row
 of (start, end) per position and the bytes after OBJECT_DATA_AT (both
 sparse, both punched out below what the loop received), and a worker
-reads the position it claimed with two preads (ObjectOrder).  A sampler
-whose first index is an int must yield ints throughout (a TypeError names
-the position otherwise).
+reads the position it claimed with two preads (ObjectOrder).  A run of
+ints takes only integers, and keeps a failure of its sampler: NOTE
+[ Int indices ] in _int_indices.py.
 
 loader.DataLoader's samplers and batch samplers stream the same way,
 pulled in generator states of their own (NOTE [ Drawing the order as
@@ -75,6 +75,8 @@ import pickle
 
 import numpy as np
 
+from loader._int_indices import (BATCH_RULE, SAMPLER_RULE, as_int64, is_plain_int,
+                                 not_an_int_error, shown)
 from loader._order import OFFSET_BIAS, OPEN_POSITIONS, Batches, kept_of
 
 _CHUNK = 1 << 16        # indices pulled from the sampler per np.fromiter call
@@ -114,13 +116,12 @@ _NONE = object()  # no first index
 def int_indices(it) -> tuple[bool, object]:
     """(whether a sampler's indices are ints: its first is, or it yields
     none; an iterator of all its indices, the first included).  `it`: an
-    iterator of the sampler (its first index is pulled here)."""
+    iterator of the sampler (its first index is pulled here).  See NOTE
+    [ Int indices ]."""
     first = next(it, _NONE)
     if first is _NONE:
         return True, iter(())
-    if not isinstance(first, (int, np.integer)) or isinstance(first, bool):
-        return False, itertools.chain([first], it)
-    return True, itertools.chain([first], it)
+    return is_plain_int(type(first)), itertools.chain([first], it)
 
 
 class SamplerFeed:
@@ -148,6 +149,8 @@ class SamplerFeed:
         self.punched = 0         # bytes of the file given back
         self.window = np.zeros(0, np.int64)  # num_workers=0: run positions [low, fed)
         self.low = 0
+        self.failure = None      # what a pull raised: raised again by every later pull
+                                 # (NOTE [ Int indices ])
 
     def attach(self, fd: int) -> None:
         """Workers read the run's order from fd: size it (sparse)."""
@@ -156,36 +159,51 @@ class SamplerFeed:
         os.ftruncate(fd, 8 * self.kept)
 
     def _take(self, count: int) -> np.ndarray:
-        """Up to `count` indices from the sampler, as they are stored."""
+        """Up to `count` indices from the sampler, as they are stored; fewer
+        when one is not an int index (self.failure says which) or the
+        sampler raised (self.failure is what it raised)."""
+        got, bad = as_int64(self._values(count))
+        if bad is not None:
+            self.failure = not_an_int_error(bad, f"the sampler {self.name}",
+                                            f"its position {self.pulled + bad.at}", SAMPLER_RULE)
+        return got
+
+    def _values(self, count: int) -> list:
+        """Up to `count` values from the sampler; if it raises, those before
+        (list.extend keeps them), and self.failure is what it raised."""
+        values = []
         try:
             with self.pulling:
-                return np.fromiter(itertools.islice(self.it, count), np.int64)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise TypeError(f"the sampler {self.name} yielded an index that is not an int "
-                            f"near its position {self.pulled} ({e}): a sampler whose first index "
-                            f"is an int must yield ints throughout (make it yield int indices, "
-                            f"or non-int ones from its first)") from None
+                values.extend(itertools.islice(self.it, count))
+        except Exception as e:
+            self.failure = e
+        return values
 
     @staticmethod
     def _joined(parts: list) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def _pull(self, count: int) -> np.ndarray:
-        """The sampler's next `count` indices (OPEN: fewer once it ends)."""
+        """The sampler's next `count` indices (OPEN: fewer once it ends;
+        fewer once one failed)."""
         got = self._take(count)
+        if self.failure is not None:
+            self.pulled += len(got)
+            return got
         if len(got) < count and self.open:
             self.exhausted = True
             self.pulled += len(got)
             return got
         if len(got) < count:
-            raise ValueError(f"the sampler {self.name} ended after {self.pulled + len(got)} "
-                             f"indices, but its len() is {self.length}: make len() say how many "
-                             f"indices it yields")
-        self.pulled += count
+            self.failure = ValueError(f"the sampler {self.name} ended after "
+                                      f"{self.pulled + len(got)} indices, but its len() is "
+                                      f"{self.length}: make len() say how many indices it "
+                                      f"yields")
+        self.pulled += len(got)
         return got
 
     def _skip(self, count: int) -> None:
-        while count > 0 and not self.exhausted:
+        while count > 0 and not self.exhausted and self.failure is None:
             step = min(count, _CHUNK)
             self._pull(step)
             count -= step
@@ -200,9 +218,11 @@ class SamplerFeed:
         breaks = np.flatnonzero(np.diff(originals) != 1) + 1
         for a, b in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [len(originals)]))):
             self._skip(int(originals[a]) - self.pulled)
-            if self.exhausted:
+            if self.exhausted or self.failure is not None:
                 break
             parts.append(self._pull(int(b - a)))
+            if self.failure is not None:
+                break
         return self._joined(parts)
 
     def end(self, batch_size: int | None, drop_last: bool) -> tuple[int, int] | None:
@@ -217,13 +237,27 @@ class SamplerFeed:
             return epoch_kept, min(epoch_kept, self.kept)
         return epoch_kept, self.remaining.run_position(epoch_kept)
 
-    def feed(self, upto: int) -> None:
+    def feed(self, upto: int, needed: int | None = None) -> None:
         """Run positions below `upto` have their index (in the file), or
-        (OPEN) the sampler ended before them."""
+        (OPEN) the sampler ended before them, or it failed before them
+        (self.failure: raised if the positions below `needed`, default
+        upto, are not all fed; NOTE [ Int indices ])."""
         upto = min(upto, self.kept)
-        while self.fed < upto and not self.exhausted:
+        while self.fed < upto and not self.exhausted and self.failure is None:
             stop = min(upto, self.fed + _CHUNK)
             self._store(self._resolve(self.fed, stop))
+        self._raise_failure_before(upto if needed is None else min(needed, self.kept))
+
+    def _raise_failure_before(self, needed: int) -> None:
+        if self.failure is not None and self.fed < needed:
+            raise self.failure.with_traceback(None)
+
+    def whole_batches(self, batches: Batches) -> int:
+        """Of the run's batches (geometry `batches`), how many have every
+        index fed: those that can load once the feed failed."""
+        if self.fed >= batches.kept:
+            return batches.count
+        return batches.locate(self.fed)[0]
 
     def _store(self, got: np.ndarray) -> None:
         """The indices of the next run positions (from self.fed)."""
@@ -280,8 +314,8 @@ class SamplerFeed:
         return self._item(key - self.low)
 
     def _feed_ahead(self, upto: int) -> None:
-        if upto > self.fed:  # a chunk at a time: one np.fromiter call per chunk
-            self.feed(max(upto, self.fed + _CHUNK))
+        if upto > self.fed:  # a chunk at a time (what is past upto: if the sampler allows)
+            self.feed(max(upto, self.fed + _CHUNK), needed=upto)
 
 
 # An object order's file (ObjectFeed): per run position, the [start, end)
@@ -313,8 +347,7 @@ class ObjectFeed(SamplerFeed):
         os.ftruncate(fd, OBJECT_DATA_AT)
 
     def _take(self, count: int) -> list:
-        with self.pulling:
-            return list(itertools.islice(self.it, count))
+        return self._values(count)
 
     @staticmethod
     def _joined(parts: list) -> list:
@@ -431,34 +464,73 @@ class BatchFeed(SamplerFeed):
         os.ftruncate(fd, 8 * (2 * OPEN_POSITIONS + 1))  # positions, then offsets (sparse)
         _pwrite_all(fd, np.asarray([-OFFSET_BIAS], np.int64), 8 * OPEN_POSITIONS)
 
-    def feed(self, upto: int) -> None:
+    def feed(self, upto: int, needed: int | None = None) -> None:
         """num_workers=0 reads positions (__getitem__): their batches first."""
-        while self.fed < min(upto, self.kept) and not self.exhausted:
+        while self.fed < min(upto, self.kept) and not self.exhausted and self.failure is None:
             self.feed_batches(self.batches_fed + 1)
+        self._raise_failure_before(min(upto if needed is None else needed, self.kept))
 
-    def feed_batches(self, upto: int) -> None:
+    def feed_batches(self, upto: int, needed: int | None = None) -> None:
         """Run batches below `upto` have their offsets and indices written,
-        or the batch sampler ended before them."""
-        while self.batches_fed < upto and not self.exhausted:
+        or the batch sampler ended or failed before them (self.failure:
+        raised if the batches below `needed`, default upto, are not all
+        fed; NOTE [ Int indices ])."""
+        while self.batches_fed < upto and not self.exhausted and self.failure is None:
             wanted = min(upto - self.batches_fed, _BATCHES_PER_PULL)
-            with self.pulling:  # (a batch may be lazy: its indices are pulled here too)
-                pulled = [self._indices_of(b) for b in itertools.islice(self.it, wanted)]
+            pulled = self._pull_batches(wanted)
             for indices in pulled:
                 if self.fed + len(indices) > self.kept or self.batches_fed >= self.kept:
                     self.exhausted = True  # the bound of an OPEN run: its epoch ends here
                     return
                 self._take_batch(indices)
-            if len(pulled) < wanted:
+            if len(pulled) < wanted and self.failure is None:
                 self.exhausted = True
+        needed = upto if needed is None else needed
+        if self.failure is not None and self.batches_fed < needed and not self.exhausted:
+            raise self.failure.with_traceback(None)
 
-    def _indices_of(self, batch) -> np.ndarray:
+    def whole_batches(self, batches: Batches) -> int:
+        return self.batches_fed
+
+    def _pull_batches(self, wanted: int) -> list:
+        """The indices of up to `wanted` next batches: fewer once the batch
+        sampler ends, or before one that fails (self.failure)."""
+        pulled, position = [], self.pulled
         try:
-            indices = np.fromiter(batch, np.int64)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise TypeError(f"the batch sampler {self.name} yielded, as its batch "
-                            f"{self.epoch_batches}, something that is not a sequence of int "
-                            f"indices ({e}): a batch sampler must yield lists of ints") from None
-        self.epoch_batches += 1
+            with self.pulling:  # (a batch may be lazy: its indices are pulled here too)
+                for batch in itertools.islice(self.it, wanted):
+                    indices = self._indices_of(batch, position)
+                    if self.failure is not None:
+                        break
+                    pulled.append(indices)
+                    position += len(indices)
+        except Exception as e:  # the batch sampler's own error
+            self.failure = e
+        return pulled
+
+    def _indices_of(self, batch, position: int) -> np.ndarray:
+        """A batch's indices as int64, the first at the epoch's `position`
+        (one that is not an int index: self.failure says which)."""
+        k = self.epoch_batches
+        if isinstance(batch, np.ndarray) and batch.ndim == 1 and batch.dtype.kind in "iu":
+            values = batch.tolist()  # (a uint64 past int64 is caught as a Python int's)
+        else:
+            try:
+                values = list(batch)
+            except TypeError:
+                self.failure = TypeError(
+                    f"the batch sampler {self.name} yielded {shown(batch)} (a "
+                    f"{type(batch).__qualname__}) as its batch {k}, which is not a sequence of "
+                    f"indices: {BATCH_RULE}")
+                return np.zeros(0, np.int64)
+        indices, bad = as_int64(values)
+        if bad is not None:
+            self.failure = not_an_int_error(
+                bad, f"the batch sampler {self.name}",
+                f"place {bad.at} of its batch {k} (the epoch's position {position + bad.at})",
+                BATCH_RULE)
+        else:
+            self.epoch_batches += 1
         return indices
 
     def _take_batch(self, indices: np.ndarray) -> None:

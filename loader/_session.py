@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -30,6 +31,7 @@ from loader._pinning import PinnedChunks, cuda_available
 from loader._procs import BATCHER, Role, fork_children, start_error, wait_all
 from loader._shared import LoaderConfig, SharedState
 from loader._slabs import CopiedSlab
+from loader._stats import Task
 from loader._threads import start_threads
 from loader._worker import worker_main
 
@@ -73,6 +75,19 @@ class Session:
         """The worker processes (or threads), without the batcher
         (loader.DataLoader's iterator shows them as `_workers`)."""
         return [c for c in self.procs if c.role != BATCHER]
+
+    def cpu_tasks(self) -> tuple[dict, list]:
+        """(the tasks of each stage of the loading: the workers and the
+        batcher, processes or threads, and the training thread that calls
+        next(); the loader's pids, this process's first), for NOTE [ CPU
+        starvation ] in _stats.py."""
+        threads = self.cfg.threads
+        stages = {"loop": [Task(threading.get_native_id(), thread=True)],
+                  "workers": [Task(c.pid, threads) for c in self.worker_children() if c.pid],
+                  "batcher": [Task(c.pid, threads) for c in self.procs
+                              if c.role == BATCHER and c.pid]}
+        own = [os.getpid()] + ([] if threads else [c.pid for c in self.procs])
+        return stages, own
 
     def add_workers(self, active: int, first_run: int) -> int:
         """num_workers="auto": let `active` workers claim units, starting

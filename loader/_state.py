@@ -4,15 +4,20 @@ A state comes from outside: a checkpoint of another run, of another
 version, truncated, edited, or of another loader.  Every field is checked
 against its type, its range and what this loader is (its dataset's length,
 batch size, seed, sampler, generators) before anything of the loader
-changes, so a bad state is one ValueError naming the field and both
-values, and the loader stays as it was.  See NOTE [ Resuming an epoch ] in
-_progress.py for what the fields mean."""
+changes, so a bad state is one StateError (a ValueError) naming the field
+by its path (map.done_ranges, stream[1].extra) and both values, and the
+loader stays as it was.  A state holds exactly the keys its format
+defines (STATE_KEYS in _progress.py), at every level: a key it lacks is
+refused, and so is one it does not define (an edited state, or one of
+another version), which would otherwise be ignored silently.  See NOTE
+[ Resuming an epoch ] in _progress.py for what the fields mean."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from loader._progress import STATE_FORMAT, STATE_FORMATS_READ
+from loader._errors import StateError
+from loader._progress import STATE_FORMAT, STATE_FORMATS_READ, STATE_KEYS
 
 _RNG_KEYS = ("generator", "global", "sampler")
 
@@ -33,9 +38,17 @@ class Expected(NamedTuple):
                                   # order ] in _order.py)
 
 
-def _fail(field: str, got, expected: str, remedy: str = "") -> ValueError:
+def _fail(field: str, got, expected: str, remedy: str = "") -> StateError:
     text = f"load_state_dict: field {field!r} is {got!r}, but {expected}"
-    return ValueError(f"{text}; {remedy}" if remedy else text)
+    return StateError(f"{text}; {remedy}" if remedy else text)
+
+
+def _path(parent: str, key) -> str:
+    """A field's name in errors: parent.key (parent[key] for a key that is
+    not a name)."""
+    if isinstance(key, str) and key.isidentifier():
+        return f"{parent}.{key}" if parent else key
+    return f"{parent}[{key!r}]"
 
 
 _FOREIGN = ("load a state from state_dict() of a loader of the same dataset and arguments")
@@ -69,22 +82,19 @@ def _positions(field: str, values, low: int, high: int | None) -> None:
 
 
 def check_state(state, exp: Expected) -> None:
-    """Raise ValueError naming the first field of `state` that this loader
+    """Raise StateError naming the first field of `state` that this loader
     cannot resume from."""
     if not isinstance(state, dict):
-        raise ValueError(f"load_state_dict: not a ShmLoader state: a {type(state).__name__}, "
+        raise StateError(f"load_state_dict: not a ShmLoader state: a {type(state).__name__}, "
                          f"not the dict state_dict() returns ({_FOREIGN})")
     if state.get("format") not in STATE_FORMATS_READ:
         raise _fail("format", state.get("format"), f"this loader reads {STATE_FORMATS_READ}: "
                     f"not a ShmLoader state", _FOREIGN)
-    for field in ("epoch", "seed", "rank", "world", "workers", "iterable", "complete", "rng",
-                  "base_seed"):
-        if field not in state:
-            raise ValueError(f"load_state_dict: the state has no field {field!r}: truncated, "
-                             f"or not from state_dict() ({_FOREIGN})")
+    _check_keys(state)
     for field in ("iterable", "complete"):
         if not isinstance(state[field], bool):
             raise _fail(field, state[field], "it must be True or False", _FOREIGN)
+    _check_parts(state)
     if state["iterable"] != exp.iterable:
         kind = "an iterable" if exp.iterable else "a map-style"
         raise _fail("iterable", state["iterable"], f"this loader has {kind} dataset", _FOREIGN)
@@ -105,6 +115,62 @@ def check_state(state, exp: Expected) -> None:
         _check_stream(state, exp)
     else:
         _check_map(state, exp)
+
+
+def _check_keys(state: dict) -> None:
+    """Every key the state's format defines, at every level, and no other
+    (see the module's docstring)."""
+    keys = STATE_KEYS[state["format"]]
+    _keys_of(state, "", keys.required, keys.optional, state["format"])
+    rng = state["rng"]
+    if not isinstance(rng, dict):
+        raise _fail("rng", rng, "it must be a dict of generator states", _FOREIGN)
+    _keys_of(rng, "rng", frozenset(), frozenset(_RNG_KEYS), state["format"])
+    if isinstance(state["map"], dict):
+        _keys_of(state["map"], "map", keys.map, frozenset(), state["format"])
+    if isinstance(state["stream"], list):
+        for w, s in enumerate(state["stream"]):
+            if isinstance(s, dict):
+                _keys_of(s, f"stream[{w}]", keys.stream, frozenset(), state["format"])
+
+
+def _keys_of(d: dict, parent: str, required: frozenset, optional: frozenset,
+             fmt: str) -> None:
+    missing = sorted(required - d.keys())
+    if missing:
+        raise StateError(f"load_state_dict: the state has no field {_path(parent, missing[0])!r}"
+                         f": truncated, or not from state_dict() ({_FOREIGN})")
+    unknown = [key for key in d if key not in required and key not in optional]
+    if unknown:
+        name = _path(parent, unknown[0])
+        why = _WRITTEN_BY_OTHERS.get(name, "edited, or written by another version of the loader "
+                                           "(which this one would misread)")
+        raise StateError(f"load_state_dict: the state has a field {name!r}, which a state of "
+                         f"format {fmt!r} does not define: {why}; {_FOREIGN}, of this "
+                         f"version")
+
+
+# fields of states that other classes' state_dict() write, and what to do
+_WRITTEN_BY_OTHERS = {
+    "sampler_epoch": "loader.DataLoader's states record it (the epoch of a sampler with "
+                     "set_epoch); load this state into a loader.DataLoader"}
+
+
+def _check_parts(state: dict) -> None:
+    """A map-style state's "map" is None (no epoch started) or a dict, and
+    its "stream" None; an iterable one's the other way round."""
+    iterable = state["iterable"]
+    shapes = {"map": (dict, not iterable), "stream": (list, iterable)}
+    for part, (kind, mine) in shapes.items():
+        value = state[part]
+        if value is None:
+            continue
+        if not mine:
+            dataset = "an iterable" if iterable else "a map-style"
+            raise _fail(part, value, f"the state is of {dataset} dataset (iterable={iterable}),"
+                        f" whose {part!r} is None", _FOREIGN)
+        if not isinstance(value, kind):
+            raise _fail(part, value, f"it must be None or a {kind.__name__}", _FOREIGN)
 
 
 def _check_identity(state: dict, exp: Expected) -> None:
@@ -132,19 +198,14 @@ def _check_identity(state: dict, exp: Expected) -> None:
 
 
 def _check_rng(state: dict, exp: Expected) -> None:
-    rng = state["rng"]
-    if not isinstance(rng, dict):
-        raise _fail("rng", rng, "it must be a dict of generator states", _FOREIGN)
-    for key, value in rng.items():
-        if key not in _RNG_KEYS:
-            raise _fail("rng", key, f"its keys are {_RNG_KEYS}", _FOREIGN)
+    for key, value in state["rng"].items():  # (its keys: _check_keys)
         if key not in exp.rng_bytes:
-            raise _fail(f"rng[{key!r}]", f"{len(value) if isinstance(value, bytes) else value}",
+            raise _fail(_path("rng", key), f"{len(value) if isinstance(value, bytes) else value}",
                         "this loader has no such generator (a generator= or a sampler's "
                         "generator it was made without)", _FOREIGN)
         if not isinstance(value, bytes) or len(value) != exp.rng_bytes[key]:
             got = f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
-            raise _fail(f"rng[{key!r}]", got, f"this loader's generator state is "
+            raise _fail(_path("rng", key), got, f"this loader's generator state is "
                         f"{exp.rng_bytes[key]} bytes", _FOREIGN)
 
 

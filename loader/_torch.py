@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data._utils.collate import default_collate, default_convert
 from torch.utils.data.dataloader import _DatasetKind
 
-from loader._errors import LoaderTimeout, WorkerError
+from loader._errors import LoaderTimeout, StateError, WorkerError
 from loader._frozen_state import FrozenState
 from loader._loader import ShmLoader, follow_torch_rules, worker_children
 from loader._procs import wait_all
@@ -222,11 +222,11 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
             state = dict(state)
             sampler_epoch = state.pop("sampler_epoch")
             if not isinstance(sampler_epoch, int) or isinstance(sampler_epoch, bool):
-                raise ValueError(f"load_state_dict: field 'sampler_epoch' is {sampler_epoch!r}, "
+                raise StateError(f"load_state_dict: field 'sampler_epoch' is {sampler_epoch!r}, "
                                  f"but it must be an int; load a state from state_dict() of a "
                                  f"loader of the same dataset and arguments")
             if self._pool.order is None or epoch_sampler(self._pool.order.source) is None:
-                raise ValueError("load_state_dict: the state records the epoch of a sampler "
+                raise StateError("load_state_dict: the state records the epoch of a sampler "
                                  "with set_epoch (sampler_epoch), but this loader's sampler has "
                                  "none; load a state of a loader with the same sampler")
         shm.load_state_dict(state)
