@@ -46,8 +46,8 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
-        depends=["shmq/shmq_sync.h", "shmq/sync.pxd", "loader/_rowwriter.pxi", "loader/_leases.pxi",
-                 "loader/_permutation.pxi"],
+        depends=["shmq/shmq_sync.h", "shmq/sync.pxd", "loader/native/rowwriter.pxi", "loader/native/leases.pxi",
+                 "loader/native/permutation.pxi"],
     ),
 ]
 

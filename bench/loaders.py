@@ -158,7 +158,7 @@ def make(kind, dataset_kwargs, workers, dataset=W1, batch_size=BATCH):
 def seeding_cost_us(repeats=20000):
     """What reproducible=True adds per sample, in one process: seeding
     random, numpy's global generator and torch's from (seed, epoch, index)."""
-    from loader._seeding import SampleSeeder
+    from loader.worker.seeding import SampleSeeder
 
     seeder = SampleSeeder(0)
     t0 = time.perf_counter()

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from loader import ShmLoader  # noqa: E402
-from loader._trace import LOAD, TraceLog  # noqa: E402
+from loader.shared.trace import LOAD, TraceLog  # noqa: E402
 from report import machine  # noqa: E402
 
 

@@ -18,13 +18,13 @@ One word per thing, in code, comments, messages and docs:
 - run: one pass over the data as the processes carry it out: an epoch,
   or what is left of one after load_state_dict.  Runs have ids never
   reused in a loader's life; two can be live (the next epoch's, started
-  ahead).  NOTE [ Runs ] in _control.py; main's book of them: _runs.py.
+  ahead).  NOTE [ Runs ] in shared/control.py; main's book of them: main/runs.py.
 - plan: what main decided about a run before starting it: the order,
-  how positions fall into batches, what the workers claim (_planning.py);
-  the planner draws what it needs from the generators (_epoch_planner.py).
+  how positions fall into batches, what the workers claim (order/planning.py);
+  the planner draws what it needs from the generators (main/planner.py).
 - feed: a user's sampler or batch sampler pulled a window ahead of the
   workers into the run's order file (NOTE [ Streamed samplers ] in
-  _sampler_feed.py); an OPEN run is one whose length a feed learns late.
+  order/feed.py); an OPEN run is one whose length a feed learns late.
 - position: a place in a run's order; index: what dataset[...] gets at
   that position (order[position]).
 - unit: what a worker claims at once with the run's CURSOR: a position,
@@ -34,37 +34,37 @@ One word per thing, in code, comments, messages and docs:
 - arena: the one shared memory region batches live in; slab: one batch's
   bytes in it; the pool: the arena's slabs, at most memory_cap_bytes.
 - layout: where each array of a batch goes in its slab, decided from
-  the first sample's structure and dtypes (_layout.py).
+  the first sample's structure and dtypes (shared/layout.py).
 - batcher: the child process that lays batches out: it picks a slab for
   each batch, publishes its layout in the table so that workers write
   rows straight into it, and tells main when every row is written.  It
   writes a row itself only when a sample does not fit the layout.
 - table: the shared batch table, one entry per batch in flight (slab
-  offset, layout digest, row count) (_table.py).
+  offset, layout digest, row count) (shared/table.py).
 - lease: main's hold on a slab while any array of its batch is alive;
   kept batch: one the loop still holds after asking for the next
-  (NOTE [ Kept batch memory ] in _leases.pxi).
+  (NOTE [ Kept batch memory ] in native/leases.pxi).
 - bell: a futex word a process sleeps on and another rings after a
   change (shmq_sync.h).
 - spill: a worker's region for what does not fit a ring message, large
-  bytes and str leaves (NOTE [ Spilled messages ] in _spill.py).
+  bytes and str leaves (NOTE [ Spilled messages ] in shared/spill.py).
 - session: a started loader's processes and shared memory, from its
-  first iter() to its shutdown (_session.py).
+  first iter() to its shutdown (main/session.py).
 """
 
-from loader._errors import TraceWriteError
-from loader._files import FileArray, FileDataset
-from loader._layout import BatchMismatch, CollateError, UnsupportedLeaf
-from loader._errors import StateError
-from loader._loader import LoaderTimeout, ShmLoader, WorkerError
-from loader._parquet import ParquetDataset
-from loader._procs import LoaderStartError
-from loader._stats import DataStallWarning
-from loader._seeding import WorkerInfo, get_worker_info
-from loader.integrations import ray as _ray_integration
+from loader.errors import TraceWriteError
+from loader.datasets.files import FileArray, FileDataset
+from loader.shared.layout import BatchMismatch, CollateError, UnsupportedLeaf
+from loader.errors import StateError
+from loader.main.loader import LoaderTimeout, ShmLoader, WorkerError
+from loader.datasets.parquet import ParquetDataset
+from loader.main.procs import LoaderStartError
+from loader.main.stats import DataStallWarning
+from loader.worker.seeding import WorkerInfo, get_worker_info
+from loader.torch.integrations import ray as _ray_integration
 
 # Ray Train's prepare_data_loader rebuilds loaders as torch's class and wraps
-# them: make it keep ShmLoader and DataLoader (loader/integrations/ray.py),
+# them: make it keep ShmLoader and DataLoader (loader/torch/integrations/ray.py),
 # whenever ray.train.torch is imported (NOTE [ Installing the integrations ]).
 _ray_integration.install_when_imported()
 
@@ -85,7 +85,7 @@ def __getattr__(name):
                 "loader.DataLoader is PyTorch's DataLoader running on ShmLoader, so it needs "
                 "PyTorch: pip install torch (or use loader.ShmLoader, which does not)",
                 name="torch") from exc
-        from loader._torch import DataLoader
+        from loader.torch.dataloader import DataLoader
 
         return DataLoader
     raise AttributeError(f"module 'loader' has no attribute {name!r}")

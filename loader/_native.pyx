@@ -117,16 +117,16 @@ cdef class Bell:
         return bool(ready())
 
 
-include "_warm.pxi"
-include "_rowwriter.pxi"
-include "_leases.pxi"
-include "_permutation.pxi"
+include "native/warm.pxi"
+include "native/rowwriter.pxi"
+include "native/leases.pxi"
+include "native/permutation.pxi"
 
 
 cdef class RunCounters:
     """A worker's hot path into the ctl words of NOTE [ Runs ]: claiming the
     next unit of a run and checking main's limit, without Python calls.
-    The word layout comes from _control.py (RUN_LAYOUT: one source)."""
+    The word layout comes from shared/control.py (RUN_LAYOUT: one source)."""
 
     cdef object ctl_array
     cdef int64_t *ctl

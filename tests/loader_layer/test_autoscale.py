@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from loader import ShmLoader
-from loader._autoscale import cpu_count, default_max_workers
+from loader.main.autoscale import cpu_count, default_max_workers
 from shared_datasets import Filled
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,8 +1,8 @@
 """Main's per-batch path (issue 16, W12 main-thread CPU): a batch's arrays
 are built from a leaf plan compiled once per distinct spec (Materializer in
-_materialize.py, SlabLease.arrays in _leases.pxi), and a BatchReady crosses the
+main/materialize.py, SlabLease.arrays in native/leases.pxi), and a BatchReady crosses the
 to_main ring in a wire form of plain tuples (batch_ready_wire in
-_shared.py).  These tests check exact contents, never speed: batches held
+shared/memory.py).  These tests check exact contents, never speed: batches held
 across layout changes, a second iterator, kept batches moved out of the
 pool, every container shape and output the plans take.  Every loader test
 is time-limited; the autouse guards (conftest.py) check that nothing is
@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from loader import ShmLoader
-from loader import _protocol
-from loader._layout import ArrayLeaf, Spec, Value
-from loader._materialize import Materializer
-from loader._shared import batch_ready_from_wire, batch_ready_wire
-from loader._slabs import Slab
+from loader.shared import messages as _protocol
+from loader.shared.layout import ArrayLeaf, Spec, Value
+from loader.main.materialize import Materializer
+from loader.shared.memory import batch_ready_from_wire, batch_ready_wire
+from loader.batcher.slabs import Slab
 
 torch = pytest.importorskip("torch")
 from loader import DataLoader  # noqa: E402  (needs torch)

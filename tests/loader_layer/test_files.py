@@ -153,7 +153,7 @@ def test_a_symlink_to_a_directory_outside_the_tree_is_followed(tmp_path):
 
 def test_the_walk_matches_what_glob_matches_without_symlinks(tmp_path):
     import glob
-    from loader._files import match_files
+    from loader.datasets.files import match_files
     for d in ("a/b/c", ".h/x", "d"):
         (tmp_path / d).mkdir(parents=True)
     for f in ("x.npy", "a/y.npy", "a/b/z.npy", "a/b/c/w.npy", ".h/x/q.npy", ".h/r.npy",
@@ -194,7 +194,7 @@ def test_an_unreadable_directory_gives_one_warning_naming_it(tmp_path, monkeypat
 
 
 def test_the_walk_is_cut_at_max_depth_with_a_warning(tmp_path, monkeypatch):
-    from loader import _files
+    from loader.datasets import files as _files
     monkeypatch.setattr(_files, "MAX_DEPTH", 3)
     deep = tmp_path / "1" / "2" / "3" / "4"
     deep.mkdir(parents=True)
@@ -213,7 +213,7 @@ def test_a_path_replaced_by_a_fifo_or_device_mid_epoch_is_an_error_and_the_epoch
     The open never blocks; the fd's fstat refuses what is not a regular
     file; the error names the path and the sample, and the rest of the
     epoch arrives."""
-    from loader._files import NotARegularFile
+    from loader.datasets.files import NotARegularFile
     for i in range(64):
         write(tmp_path, i, (8,))
     with ShmLoader(FileDataset(str(tmp_path / "*.npy")), batch_size=4, num_workers=2,
@@ -241,7 +241,7 @@ def test_a_path_replaced_by_a_fifo_or_device_mid_epoch_is_an_error_and_the_epoch
 
 
 def test_dataset_getitem_refuses_a_fifo_without_blocking(tmp_path):
-    from loader._files import NotARegularFile
+    from loader.datasets.files import NotARegularFile
     write(tmp_path, 0, (2,))
     (tmp_path / "r.bin").write_bytes(b"abc")
     ds, raw = FileDataset(str(tmp_path / "*.npy")), FileDataset(str(tmp_path / "*.bin"))

@@ -1,5 +1,5 @@
 """What a forked process holds, and what moves out of the pool (issue 28,
-items 1-4; NOTE [ Kept batch memory ] in _leases.pxi).
+items 1-4; NOTE [ Kept batch memory ] in native/leases.pxi).
 
 A process forked from the training process (an async checkpoint, an
 evaluation helper, a multiprocessing 'fork' Process, another loader's

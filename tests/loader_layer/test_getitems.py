@@ -4,7 +4,7 @@ with the batch's indices, as torch's _MapDatasetFetcher does, in ShmLoader
 its samples land in their rows.  Errors name the batch's indices and the
 epoch goes on; a wrong return is a typed error naming the class;
 reproducible=True seeds once per call; state_dict() resumes exactly.  See
-NOTE [ Batched fetch ] in loader/_fetch.py."""
+NOTE [ Batched fetch ] in loader/worker/fetch.py."""
 
 import pickle
 import random

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from loader import FileDataset, ShmLoader, WorkerError
-from loader._runs import Runs
+from loader.main.runs import Runs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -251,10 +251,10 @@ UNDER_RLIMIT_AS = textwrap.dedent("""
     limit = int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     import numpy as np
-    import loader._spill
+    import loader.shared.spill
     from loader import ShmLoader
     if len(sys.argv) > 3:  # os.sysconf on a machine of that much RAM
-        loader._spill.ram_bytes = lambda: int(sys.argv[3])
+        loader.shared.spill.ram_bytes = lambda: int(sys.argv[3])
 
     class Mixed:  # 20 MB of bytes a sample: its values travel in the spill heap
         def __len__(self): return 64

@@ -1,7 +1,7 @@
 """Any batch, held any way (issue 13, items 1-3): non-array leaves of any
-size reach the training loop (NOTE [ Spilled messages ] in _spill.py), and
+size reach the training loop (NOTE [ Spilled messages ] in shared/spill.py), and
 what the training loop keeps of a batch never stalls the loader nor costs
-more than PyTorch's copy would (NOTE [ Kept batch memory ] in _leases.pxi).
+more than PyTorch's copy would (NOTE [ Kept batch memory ] in native/leases.pxi).
 Every test is time-limited; the autouse guards (conftest.py) check that
 nothing is left in /dev/shm and that no process outlives its test."""
 
@@ -15,7 +15,7 @@ import pytest
 
 import loader as loader_module
 from loader import ShmLoader, WorkerError
-from loader._session import Session
+from loader.main.session import Session
 
 torch = pytest.importorskip("torch")
 from loader import DataLoader  # noqa: E402  (needs torch)
@@ -95,7 +95,7 @@ def test_rows_of_bytes_go_to_main_by_reference_and_the_heap_stays_warm_and_small
     block once (stats' spilled_bytes counts them), and the heap's resident
     pages stay within the regions' windows instead of growing with the
     bytes sent."""
-    from loader._spill import RETAIN_BYTES
+    from loader.shared.spill import RETAIN_BYTES
 
     n, size = 512, 200_000
     with ShmLoader(Raw(n, size, text=False), batch_size=64, num_workers=2, timeout=60) as ld:
@@ -165,7 +165,7 @@ def test_a_row_of_values_over_the_old_ring_size_in_thread_mode_too():
 
 def test_spill_blocks_free_in_any_order_reuse_warm_pages_and_give_big_pages_back():
     import shmq
-    from loader._spill import RETAIN_BYTES, SpillHeap, SpillWriter, Spilled
+    from loader.shared.spill import RETAIN_BYTES, SpillHeap, SpillWriter, Spilled
 
     heap = SpillHeap(2, region_bytes=512 * MiB)
     ring = shmq.Queue(1 * MiB, anonymous=True)
@@ -209,7 +209,7 @@ def test_spill_blocks_freed_late_and_out_of_order_are_never_overwritten():
     slow row holds its rows' blocks): the writer never waits, reuses the
     window's pages once the late ones are freed, and every block reads
     back exactly."""
-    from loader._spill import RETAIN_BYTES, SpillHeap, SpillWriter
+    from loader.shared.spill import RETAIN_BYTES, SpillHeap, SpillWriter
 
     heap = SpillHeap(1, region_bytes=1024 * MiB)
     w = SpillWriter(heap, 0)
@@ -239,7 +239,7 @@ def test_spill_blocks_freed_late_and_out_of_order_are_never_overwritten():
 
 
 def test_a_rows_values_travel_raw_by_reference_and_come_back_exact():
-    from loader._spill import SPILL_BYTES, SpillHeap, SpillWriter, Spilled
+    from loader.shared.spill import SPILL_BYTES, SpillHeap, SpillWriter, Spilled
 
     class Tagged(bytes):
         pass

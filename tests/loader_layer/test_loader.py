@@ -357,7 +357,7 @@ class FreshBuffers:
 def test_worker_processes_reuse_a_samples_freed_buffers():
     """glibc maps every allocation over 128 KiB anew and faults its pages
     in (256 a MiB), then unmaps it, unless told to keep freed memory: a
-    worker process keeps it (keep_freed_memory in _worker.py), so after its
+    worker process keeps it (keep_freed_memory in worker/worker.py), so after its
     first samples a sample's buffers cost no faults.  Measured: 1.9 ms a
     JPEG decode without, 1.4 ms with."""
     with ShmLoader(FreshBuffers(), batch_size=8, num_workers=2) as loader:
@@ -624,7 +624,7 @@ def test_fork_after_threads_warns_with_the_remedy_once_per_process(monkeypatch):
     every epoch)."""
     import threading
 
-    from loader import _procs
+    from loader.main import procs as _procs
 
     monkeypatch.setattr(_procs, "_advised_threads", False)
     stop = threading.Event()
@@ -684,7 +684,7 @@ def test_abandoned_iterators_release_the_batches_they_buffered(cap):
     ended: a pool of two batches waited until the timeout, one run in two;
     a pool of one batch (a slab is whole pages: NOTE [ Kept batch memory ])
     one run in six, its slab laid out for the batch after the one that
-    waited: NOTE [ Memory goes to batches in order ] in _batcher_runs.py)."""
+    waited: NOTE [ Memory goes to batches in order ] in batcher/runs.py)."""
     class SlowFirst(Numbers):
         def __getitem__(self, i):
             if i == 0:

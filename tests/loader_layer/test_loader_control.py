@@ -15,9 +15,9 @@ import pytest
 
 from conftest import descendants, wait_until
 from loader import ShmLoader, WorkerError
-from loader._layout import Layout, signature
-from loader._order import epoch_order
-from loader._slabs import slab_bytes as pool_bytes
+from loader.shared.layout import Layout, signature
+from loader.order.indices import epoch_order
+from loader.batcher.slabs import slab_bytes as pool_bytes
 from shared_datasets import Filled
 
 pytestmark = pytest.mark.timeout(120)

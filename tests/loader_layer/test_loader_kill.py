@@ -33,7 +33,7 @@ from killkit import (Program, assert_nothing_left, kill_pids, loader_program, rn
                      shm_entries_of)
 from measure import record
 from loader import ShmLoader, WorkerError
-from loader._procs import BATCHER
+from loader.main.procs import BATCHER
 from shared_datasets import Filled
 
 pytestmark = pytest.mark.timeout(120)
@@ -133,7 +133,7 @@ def _signal_at_random_moment(rng, phase: str, sig: int, group: bool) -> tuple[Pr
 
 def _child_noise(err: str) -> list[str]:
     """Lines of stderr that come from the loader's children."""
-    markers = ("_worker.py", "_batcher.py", "_child_main", "Fatal Python error", "ShmLoader worker",
+    markers = ("worker/worker.py", "batcher/batcher.py", "_child_main", "Fatal Python error", "ShmLoader worker",
                "ShmLoader the batcher")
     return [line for line in err.splitlines() if any(m in line for m in markers)]
 
@@ -700,7 +700,7 @@ def test_start_failure_with_no_fd_free_names_ulimit():
     process that leaks fds).  Expected: LoaderStartError naming `ulimit -n`,
     nothing left.  Before the fix: OSError: [Errno 24] Too many open files, raised
     by os.memfd_create (or the rings' memfds) in SharedState.__init__
-    (_shared.py), which _start calls outside fork_children's EMFILE
+    (shared/memory.py), which _start calls outside fork_children's EMFILE
     handling; the same with 1 or 2 fds free."""
     _assert_start_error(_start_failure("none-free")["0"])
 
@@ -905,7 +905,7 @@ def test_ctrl_c_while_a_batch_is_released_interrupts_the_loop():
     567455326): a SIGINT that arrived while a batch's slab finalizer (then
     Python: weakref.finalize) ran was printed as 'Exception ignored in:
     <finalize object>' and dropped, and the training loop went on.  The
-    release is compiled now (LeaseBook in _leases.pxi) and runs no Python
+    release is compiled now (LeaseBook in native/leases.pxi) and runs no Python
     bytecode: here the SIGINT is raised from inside it (a compiled test
     hook), the moment the training loop drops the previous batch, and
     KeyboardInterrupt must reach the loop at once, with nothing on stderr.

@@ -11,13 +11,13 @@ import time
 import numpy as np
 import pytest
 
-from loader import _control
-from loader import _layout
-from loader import _order
+from loader.shared import control as _control
+from loader.shared import layout as _layout
+from loader.order import indices as _order
 from loader import _native
-from loader import _table
+from loader.shared import table as _table
 from loader._native import Bell, LeaseBook
-from loader._slabs import SlabAllocator
+from loader.batcher.slabs import SlabAllocator
 
 import shmq
 
@@ -49,7 +49,7 @@ def test_allocation_is_first_fit_in_whole_pages_and_refuses_when_full():
 
 
 def test_lease_ids_count_up_reuse_the_last_released_and_run_out_at_max_leases(monkeypatch):
-    from loader import _slabs
+    from loader.batcher import slabs as _slabs
 
     monkeypatch.setattr(_slabs, "MAX_LEASES", 16)  # (65,536 in use: the same, only slower)
     a, released, _ = allocator(32 * P)

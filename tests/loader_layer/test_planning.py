@@ -1,14 +1,14 @@
 """plan_run() on its own: a run's order, positions, batches and units,
-decided from PlanRules without a process or shared memory (_planning.py)."""
+decided from PlanRules without a process or shared memory (order/planning.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from loader import _order
-from loader._planning import PlanRules, order_of, plan_run, settled_plan
-from loader._sampler_feed import BatchFeed, ObjectFeed, SamplerFeed
+from loader.order import indices as _order
+from loader.order.planning import PlanRules, order_of, plan_run, settled_plan
+from loader.order.feed import BatchFeed, ObjectFeed, SamplerFeed
 
 
 def rules(n=10, **kw) -> PlanRules:

@@ -1,5 +1,5 @@
 """A batch laid out again never hangs a small pool (NOTE [ Memory goes to
-batches in order ] in loader/_batcher_runs.py).
+batches in order ] in loader/batcher/runs.py).
 
 A batch is laid out again when the layout guessed from the batch before
 has the wrong shape (bucketing), and when a later row's dtype promotes the
@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from loader import LoaderTimeout, ShmLoader, get_worker_info
-from loader._layout import Layout, signature
-from loader._slabs import slab_bytes as pool_bytes
+from loader.shared.layout import Layout, signature
+from loader.batcher.slabs import slab_bytes as pool_bytes
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -2,7 +2,7 @@
 loader given the state yields exactly the remaining batches of that epoch
 (in order; in first-ready mode the remaining samples exactly once), then
 the following epochs as an uninterrupted run would (issue 8).  See NOTE
-[ Resuming an epoch ] in loader/_progress.py."""
+[ Resuming an epoch ] in loader/order/progress.py."""
 
 import pickle
 import random
@@ -518,7 +518,7 @@ def test_every_modes_state_has_its_formats_keys_and_round_trips(mode):
     pulled ahead): exactly the keys STATE_KEYS defines for its format at
     every level (plus loader.DataLoader's sampler_epoch), and a new loader
     given it, pickled, yields exactly what the original went on to yield."""
-    from loader._progress import STATE_FORMAT, STATE_KEYS
+    from loader.order.progress import STATE_FORMAT, STATE_KEYS
 
     state, rest = _state_and_rest(mode)
     keys = STATE_KEYS[STATE_FORMAT]

@@ -5,7 +5,7 @@ position, the value and its type, raised by the next() whose batch holds
 it, after exactly the batches before it; again at every next() of that
 epoch; and a new iter() starts afresh.  Integers in Python's own sense
 (operator.index: numpy and torch integers) load as the same sample.  See
-NOTE [ Int indices ] in loader/_int_indices.py."""
+NOTE [ Int indices ] in loader/order/int_indices.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Issue 19: an epoch's cost independent of the dataset's size.
 
 The seeded order is a bijection computed per position (NOTE [ The seeded
-order ] in loader/_order.py): checked here exhaustively for small n,
+order ] in loader/order/indices.py): checked here exhaustively for small n,
 sampled near 2**31 and 2**33, against a plain-Python rendering of the
 documented generator, across epochs, seeds, worker counts, ordering modes
 and ranks; then whole loaders over 10,000,000 and 2,000,000,000 samples,
@@ -17,7 +17,7 @@ import pytest
 
 from loader import ShmLoader
 from loader._native import SeededOrder
-from loader._order import epoch_order, shard
+from loader.order.indices import epoch_order, shard
 from capped import run_capped
 from shared_datasets import Ids
 
@@ -227,7 +227,7 @@ def test_first_ready_ranges_stay_few_and_merge():
     """The delivered positions past the prefix are kept as ranges: a
     batch delivered ahead of the prefix is one range; the prefix swallows
     it when the gap fills."""
-    from loader._progress import DonePositions
+    from loader.order.progress import DonePositions
 
     d = DonePositions()
     d.mark(np.arange(100, 200))
@@ -277,7 +277,7 @@ def test_a_format_1_state_loads_unless_it_is_an_old_seeded_shuffle_in_progress()
 _HUGE = """
     import pickle
     from loader import ShmLoader
-    from loader._order import computed_order
+    from loader.order.indices import computed_order
 
     def tree_kb(ld):
         kids = [c.pid for c in ld._session.procs]
@@ -415,7 +415,7 @@ def test_more_than_2_32_units_is_a_clear_error_and_whole_batches_go_past_it():
     """A run's cursor counts units in 32 bits: 5,000,000,000 samples claimed
     one by one is a ValueError saying so and what to do; claimed as whole
     batches (a collate_fn) the epoch starts, in the seeded order."""
-    from loader._order import ORDER_PERMUTATION, computed_order
+    from loader.order.indices import ORDER_PERMUTATION, computed_order
 
     n = 5_000_000_000
     with ShmLoader(Ids(n), batch_size=512, shuffle=True, seed=1, num_workers=2) as ld:

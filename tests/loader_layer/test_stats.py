@@ -18,8 +18,8 @@ import pytest
 
 import shmq
 from loader import DataStallWarning, ShmLoader
-from loader import _stats
-from loader._slabs import slab_bytes
+from loader.main import stats as _stats
+from loader.batcher.slabs import slab_bytes
 from shared_datasets import Filled
 
 pytestmark = pytest.mark.timeout(90)
@@ -222,7 +222,7 @@ def test_a_clock_not_started_yet_counts_as_waiting():
 
 
 # --- CPU starvation: other programs holding the CPUs (issue 28, item 14) ---------------
-# NOTE [ CPU starvation ] in loader/_stats.py
+# NOTE [ CPU starvation ] in loader/main/stats.py
 
 # the README's first example as it was measured under 4 busy programs on 2 CPUs: "neither
 # the 4 workers (53% busy) nor the batcher were saturated: raise prefetch"

@@ -1,7 +1,7 @@
 """Issue 19, samplers: a sampler without len() (finite, a billion indices,
 or never ending) is pulled a bounded window ahead of the workers, and the
 epoch's length is learnt when it ends (NOTE [ Streamed samplers ] in
-loader/_sampler_feed.py, OPEN in NOTE [ Runs ] in loader/_control.py)."""
+loader/order/feed.py, OPEN in NOTE [ Runs ] in loader/shared/control.py)."""
 
 from __future__ import annotations
 
@@ -582,7 +582,7 @@ def test_an_object_feeds_file_gives_back_what_was_delivered_and_reads_the_rest()
     """ObjectFeed's order file, as main and a worker see it: keys below
     what the loop received are given back (rows and pickles: they read as
     unknown), the others read exactly (ObjectOrder, one key or a slice)."""
-    from loader._sampler_feed import ObjectFeed, ObjectOrder
+    from loader.order.feed import ObjectFeed, ObjectOrder
 
     n = 300_000
     fd = os.memfd_create("object-feed-test")

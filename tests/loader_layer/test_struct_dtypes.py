@@ -2,7 +2,7 @@
 
 Structured dtypes keep their fields, names, offsets, itemsize, titles and
 alignment through shmq and the loader (NOTE [ Dtype codes ] in
-loader/_layout.py); two structured dtypes of one itemsize in one batch, or
+loader/shared/layout.py); two structured dtypes of one itemsize in one batch, or
 a structured and a plain one, are a BatchMismatch, never stacked or
 promoted; a V0 leaf or .npy file is an UnsupportedLeaf naming the leaf,
 the sample index and the file."""
@@ -15,7 +15,7 @@ import pytest
 
 import shmq
 from loader import BatchMismatch, FileDataset, ShmLoader, UnsupportedLeaf
-from loader import _layout
+from loader.shared import layout as _layout
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,6 +1,6 @@
 """A pool of exactly one batch never stalls the loader (NOTE [ Memory goes
-to batches in order ] in loader/_batcher_runs.py, and batches main holds back in
-NOTE [ Kept batch memory ] in loader/_leases.pxi).
+to batches in order ] in loader/batcher/runs.py, and batches main holds back in
+NOTE [ Kept batch memory ] in loader/native/leases.pxi).
 
 With memory_cap_bytes at one slab, every batch waits for the one before it
 to be handed out and dropped.  Before, the loader waited until its timeout

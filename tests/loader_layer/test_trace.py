@@ -1,5 +1,5 @@
 """ShmLoader(trace=PATH) and DataLoader(trace=PATH): the Chrome-trace /
-Perfetto JSON of a run (issue 16; NOTE [ Trace records ] in loader/_trace.py).
+Perfetto JSON of a run (issue 16; NOTE [ Trace records ] in loader/shared/trace.py).
 
 Counts are asserted exactly against what the run did (the dataset records
 which process loaded each sample) and against stats() of the same run.
@@ -363,7 +363,7 @@ def test_the_trace_never_writes_through_a_planted_symlink(procs, shared_dir, tmp
 
 
 def test_the_new_file_beside_the_trace_has_a_new_random_name(tmp_path):
-    from loader._trace import create_beside
+    from loader.shared.trace import create_beside
 
     path = str(tmp_path / "run.json")
     made = set()

@@ -1,5 +1,5 @@
 """Warm-up of the batch arena (issue 16; NOTE [ Warming the arena ] in
-loader/_warm.pxi): the mechanism, not its speed (bench/loaders.py W1's
+loader/native/warm.pxi): the mechanism, not its speed (bench/loaders.py W1's
 "new loader, first 3 epochs" row measures that).
 
 What the arena's memfd has allocated is its st_blocks; what one process
@@ -15,8 +15,8 @@ import pytest
 
 from loader import ShmLoader
 from loader._native import arena_array
-from loader._slabs import slab_bytes
-from loader._warmup import ArenaWarmer
+from loader.batcher.slabs import slab_bytes
+from loader.batcher.warmup import ArenaWarmer
 
 from conftest import descendants
 

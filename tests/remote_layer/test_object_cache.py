@@ -1,5 +1,5 @@
 """The object cache on its own (NOTE [ The object cache ] in
-loader/remote/cache.py): identity, the size bound, what is evicted and
+loader/datasets/remote/cache.py): identity, the size bound, what is evicted and
 what never is, jobs that die at any moment, an index lost or corrupt."""
 
 import multiprocessing as mp
@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from loader.remote.cache import COMPLETE, Entry, NoRoom, ObjectCache, Reservation, path_of
+from loader.datasets.remote.cache import COMPLETE, Entry, NoRoom, ObjectCache, Reservation, path_of
 
 pytestmark = pytest.mark.timeout(120)
 KiB = 1 << 10

@@ -1,7 +1,7 @@
 """No module in loader/ reads another object's private attributes: what one
 part of the loader may ask of another is that part's public methods and
 attributes (an epoch talks to its loader through EpochHost and EpochOwner,
-_runs.py; planning through EpochPlanner, _epoch_planner.py), so a newcomer
+main/runs.py; planning through EpochPlanner, main/planner.py), so a newcomer
 can change a class without grepping the package for its insides (issue
 17, point 1).  A read `x._name` is allowed when x is self or cls, a module
 (a private module of this package, or a library's), or the object is of a
@@ -18,8 +18,8 @@ LOADER = Path(__file__).resolve().parents[2] / "loader"
 # Reads of other libraries' insides, each needed and each the library's
 # own recipe or the only handle there is: (file, the expression).
 THIRD_PARTY = {
-    ("_seeding.py", "torch_worker._worker_info"),  # torch's get_worker_info() reads this global
-    ("_seeding.py", "np.random.mtrand._rand"),     # numpy's global RandomState
+    ("seeding.py", "torch_worker._worker_info"),  # torch's get_worker_info() reads this global
+    ("seeding.py", "np.random.mtrand._rand"),     # numpy's global RandomState
     ("ray.py", "mod._WrappedDataLoader"),           # Ray Train's device-moving wrapper class
     ("accelerate.py", "keeping._keeps_loader"),     # a marker this package sets on a function
     ("ray.py", "keeping._keeps_loader"),
@@ -53,7 +53,7 @@ def private_reads(path: Path) -> list[str]:
             continue
         if isinstance(base, ast.Call) and getattr(base.func, "id", None) == "super":
             continue
-        # a parameter annotated with a class of this module (loader: ShmLoader in _loader.py)
+        # a parameter annotated with a class of this module (loader: ShmLoader in main/loader.py)
         if isinstance(base, ast.Name) and (id(base), base.id) in typed_own:
             continue
         # self._iterator._reset: an attribute of self holding a class of this module

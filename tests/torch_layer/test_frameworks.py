@@ -25,7 +25,7 @@ pytest.importorskip("torch")
 ROOT = Path(__file__).parents[2]
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 N = 96  # the scripts' dataset (lightning_run.py, accelerate_epochs.py)
-OURS = "loader._torch.DataLoader"
+OURS = "loader.torch.dataloader.DataLoader"
 
 
 def _env() -> dict:

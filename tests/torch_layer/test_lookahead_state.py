@@ -1,9 +1,9 @@
 """A state taken through a wrapper that pulls batches ahead of the training
 loop counts only what the loop received (NOTE [ A state through a
-look-ahead wrapper ] in loader/_frozen_state.py): freeze_state() before
+look-ahead wrapper ] in loader/main/lookahead.py): freeze_state() before
 each look-ahead, thaw_state() when the pass ends.  Checked with a wrapper
 written as Ray Train's device mover is (one batch ahead), and with Ray's
-own mover as loader.integrations.ray subclasses it, without a cluster."""
+own mover as loader.torch.integrations.ray subclasses it, without a cluster."""
 
 import pickle
 
@@ -39,7 +39,7 @@ class Stream(torch.utils.data.IterableDataset):
 class OneAhead:
     """Ray's _WrappedDataLoader's look-ahead (a batch pulled at iter() and
     inside each __next__ before the held one is returned), freezing the
-    loader's state before each pull as loader.integrations.ray's does."""
+    loader's state before each pull as loader.torch.integrations.ray's does."""
 
     def __init__(self, loader, freeze=True):
         self.loader, self.freeze = loader, freeze
@@ -152,12 +152,12 @@ def test_a_frozen_state_is_kept_until_thawed_or_iterated_again():
 
 def test_rays_device_mover_as_the_integration_subclasses_it():
     """ray.train.torch's _WrappedDataLoader, subclassed by
-    loader.integrations.ray (what prepare_data_loader returns with
+    loader.torch.integrations.ray (what prepare_data_loader returns with
     move_to_device=True), on a DataLoader and a ShmLoader: its state_dict()
     counts the batches the loop received, load_state_dict() resumes the
     rest exactly once, and a pass run to its end leaves the state complete."""
     pytest.importorskip("ray.train.torch")
-    from loader.integrations.ray import wrapper_class
+    from loader.torch.integrations.ray import wrapper_class
 
     mover = wrapper_class()
     for make in (MAKERS["DataLoader-shuffle"], MAKERS["ShmLoader-shuffle"]):

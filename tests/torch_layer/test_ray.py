@@ -35,7 +35,7 @@ pytestmark = pytest.mark.timeout(400)  # the first test pays for the cluster's r
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "ray_train_run.py"
 N, BATCH, EPOCHS, WORLD = 100_000, 256, 2, 2
-OURS = "loader._torch.DataLoader"
+OURS = "loader.torch.dataloader.DataLoader"
 
 
 def _readme_block() -> str:
@@ -122,13 +122,13 @@ def test_prepare_data_loader_keeps_the_projects_loader(ray_runs):
     for meta, _ in _ranks(out, "shards"):
         mover = "StatefulWrappedDataLoader"
         assert meta["kinds"] == {
-            "shm": "ShmLoader/loader._loader.ShmLoader",
+            "shm": "ShmLoader/loader.main.loader.ShmLoader",
             "dl_sampler": f"DataLoader/{OURS}",
             "prep_shuffle": f"{mover}/{OURS}",
             "prep_shuffle_nomove": f"DataLoader/{OURS}",
             "prep_custom": f"{mover}/{OURS}",
-            "prep_shm": f"{mover}/loader._loader.ShmLoader",
-            "prep_shm_nomove": "ShmLoader/loader._loader.ShmLoader"}
+            "prep_shm": f"{mover}/loader.main.loader.ShmLoader",
+            "prep_shm_nomove": "ShmLoader/loader.main.loader.ShmLoader"}
         assert "distributed=True" in meta["refused"] and "add_dist_sampler=False" in meta[
             "refused"]
 
@@ -255,7 +255,7 @@ def test_import_loader_installs_the_ray_integration_in_either_order(first):
     imports = ["import loader", "import ray.train.torch as rtt"]
     code = "\n".join(imports if first == "loader" else imports[::-1]) + """
 import sys
-from loader.integrations import ray as integ
+from loader.torch.integrations import ray as integ
 fn = rtt.prepare_data_loader
 assert fn._keeps_loader, fn
 for name in integ._RAY_MODULES:
@@ -278,8 +278,8 @@ import types, warnings
 import torch
 import loader
 from loader import DataLoader
-from loader.integrations import LoaderReplacedWarning
-from loader.integrations.ray import _keeping
+from loader.torch.integrations import LoaderReplacedWarning
+from loader.torch.integrations.ray import _keeping
 
 def rebuilds_as_torch(dl, add_dist_sampler, move_to_device, auto_transfer):
     return torch.utils.data.DataLoader(dl.dataset, batch_size=dl.batch_size)
@@ -322,7 +322,7 @@ out = rtt.prepare_data_loader(dl, move_to_device=False)
 assert type(out) is loader.DataLoader, type(out)
 seen = sorted(i for (x,) in out for i in x.tolist())
 assert len(seen) == 50 and len(set(seen)) == 50, seen
-from loader.integrations import _pending
+from loader.torch.integrations import _pending
 assert "ray.train.torch" not in _pending, _pending  # (accelerate's waits: it is not imported)
 print("ok")
 """
@@ -376,8 +376,8 @@ def test_the_ray_integration_survives_probes_other_finders_and_failed_imports(or
 def test_one_finder_waits_for_every_integration_and_leaves_when_done():
     code = """
 import sys
-import loader, loader._torch
-from loader.integrations import _IntegrationFinder, _pending
+import loader, loader.torch.dataloader
+from loader.torch.integrations import _IntegrationFinder, _pending
 finders = [f for f in sys.meta_path if isinstance(f, _IntegrationFinder)]
 assert len(finders) == 1 and set(_pending) == {"ray.train.torch", "accelerate.data_loader"}, _pending
 import ray.train.torch

@@ -1,0 +1,1 @@
+"""The datasets the loader brings: files, Parquet, object stores."""

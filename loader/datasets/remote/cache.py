@@ -1,0 +1,500 @@
+"""The object cache: a directory on the local disk that every loader, rank
+and job of the node shares.
+
+NOTE [ The object cache ]
+=========================
+
+    cache_dir/
+      index.sqlite      the index: objects, jobs, pins (SQLite, WAL)
+      bell              4 KiB: a futex eventcount rung on every change
+      objects/ab/<sha256 of url NUL etag>   complete, verified objects only
+      tmp/<job>.<random>.part               downloads in progress
+      jobs/<job>.lock                       held (flock) while the job lives
+
+An object is identified by its URL and its ETag (or version): a changed
+remote object has another name, so it is fetched again, never served
+stale.  A file under objects/ is complete and verified: it is written under
+tmp/, its length and ETag checked, its identity stored in an extended
+attribute, then renamed into place; only then is its row marked complete.
+A kill -9 at any moment leaves at worst a temp file or a row that says
+"fetching" for a dead job: the next job to open the cache removes both
+(recover), and nothing is ever served from tmp/.
+
+Jobs are the fetcher processes.  Each holds a flock on its lock file for
+as long as it lives, so whether a job is alive is a question the kernel
+answers (a flock dies with its process, in any pid namespace sharing the
+disk): no pids, no heartbeats, no clean-up by hand after a crash.
+
+What may be evicted: a complete object that no live job pins.  A job pins
+what its current epoch still needs (every object of the epoch not trained
+yet); once trained, an object is unpinned.  Among the unpinned, the most
+trained go first, then the oldest (for train_on="all" that is what this
+epoch has trained already; for "cached", the rotation through the remote
+data).  Every reservation counts against cache_limit_bytes, so the files
+never pass it, except for one object per job: when the cache is full of
+objects live jobs still need, a job may take one more (an *overflow*
+object, evicted first once trained), so two jobs that each need what the
+other pins still progress.
+
+Concurrency: every change is one SQLite transaction (BEGIN IMMEDIATE,
+bounded by busy_timeout); a process killed inside one leaves the index as
+it was before it.  Waiters (an object another job is fetching, room the
+others hold) sleep on the bell with a bounded timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import secrets
+import sqlite3
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from loader.datasets.remote.board import Doorbell
+
+SCHEMA_VERSION = 1
+FETCHING, COMPLETE = 0, 1
+XATTR = "user.shmloader.object"   # "url NUL etag NUL size", on every complete file
+BUSY_TIMEOUT_S = 10.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS objects (
+    id INTEGER PRIMARY KEY,
+    url TEXT NOT NULL,
+    etag TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    state INTEGER NOT NULL,          -- FETCHING or COMPLETE
+    fetcher INTEGER,                 -- the job fetching it (FETCHING)
+    overflow INTEGER NOT NULL DEFAULT 0,
+    trained INTEGER NOT NULL DEFAULT 0,
+    fetched_at REAL NOT NULL DEFAULT 0,
+    UNIQUE (url, etag));
+CREATE INDEX IF NOT EXISTS objects_evictable ON objects (state, trained DESC, fetched_at);
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY,
+    label TEXT NOT NULL,
+    started REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS pins (
+    job INTEGER NOT NULL,
+    object INTEGER NOT NULL,
+    PRIMARY KEY (job, object)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS pins_by_object ON pins (object);
+"""
+
+
+class CacheError(OSError):
+    """The cache directory cannot be used (not writable, a corrupt index
+    that cannot be rebuilt, no room at all)."""
+
+
+class NoRoom(Exception):
+    """Nothing more fits now: every byte of the cache is pinned by live jobs
+    (or being fetched), and this job has its overflow object already."""
+
+    def __init__(self, needed: int, used: int, limit: int):
+        super().__init__(f"{needed} bytes do not fit: {used} of {limit} bytes are in use by "
+                         f"objects live jobs still need")
+        self.needed, self.used, self.limit = needed, used, limit
+
+
+class Entry(NamedTuple):
+    """A complete object of the cache."""
+    id: int
+    path: str
+    size: int
+
+
+class Reservation(NamedTuple):
+    """Room for one object this job fetches: write it to `tmp`, then commit."""
+    id: int
+    url: str
+    etag: str
+    size: int
+    tmp: str
+    path: str
+    overflow: bool
+
+
+def object_name(url: str, etag: str) -> str:
+    """The cache's file name of an object: the digest of its URL and ETag,
+    and its URL's extension (decode(path) may go by it)."""
+    return digest(url, etag).hex() + extension(url)
+
+
+def digest(url: str, etag: str) -> bytes:
+    return hashlib.sha256(f"{url}\0{etag}".encode("utf-8", "surrogatepass")).digest()
+
+
+_EXTENSION = re.compile(r"\.[A-Za-z0-9_-]{1,15}")
+
+
+def extension(url: str) -> str:
+    ext = os.path.splitext(url.rsplit("/", 1)[-1])[1]
+    return ext if _EXTENSION.fullmatch(ext) else ""
+
+
+class ObjectCache:
+    """One job's handle on a cache directory (NOTE [ The object cache ]).
+    Made by the fetcher process, which alone writes the cache; a worker
+    only computes paths (path_of) and opens complete files."""
+
+    def __init__(self, cache_dir: str, limit_bytes: int, label: str = ""):
+        self.dir, self.limit = os.path.abspath(cache_dir), int(limit_bytes)
+        self.evicted = 0   # objects this job evicted
+        for sub in ("objects", "tmp", "jobs"):
+            os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
+        self.bell = _open_bell(os.path.join(self.dir, "bell"))
+        self.db = self._open_index()
+        self.job, self._lock_fd = self._register(label)
+        self.recover()
+
+    # --- paths -------------------------------------------------------------------------
+
+    def path_of(self, url: str, etag: str) -> str:
+        return path_of(self.dir, url, etag)
+
+    # --- the index -----------------------------------------------------------------------
+
+    def _open_index(self) -> sqlite3.Connection:
+        path = os.path.join(self.dir, "index.sqlite")
+        try:
+            db = _connect(path)
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version not in (0, SCHEMA_VERSION):
+                raise sqlite3.DatabaseError(f"schema version {version}, not {SCHEMA_VERSION}")
+            db.execute("PRAGMA quick_check").fetchone()
+            if version == 0:  # a new index (or one deleted): what the files say
+                with _transaction(db):
+                    if db.execute("PRAGMA user_version").fetchone()[0] == 0:  # (no other job did it)
+                        _create_tables(db)
+                        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                        self._rebuild(db, in_transaction=True)
+            return db
+        except sqlite3.DatabaseError:
+            # A corrupt or foreign index: the files are the truth (their
+            # extended attributes say what each is): start a new index from them.
+            for suffix in ("", "-wal", "-shm"):
+                try:
+                    os.unlink(path + suffix)
+                except FileNotFoundError:
+                    pass
+            db = _connect(path)
+            with _transaction(db):
+                _create_tables(db)
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                self._rebuild(db, in_transaction=True)
+            return db
+
+    def _rebuild(self, db: sqlite3.Connection, in_transaction: bool) -> int:
+        """Rows for the complete files of objects/ (from their extended
+        attribute); a file without one is removed.  Returns the rows made."""
+        rows = []
+        top = os.path.join(self.dir, "objects")
+        for sub in os.scandir(top):
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            for entry in os.scandir(sub.path):
+                identity = _identity(entry.path)
+                if identity is None or object_name(identity[0], identity[1]) != entry.name:
+                    _unlink(entry.path)
+                    continue
+                rows.append((identity[0], identity[1], identity[2], COMPLETE,
+                             entry.stat(follow_symlinks=False).st_mtime))
+        db.executemany("INSERT OR IGNORE INTO objects (url, etag, size, state, fetched_at) "
+                       "VALUES (?, ?, ?, ?, ?)", rows)
+        return len(rows)
+
+    # --- jobs --------------------------------------------------------------------------
+
+    def _register(self, label: str) -> tuple[int, int]:
+        with _transaction(self.db):
+            job = self.db.execute("INSERT INTO jobs (label, started) VALUES (?, ?)",
+                                  (label, time.time())).lastrowid
+        fd = os.open(self._lock_path(job), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else holds it
+        return job, fd
+
+    def _lock_path(self, job: int) -> str:
+        return os.path.join(self.dir, "jobs", f"{job}.lock")
+
+    def alive(self, job: int) -> bool:
+        """Whether job's process still holds its lock (ours is alive)."""
+        if job == self.job:
+            return True
+        try:
+            fd = os.open(self._lock_path(job), os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return True
+            raise
+        finally:
+            os.close(fd)  # (a lock taken here goes with the fd)
+        return False
+
+    def recover(self) -> int:
+        """Remove what dead jobs left: their rows being fetched and their
+        temp files, their pins, their lock files; and rows whose file is
+        gone.  Returns the dead jobs found."""
+        dead = [job for (job,) in self.db.execute("SELECT id FROM jobs") if not self.alive(job)]
+        for job in dead:
+            self._forget_job(job)
+        for name in os.listdir(os.path.join(self.dir, "tmp")):
+            job = name.split(".", 1)[0]
+            if not job.isdigit() or not self.alive(int(job)):
+                _unlink(os.path.join(self.dir, "tmp", name))
+        missing = [(i,) for i, url, etag in self.db.execute(
+                   "SELECT id, url, etag FROM objects WHERE state = ?", (COMPLETE,))
+                   if not os.path.exists(self.path_of(url, etag))]
+        if missing:
+            with _transaction(self.db):
+                self.db.executemany("DELETE FROM objects WHERE id = ?", missing)
+                self.db.executemany("DELETE FROM pins WHERE object = ?", missing)
+        if dead or missing:
+            self.bell.ring()
+        return len(dead)
+
+    def _forget_job(self, job: int) -> None:
+        with _transaction(self.db):
+            self.db.execute("DELETE FROM pins WHERE job = ?", (job,))
+            fetching = self.db.execute("SELECT id, url, etag, size FROM objects WHERE state = ? "
+                                       "AND fetcher = ?", (FETCHING, job)).fetchall()
+            for obj, url, etag, size in fetching:
+                if _identity(self.path_of(url, etag)) == (url, etag, size):
+                    # renamed into place, then killed before its row said so
+                    self.db.execute("UPDATE objects SET state = ?, fetcher = NULL, fetched_at = ? "
+                                    "WHERE id = ?", (COMPLETE, time.time(), obj))
+                else:
+                    self.db.execute("DELETE FROM objects WHERE id = ?", (obj,))
+            self.db.execute("DELETE FROM jobs WHERE id = ?", (job,))
+        _unlink(self._lock_path(job))
+
+    def close(self) -> None:
+        """This job is over: its pins, its unfinished fetches and its temp
+        files go (the complete objects stay for the next job)."""
+        if self._lock_fd < 0:
+            return
+        for name in os.listdir(os.path.join(self.dir, "tmp")):
+            if name.startswith(f"{self.job}."):
+                _unlink(os.path.join(self.dir, "tmp", name))
+        try:
+            self._forget_job(self.job)
+        finally:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            self.db.close()
+            self.bell.ring()
+
+    # --- objects -----------------------------------------------------------------------
+
+    def lookup(self, url: str, etag: str) -> Entry | None:
+        row = self.db.execute("SELECT id, size FROM objects WHERE url = ? AND etag = ? AND "
+                              "state = ?", (url, etag, COMPLETE)).fetchone()
+        return None if row is None else Entry(row[0], self.path_of(url, etag), row[1])
+
+    def used_bytes(self) -> int:
+        return self.db.execute("SELECT COALESCE(SUM(size), 0) FROM objects").fetchone()[0]
+
+    def reserve(self, url: str, etag: str, size: int) -> Entry | Reservation | None:
+        """This job fetches (url, etag): its Reservation, room made for it
+        (pinned for this job).  Or the Entry if it is complete already
+        (pinned now), or None if another live job is fetching it (wait on
+        the bell).  NoRoom if it does not fit, not even as this job's
+        overflow object."""
+        with _transaction(self.db):
+            row = self.db.execute("SELECT id, state, fetcher, size FROM objects WHERE url = ? "
+                                  "AND etag = ?", (url, etag)).fetchone()
+            if row is not None:
+                obj, state, fetcher, known = row
+                if state == COMPLETE:
+                    self.db.execute("INSERT OR IGNORE INTO pins VALUES (?, ?)", (self.job, obj))
+                    return Entry(obj, self.path_of(url, etag), known)
+                if fetcher != self.job and self.alive(fetcher):
+                    return None
+                self.db.execute("DELETE FROM objects WHERE id = ?", (obj,))  # a dead job's
+                self.db.execute("DELETE FROM pins WHERE object = ?", (obj,))
+            overflow, gone = self._make_room(size)
+            obj = self.db.execute(
+                "INSERT INTO objects (url, etag, size, state, fetcher, overflow) "
+                "VALUES (?, ?, ?, ?, ?, ?)", (url, etag, size, FETCHING, self.job,
+                                              int(overflow))).lastrowid
+            self.db.execute("INSERT OR IGNORE INTO pins VALUES (?, ?)", (self.job, obj))
+        for path in gone:  # after the commit: a rolled back eviction keeps its files
+            _unlink(path)  # (a worker that opened one reads on: its fd keeps the data)
+        tmp = os.path.join(self.dir, "tmp", f"{self.job}.{secrets.token_hex(8)}.part")
+        return Reservation(id=obj, url=url, etag=etag, size=size, tmp=tmp,
+                           path=self.path_of(url, etag), overflow=overflow)
+
+    def _make_room(self, size: int) -> tuple[bool, list[str]]:
+        """Evict unpinned complete objects until size fits (inside the
+        caller's transaction): (whether it fits only as this job's overflow
+        object, the files to remove once committed).  NoRoom if it does not
+        fit even so."""
+        used = self.db.execute("SELECT COALESCE(SUM(size), 0) FROM objects").fetchone()[0]
+        if used + size <= self.limit:
+            return False, []
+        victims = self.db.execute(
+            "SELECT id, url, etag, size FROM objects WHERE state = ? AND id NOT IN "
+            "(SELECT object FROM pins) ORDER BY overflow DESC, trained DESC, fetched_at",
+            (COMPLETE,)).fetchall()
+        gone = []
+        for obj, url, etag, n in victims:
+            if used + size <= self.limit:
+                break
+            gone.append((obj, self.path_of(url, etag)))
+            used -= n
+        if used + size > self.limit:
+            mine = self.db.execute(
+                "SELECT COUNT(*) FROM objects WHERE overflow = 1 AND (fetcher = ? OR id IN "
+                "(SELECT object FROM pins WHERE job = ?))", (self.job, self.job)).fetchone()[0]
+            if mine or size > self.limit:
+                raise NoRoom(size, used, self.limit)
+        self.db.executemany("DELETE FROM objects WHERE id = ?", [(obj,) for obj, _ in gone])
+        self.evicted += len(gone)
+        return used + size > self.limit, [path for _, path in gone]
+
+    def commit(self, res: Reservation) -> Entry:
+        """The object is in res.tmp, whole (the caller checked its length
+        and ETag): name it, then mark it complete."""
+        _set_identity(res.tmp, res.url, res.etag, res.size)
+        os.makedirs(os.path.dirname(res.path), exist_ok=True)
+        os.rename(res.tmp, res.path)
+        with _transaction(self.db):
+            self.db.execute("UPDATE objects SET state = ?, fetcher = NULL, fetched_at = ? "
+                            "WHERE id = ?", (COMPLETE, time.time(), res.id))
+        self.bell.ring()
+        return Entry(res.id, res.path, res.size)
+
+    def abort(self, res: Reservation) -> None:
+        """The fetch failed: its room and temp file go."""
+        _unlink(res.tmp)
+        with _transaction(self.db):
+            self.db.execute("DELETE FROM objects WHERE id = ? AND state = ?", (res.id, FETCHING))
+            self.db.execute("DELETE FROM pins WHERE object = ?", (res.id,))
+        self.bell.ring()
+
+    # --- pins and training ---------------------------------------------------------------
+
+    def pin_epoch(self, objects: list[tuple[str, str]]) -> list[Entry | None]:
+        """This job's epoch needs these (url, etag): pin the complete ones
+        (and only them, replacing the last epoch's pins).  Returns each
+        one's Entry, or None where it is not complete."""
+        with _transaction(self.db):
+            self.db.execute("DELETE FROM pins WHERE job = ?", (self.job,))
+            self.db.execute("CREATE TEMP TABLE IF NOT EXISTS wanted (pos INTEGER PRIMARY KEY, "
+                            "url TEXT, etag TEXT)")
+            self.db.execute("DELETE FROM wanted")
+            self.db.executemany("INSERT INTO wanted VALUES (?, ?, ?)",
+                                ((i, u, e) for i, (u, e) in enumerate(objects)))
+            found = self.db.execute(
+                "SELECT wanted.pos, objects.id, objects.size FROM wanted JOIN objects ON "
+                "objects.url = wanted.url AND objects.etag = wanted.etag WHERE objects.state = ?",
+                (COMPLETE,)).fetchall()
+            self.db.executemany("INSERT OR IGNORE INTO pins VALUES (?, ?)",
+                                [(self.job, obj) for _, obj, _ in found])
+        out: list[Entry | None] = [None] * len(objects)
+        for pos, obj, size in found:
+            url, etag = objects[pos]
+            out[pos] = Entry(obj, self.path_of(url, etag), size)
+        return out
+
+    def trained(self, objects: list[int]) -> None:
+        """This job trained on these objects (ids): counted, and unpinned
+        for this job; an overflow object goes at once."""
+        if not objects:
+            return
+        ids = [(obj,) for obj in objects]
+        with _transaction(self.db):
+            self.db.executemany("UPDATE objects SET trained = trained + 1 WHERE id = ?", ids)
+            self.db.executemany("DELETE FROM pins WHERE job = ? AND object = ?",
+                                [(self.job, obj) for obj in objects])
+            gone = self.db.execute(
+                f"SELECT id, url, etag FROM objects WHERE overflow = 1 AND state = ? AND id IN "
+                f"({','.join('?' * len(objects))}) AND id NOT IN (SELECT object FROM pins)",
+                (COMPLETE, *objects)).fetchall()
+            self.db.executemany("DELETE FROM objects WHERE id = ?", [(obj,) for obj, _, _ in gone])
+        for _, url, etag in gone:
+            _unlink(self.path_of(url, etag))
+        self.bell.ring()
+
+
+def path_of(cache_dir: str, url: str, etag: str) -> str:
+    name = object_name(url, etag)
+    return os.path.join(cache_dir, "objects", name[:2], name)
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+def _create_tables(db: sqlite3.Connection) -> None:
+    for statement in _SCHEMA.split(";"):
+        if statement.strip():
+            db.execute(statement)
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
+                         check_same_thread=False)
+    db.execute("PRAGMA journal_mode = WAL")
+    db.execute("PRAGMA synchronous = NORMAL")  # a crash of the machine may lose the last commits,
+    return db                                  # never leave the index inconsistent
+
+
+class _transaction:
+    """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on an exception): the write lock
+    at once, waited for at most busy_timeout."""
+
+    def __init__(self, db):
+        self.db = db
+
+    def __enter__(self):
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, kind, value, tb):
+        self.db.execute("ROLLBACK" if kind is not None else "COMMIT")
+        return False
+
+
+def _open_bell(path: str) -> Doorbell:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if os.fstat(fd).st_size < 4096:
+            os.ftruncate(fd, 4096)
+        words = np.memmap(path, np.int32, "r+", shape=(16,))
+    finally:
+        os.close(fd)
+    return Doorbell(words, 0)
+
+
+def _set_identity(path: str, url: str, etag: str, size: int) -> None:
+    try:
+        os.setxattr(path, XATTR, f"{url}\0{etag}\0{size}".encode("utf-8", "surrogatepass"))
+    except OSError as e:
+        if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        # (a file system without user xattrs: the file cannot be identified
+        # if the index is lost, and is then removed by a rebuild)
+
+
+def _identity(path: str) -> tuple[str, str, int] | None:
+    try:
+        url, etag, size = os.getxattr(path, XATTR).decode("utf-8", "surrogatepass").split("\0")
+        return url, etag, int(size)
+    except (OSError, ValueError):
+        return None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,300 @@
+"""FileDataset over an object store (NOTE [ Remote data ]): main's and the
+workers' side.  FileDataset("s3://...") makes a RemoteFiles."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+
+from loader.datasets.files import FileDataset, npy_array, open_regular, raw_array
+from loader.datasets.remote import board as B
+from loader.datasets.remote import fetcher as F
+from loader.datasets.remote.errors import KINDS, FetcherDied, RemoteError
+from loader.datasets.remote.store import parse
+
+WAIT_SLICE_S = 0.25        # a worker's wait for an object, between checks of the fetcher
+REPLY_TIMEOUT_S = 60.0     # the fetcher's answer to main's Adopt (local work only)
+
+
+class RemoteSnapshot(NamedTuple):
+    """An epoch's objects, as every process of the loader sees them."""
+    slot: int
+    gen: int
+    count: int                      # the listing's objects
+    positions: np.ndarray | None    # train_on="cached": the objects of this epoch
+
+
+class RemoteFiles(FileDataset):
+    """FileDataset(url) for an object store: see FileDataset's docstring."""
+
+    def __init__(self, pattern: str, decode=None, *, cache_dir=None, cache_limit_bytes=None,
+                 train_on: str = "all", storage_options: dict | None = None,
+                 requests_in_flight: int = 32, listing_timeout: float = 600.0,
+                 request_deadline: float = 60.0):
+        if decode is not None and not callable(decode):
+            raise TypeError(f"decode must be callable, got {type(decode).__name__}")
+        if train_on not in ("all", "cached"):
+            raise ValueError(f"train_on must be 'all' or 'cached', got {train_on!r}")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
+        self.pattern, self.decode, self.train_on = pattern, decode, train_on
+        self.store_pattern = parse(pattern)
+        self.cache_dir = os.path.abspath(cache_dir or _default_cache_dir())
+        os.makedirs(self.cache_dir, exist_ok=True)
+        if cache_limit_bytes is None:
+            cache_limit_bytes = shutil.disk_usage(self.cache_dir).free // 2
+        if not isinstance(cache_limit_bytes, int) or cache_limit_bytes <= 0:
+            raise ValueError(f"cache_limit_bytes must be a positive int, got {cache_limit_bytes!r}")
+        self.cache_limit_bytes = cache_limit_bytes
+        self._owner = os.getpid()
+        self._board = B.Board.create()
+        self._turn = -1            # the slot last adopted
+        self._gen = 0              # the listing last asked for
+        self._listed = None        # ListDone of the newest listing
+        self._listing_pending = False
+        self._start_fetcher(storage_options, requests_in_flight, request_deadline)
+        self._closer = weakref.finalize(self, _stop, self._proc, self._sock, self._board,
+                                        self._stderr)
+        self._list_now(listing_timeout)
+        self.current = self._adopt()
+        self._ask_listing()
+
+    # --- the fetcher --------------------------------------------------------------------
+
+    def _start_fetcher(self, storage_options, in_flight: int, deadline: float) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cfg = {"url": self.pattern, "cache_dir": self.cache_dir,
+               "cache_limit_bytes": self.cache_limit_bytes, "train_on": self.train_on,
+               "storage_options": storage_options or {}, "in_flight": in_flight,
+               "deadline_s": deadline, "parent": os.getpid(), "board_fd": self._board.fd,
+               "sock_fd": theirs.fileno()}
+        self._stderr = tempfile.TemporaryFile()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "loader.datasets.remote.fetcher", json.dumps(cfg)],
+                pass_fds=(self._board.fd, theirs.fileno()), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=self._stderr, env=_child_env())
+        finally:
+            theirs.close()
+        self._sock = mine
+
+    def _last_words(self) -> str:
+        self._stderr.seek(0)
+        text = self._stderr.read().decode("utf-8", "replace").strip()
+        return text[-3000:]
+
+    def _reply(self, kinds: tuple, timeout: float):
+        """The fetcher's next message of one of these kinds (others are
+        handled on the way), waiting at most timeout seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(self._proc.pid, signal.SIGUSR1)  # its stacks, into its stderr
+                time.sleep(0.2)
+                raise FetcherDied(f"the fetcher (pid {self._proc.pid}) did not answer within "
+                                  f"{timeout:.0f} s; its stacks:\n{self._last_words()}")
+            self._sock.settimeout(min(left, WAIT_SLICE_S))
+            try:
+                msg, _ = F.receive(self._sock)
+            except socket.timeout:
+                if self._proc.poll() is not None:
+                    raise self._died() from None
+                continue
+            if msg is None:
+                raise self._died()
+            if type(msg) is F.Fatal:
+                raise FetcherDied(f"the fetcher (pid {self._proc.pid}) failed:\n{msg.text}")
+            if type(msg) is F.ListDone:
+                self._listing_pending = False
+                self._listed = msg
+            if type(msg) in kinds:
+                return msg
+
+    def _died(self) -> FetcherDied:
+        self._proc.wait(5)
+        return FetcherDied(f"the fetcher (pid {self._proc.pid}) ended with status "
+                           f"{self._proc.returncode}; it said:\n{self._last_words()}")
+
+    def _ask_listing(self) -> None:
+        if not self._listing_pending:
+            self._gen += 1
+            self._listing_pending = True
+            F.send(self._sock, F.ListRequest(self._gen))
+
+    def _list_now(self, timeout: float) -> None:
+        self._ask_listing()
+        done = self._reply((F.ListDone,), timeout)
+        if done.error is not None:
+            kind, status, url, text = done.error
+            err = KINDS.get(kind, RemoteError).__new__(KINDS.get(kind, RemoteError))
+            OSError.__init__(err, f"FileDataset({self.pattern!r}): {text}")
+            err.url, err.endpoint, err.status = url, "", status
+            raise err
+
+    def _drain(self) -> None:
+        """Take what the fetcher said meanwhile (a listing done), without waiting."""
+        self._sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    msg, _ = F.receive(self._sock)
+                except (BlockingIOError, socket.timeout):
+                    return
+                if msg is None:
+                    raise self._died()
+                if type(msg) is F.ListDone:
+                    self._listing_pending = False
+                    if msg.error is None:
+                        self._listed = msg
+                elif type(msg) is F.Fatal:
+                    raise FetcherDied(f"the fetcher (pid {self._proc.pid}) failed:\n{msg.text}")
+        finally:
+            self._sock.setblocking(True)
+
+    def _adopt(self) -> RemoteSnapshot:
+        """The newest listing, in the next slot: this epoch's objects."""
+        self._turn = (self._turn + 1) % B.SLOTS
+        F.send(self._sock, F.Adopt(self._turn, self._listed.gen))
+        done = self._reply((F.Adopted,), REPLY_TIMEOUT_S)
+        positions = None
+        if self.train_on == "cached":
+            state = self._board.slot(done.slot).state
+            positions = np.flatnonzero((state & B.STATUS_MASK) == B.COMPLETE)
+        return RemoteSnapshot(done.slot, done.gen, done.count, positions)
+
+    def close(self) -> None:
+        """Stop the fetcher (it also stops when the dataset is collected, and
+        with the process); the cache keeps what it holds for the next job."""
+        if os.getpid() == self._owner:
+            self._closer()
+
+    # --- the dataset --------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        snap = self.current
+        return snap.count if snap.positions is None else len(snap.positions)
+
+    @property
+    def files(self):
+        raise AttributeError("a remote FileDataset has no local file list: "
+                             "its objects are in the cache under their digests")
+
+    def epoch_snapshot(self, info=None) -> RemoteSnapshot:
+        """In main, as an epoch starts: the newest finished listing (a new
+        one is asked for in the background: it never holds the epoch up),
+        put into the next slot of the board."""
+        self._drain()
+        self.current = self._adopt()
+        self._ask_listing()
+        return self.current
+
+    def restore_snapshot(self, snapshot: RemoteSnapshot) -> None:
+        self.current = snapshot
+
+    def __getitem__(self, i: int):
+        snap = self.current
+        index = int(i) if snap.positions is None else int(snap.positions[i])
+        if not 0 <= index < snap.count:
+            raise IndexError(f"FileDataset({self.pattern!r}) has {len(self)} objects; got {i}")
+        slot = self._board.slot(snap.slot)
+        if slot.gen != snap.gen:
+            raise RemoteError(f"FileDataset({self.pattern!r}): the epoch's listing was replaced "
+                              f"in the board while it was read (more than {B.SLOTS - 1} epochs "
+                              f"or iterators live at once)")
+        self._wait_for(slot, index)
+        path = self._path(slot, index)
+        if self.decode is not None:
+            out = self.decode(path)
+            self._trained(slot, index)
+            return out
+        fd = open_regular(path)
+        self._trained(slot, index)   # (evicted from now on, it stays readable through fd)
+        return npy_array(path, fd) if path.endswith(".npy") else raw_array(path, fd)
+
+    def _path(self, slot: B.Slot, index: int) -> str:
+        name = slot.name(index)
+        return os.path.join(self.cache_dir, "objects", name[:2], name)
+
+    def _wait_for(self, slot: B.Slot, index: int) -> None:
+        """Until object index is in the cache (or failed, or the fetcher is gone)."""
+        status = slot.status(index) & B.STATUS_MASK
+        if status == B.COMPLETE:
+            return
+        asked = False
+        t0 = time.perf_counter_ns()
+        try:
+            while status == B.ABSENT:
+                if not asked:
+                    slot.mark(index, B.WANTED)
+                    self._board.work.ring()
+                    asked = True
+                state = self._board.get(B.W_STATE)
+                if state in (B.FAILED, B.STOPPED):
+                    raise FetcherDied(f"FileDataset({self.pattern!r}): the fetcher stopped "
+                                      f"({'failed' if state == B.FAILED else 'stopped'}) before "
+                                      f"object {index} arrived")
+                self._board.arrived.wait(
+                    lambda: slot.status(index) & B.STATUS_MASK != B.ABSENT, WAIT_SLICE_S)
+                status = slot.status(index) & B.STATUS_MASK
+        finally:
+            self._board.add(B.W_WAIT_NS, time.perf_counter_ns() - t0)
+        if status == B.FAILED_OBJECT:
+            kind, code, url, text = self._board.error(slot.status(index) >> B.ERROR_SHIFT)
+            cls = KINDS.get(kind, RemoteError)
+            err = cls.__new__(cls)
+            OSError.__init__(err, text)
+            err.url, err.endpoint, err.status = url, "", code
+            raise err
+
+    def _trained(self, slot: B.Slot, index: int) -> None:
+        slot.mark(index, B.TRAINED)
+
+    # --- stats ----------------------------------------------------------------------------
+
+    def remote_stats(self) -> dict:
+        b = self._board
+        out = {"objects_fetched": b.get(B.W_FETCHED), "bytes_fetched": b.get(B.W_FETCHED_BYTES),
+               "cache_hits": b.get(B.W_HITS), "evictions": b.get(B.W_EVICTED),
+               "fetch_errors": b.get(B.W_ERRORS), "listings": b.get(B.W_LISTINGS),
+               "fetch_wait_s": b.get(B.W_WAIT_NS) / 1e9}
+        return out
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "shmloader", "objects")
+
+
+def _child_env() -> dict:
+    """The fetcher's environment: this one, with the loader importable."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _stop(proc, sock, board, stderr) -> None:
+    try:
+        F.send(sock, F.Stop())
+    except OSError:
+        pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+    sock.close()
+    board.close()
+    stderr.close()

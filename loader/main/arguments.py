@@ -1,0 +1,171 @@
+"""ShmLoader's arguments, checked once: every mistake is a ValueError or
+TypeError that names the argument, what it got and what to pass instead,
+raised before anything is started.  `check_arguments` returns them
+normalised (defaults filled in, num_workers="auto" resolved) as one
+record, which ShmLoader stores as its attributes."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, NamedTuple
+
+from loader.main.autoscale import cpu_count, default_max_workers
+from loader.batcher.slabs import ram_bytes
+from loader.shared.optional import imported_torch
+
+DEFAULT_PREFETCH = 3
+
+
+class Arguments(NamedTuple):
+    """ShmLoader's arguments after checking (see its docstring for each)."""
+    dataset: Any
+    batch_size: int | None
+    shuffle: bool
+    sampler: Any
+    batch_sampler: Any
+    num_workers: int           # "auto": where the pool starts
+    auto: bool                 # num_workers="auto"
+    max_workers: int           # 0 unless auto
+    collate_fn: Any
+    drop_last: bool
+    in_order: bool
+    prefetch: int
+    persistent_workers: bool
+    worker_init_fn: Any
+    seed: int
+    seed_given: bool           # else a resumed state brings its own
+    reproducible: bool
+    generator: Any
+    timeout: float | None
+    output: str
+    pin_memory: bool
+    memory_cap_bytes: int
+    distributed: bool | tuple
+    shuffle_buffer: int        # 0: none
+    worker_mode: str
+    iterable: bool
+    trace: str | None
+
+
+def positive_int(name: str, value, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def is_iterable_dataset(dataset) -> bool:
+    """As PyTorch decides: a torch IterableDataset is iterable (even with
+    __len__); any other object is iterable when it has __iter__ and no
+    __getitem__."""
+    torch = imported_torch()
+    if torch is not None and isinstance(dataset, torch.utils.data.IterableDataset):
+        return True
+    return hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")
+
+
+def default_memory_cap() -> int:
+    return max(1 << 30, ram_bytes() // 4)
+
+
+def _workers(num_workers, max_workers) -> tuple[int, bool, int]:
+    """(workers to start with, auto, max_workers or 0)."""
+    auto = num_workers == "auto"
+    if auto:
+        max_workers = default_max_workers() if max_workers is None else max_workers
+        positive_int("max_workers", max_workers)
+        num_workers = min(cpu_count(), max_workers)  # where the pool starts (main/autoscale.py)
+    elif max_workers is not None:
+        raise ValueError("max_workers caps num_workers='auto'; with a fixed num_workers, "
+                         "leave it out")
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+        raise ValueError(f"num_workers must be an int >= 0 (0 loads in the main process) or "
+                         f"'auto', got {num_workers!r}")
+    return num_workers, auto, max_workers or 0
+
+
+def _check_modes(worker_mode, output, timeout, prefetch, memory_cap_bytes, collate_fn) -> None:
+    if worker_mode not in ("process", "thread"):
+        raise ValueError(f"worker_mode must be 'process' or 'thread', got {worker_mode!r}")
+    if output not in ("numpy", "torch", "keep"):
+        raise ValueError(f"output must be 'numpy', 'torch' or 'keep' (each leaf as the "
+                         f"dataset or collate_fn gave it), got {output!r}")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    if prefetch is not None:
+        positive_int("prefetch", prefetch)
+    if memory_cap_bytes is not None:
+        positive_int("memory_cap_bytes", memory_cap_bytes, 4096)
+    if collate_fn is not None and not callable(collate_fn):
+        raise TypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
+
+
+def _check_order(batch_size, shuffle, sampler, batch_sampler, drop_last, generator) -> None:
+    if sampler is not None and shuffle:
+        raise ValueError("sampler and shuffle=True are exclusive: shuffle inside the sampler")
+    if batch_sampler is not None and (batch_size != 1 or shuffle or sampler is not None
+                                      or drop_last):
+        raise ValueError("batch_sampler makes the batches: it is exclusive with batch_size, "
+                         "shuffle, sampler and drop_last")
+    if generator is not None:
+        torch = imported_torch()
+        if torch is None or not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got "
+                            f"{type(generator).__name__}")
+
+
+def _check_stream(iterable, auto, shuffle_buffer, collate_fn, batch_size) -> None:
+    if auto and iterable:
+        raise ValueError("num_workers='auto' needs a map-style dataset: an iterable dataset "
+                         "is split into one stream per worker, so its workers are fixed")
+    if shuffle_buffer is not None:
+        positive_int("shuffle_buffer", shuffle_buffer)
+        if not iterable:
+            raise ValueError("shuffle_buffer shuffles a stream (an iterable dataset); a "
+                             "map-style dataset is shuffled by shuffle=True")
+        if collate_fn is not None or batch_size is None:
+            raise ValueError("shuffle_buffer places samples in random rows of pending "
+                             "batches: it needs the default collate and a batch_size")
+
+
+def _check_sharding(iterable, distributed, shuffle, sampler, batch_sampler) -> None:
+    if iterable and (sampler is not None or batch_sampler is not None or shuffle):
+        raise ValueError("an iterable dataset orders its own samples: sampler, batch_sampler "
+                         "and shuffle apply to map-style datasets (with __getitem__) only")
+    if not isinstance(distributed, bool):
+        ok = (isinstance(distributed, tuple) and len(distributed) == 2
+              and all(isinstance(v, int) for v in distributed)
+              and 0 <= distributed[0] < distributed[1])
+        if not ok:
+            raise ValueError(f"distributed must be True, False or (rank, world_size) with "
+                             f"0 <= rank < world_size, got {distributed!r}")
+    if distributed and (sampler is not None or batch_sampler is not None):
+        raise ValueError("distributed=True shards the loader's own order across ranks; with "
+                         "a sampler, shard in the sampler (torch's DistributedSampler)")
+
+
+def check_arguments(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
+                    collate_fn, drop_last, in_order, prefetch, persistent_workers,
+                    worker_init_fn, seed, generator, reproducible, timeout, output, pin_memory,
+                    memory_cap_bytes, distributed, shuffle_buffer, worker_mode, max_workers,
+                    trace) -> Arguments:
+    """ShmLoader's arguments checked (in the order its tests expect the
+    first mistake to be named) and normalised."""
+    if batch_size is not None:
+        positive_int("batch_size", batch_size)
+    num_workers, auto, max_workers = _workers(num_workers, max_workers)
+    _check_modes(worker_mode, output, timeout, prefetch, memory_cap_bytes, collate_fn)
+    _check_order(batch_size, shuffle, sampler, batch_sampler, drop_last, generator)
+    iterable = is_iterable_dataset(dataset)
+    _check_stream(iterable, auto, shuffle_buffer, collate_fn, batch_size)
+    _check_sharding(iterable, distributed, shuffle, sampler, batch_sampler)
+    return Arguments(
+        dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+        batch_sampler=batch_sampler, num_workers=num_workers, auto=auto,
+        max_workers=max_workers, collate_fn=collate_fn, drop_last=drop_last, in_order=in_order,
+        prefetch=prefetch if prefetch is not None else DEFAULT_PREFETCH,
+        persistent_workers=persistent_workers, worker_init_fn=worker_init_fn,
+        seed=seed if seed is not None else secrets.randbits(63), seed_given=seed is not None,
+        reproducible=(seed is not None) if reproducible is None else bool(reproducible),
+        generator=generator, timeout=timeout, output=output, pin_memory=pin_memory,
+        memory_cap_bytes=memory_cap_bytes or default_memory_cap(), distributed=distributed,
+        shuffle_buffer=shuffle_buffer or 0, worker_mode=worker_mode, iterable=iterable,
+        trace=trace)

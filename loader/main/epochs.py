@@ -1,0 +1,309 @@
+"""The iterator of one epoch: what iter(ShmLoader) returns.
+
+An iterator object rather than a generator: an exception raised for one
+batch (an error in dataset[i], say) does not end the epoch, so the next
+next() goes on with the following batch, as PyTorch's DataLoader does.
+Dropping an iterator before its end (break, del, garbage collection)
+ends its run; see NOTE [ Runs ] in shared/control.py.
+
+An epoch talks to its loader only through an EpochHost (main/runs.py): the
+handful of things it asks of it are that class's methods, and nothing
+else of the loader is read here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from loader.shared import messages as _protocol
+from loader.errors import WorkerError
+from loader.shared.layout import align
+from loader.main.stats import EpochClock
+from loader.shared.trace import EPOCH, WAIT
+
+
+class _Epoch:
+    """What the map-style and stream epochs share: their run, the checks
+    at every resumption, and the end."""
+
+    def __init__(self, host, epoch: int, resume: dict | None):
+        self.host, self.epoch, self.resume = host, epoch, resume
+        self.in_order = host.in_order
+        self.run = self.progress = None  # started by the first next(), as a generator would
+        self.clock = None         # made with the run
+        self.called = 0           # when the latest next() began
+        self.control = host.control
+        self.pending: dict = {}   # batch -> BatchReady received, not yet handed out
+        self.errors: dict = {}    # batch -> Failed, raised when its turn comes (in order)
+        self.ended = False        # RunEnded received
+        self.finished = False     # every batch handed out (or raised)
+        self.fatal = None         # a Failed that ended the run (raised at every next())
+        self.pid = os.getpid()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t0 = self.called = time.perf_counter_ns()  # all of next() is the loop waiting (stats())
+        try:
+            if self.fatal is not None:
+                self.host.raise_failed(self.fatal)
+            return self._next()
+        finally:
+            if self.clock is not None:
+                t1 = time.perf_counter_ns()
+                self.clock.loop_wait_ns += t1 - t0
+                self.host.tracer.record(WAIT, t0, t1, self.epoch)
+
+    def start(self) -> None:
+        """Start the run now, not at the first next(): loader.DataLoader
+        with workers, as torch's iterator starts loading when it is made
+        (and so draws the order then: NOTE [ Drawing the order as torch
+        does ] in torch/order.py)."""
+        self.called = time.perf_counter_ns()
+        self._resumed()
+
+    def _begin(self) -> None:
+        """The first next(): the epoch's run (NOTE [ Runs ])."""
+        self.run, self.progress = self.host.begin(self.epoch, self.resume)
+        self.clock = EpochClock(self.host.wait_clocks, self.called, self.host.cpu_tasks)
+        self.run_ended = None     # its RunEnded, for stats() at the epoch's end
+        self._started()
+
+    def _started(self) -> None:
+        pass
+
+    def _resumed(self) -> None:
+        """What every next() checks first (and the first one starts)."""
+        if self.finished:
+            raise StopIteration
+        self.host.check_current(self.epoch)
+        if self.run is None:
+            self._begin()
+
+    def _failed(self, msg: _protocol.Failed) -> None:
+        """In order, a batch's error is raised when its turn comes; else at
+        once (and again at every next() if it ends the run)."""
+        if msg.ends_run:
+            self.fatal = msg
+        if self.in_order and msg.batch is not None:
+            self.errors.setdefault(msg.batch, msg)
+        else:
+            self.host.raise_failed(msg)
+
+    def _receive(self):
+        return self.host.next_message(self.run, self.pending)
+
+    def _hand_out(self, msg: _protocol.BatchReady):
+        self.clock.bytes += align(msg.tags + 8 * msg.rows)  # the batch, not its whole pages
+        self.clock.spilled_bytes += msg.values_bytes
+        return self.host.hand_out(msg)
+
+    def _run_ended(self, msg: _protocol.RunEnded) -> None:
+        self.ended = True
+        self.run_ended = msg
+
+    def _done(self):
+        self.finished = True
+        try:  # (a DataStallWarning may be an error: -W error)
+            if self.run_ended is not None:
+                self.host.epoch_ended(self.epoch, self.run_ended, self.clock)
+        finally:
+            self.close()
+        raise StopIteration
+
+    def close(self) -> None:
+        """End the epoch here: batches received but not handed out go back,
+        and the run ends unless it ran to its end."""
+        if self.pid != os.getpid() or getattr(self, "_closed", False):
+            return  # a forked copy, finalized in a child: not its run
+        self._closed = True
+        if self.run is None:  # never started
+            return
+        if not self.finished:  # ended early (break, del): the trace shows where
+            self.host.tracer.record(EPOCH, self.clock.t0, time.perf_counter_ns(), self.epoch,
+                                    getattr(self, "yielded", -1), -1, 0)
+        pending = list(self.pending.values())
+        self.pending.clear()
+        self.host.epoch_closed(self.epoch, self.run, finished=self.finished, pending=pending)
+
+    def __del__(self):
+        if hasattr(self, "finished"):
+            self.close()
+
+
+class MapEpoch(_Epoch):
+    """A map-style epoch: batches in order, or as they are ready."""
+
+    def __init__(self, host, epoch: int, resume: dict | None):
+        super().__init__(host, epoch, resume)
+        self.yielded = 0                    # batches handed out or raised
+        self.failed: set = set()            # batches an error was reported for
+
+    def _started(self) -> None:
+        self.total = self.run.plan.nbatches
+
+    def _next(self):
+        self._resumed()
+        while True:
+            batch = self._next_ready()
+            if batch is not None:
+                return batch
+            if self.ended:
+                if not self.in_order or self.yielded == self.total:
+                    self._done()
+                raise WorkerError(f"ShmLoader: the run ended without batch {self.yielded} of "
+                                  f"{self.total} and without an error for it")
+            self.host.raise_feed_failure(self.run, self.yielded)
+            msg = self._receive()
+            self._maybe_run_ahead()
+            kind = type(msg)
+            if kind is _protocol.Failed:
+                self._batch_lost(msg)
+                self._failed(msg)
+            elif kind is _protocol.RunEnded:
+                if self.in_order and msg.batches != self.total - len(self.failed):
+                    raise WorkerError(
+                        f"ShmLoader: epoch {self.epoch} ended after {msg.batches} of "
+                        f"{self.total - len(self.failed)} batches without an error; its shared "
+                        f"state was changed from outside (another process writing into this "
+                        f"process's memory?)")
+                self._run_ended(msg)
+            else:
+                self.pending[msg.batch] = msg
+
+    def _batch_lost(self, msg: _protocol.Failed) -> None:
+        """A batch the failure spoils will never come.  In order, it counts
+        when its turn comes; first-ready, it counts now (once, however
+        many of its samples failed), else the workers would wait for a
+        LIMIT that only the batches handed out raise."""
+        if msg.batch is None or msg.batch < 0 or msg.batch in self.failed:
+            return
+        self.failed.add(msg.batch)
+        if not self.in_order:
+            self._advance()
+
+    def _maybe_run_ahead(self) -> None:
+        if self.control.claimed(self.run.id) >= self.run.plan.units:
+            # every unit is claimed; the batches this epoch has left count
+            # against the next one's prefetch
+            self.host.run_ahead(self.run, self.epoch + 1, self._left())
+
+    def _left(self) -> int:
+        """Minus the batches of this run still to be handed out."""
+        return self.yielded - self.run.plan.nbatches
+
+    def _advance(self) -> None:
+        self.yielded += 1
+        self.run = self.host.advance(self.run, self.yielded, self._left())
+        self.total = self.run.plan.nbatches  # a run settled once its sampler ended
+
+    def _next_ready(self):
+        """The next batch to hand out, if it is here (or raise its error:
+        the next call goes on with the following batch)."""
+        if self.in_order:
+            failed = self.errors.pop(self.yielded, None)
+            if failed is not None:
+                self._advance()
+                self.host.raise_failed(failed)
+            key = self.yielded if self.yielded in self.pending else None
+        else:
+            key = next(iter(self.pending), None)
+        if key is None:
+            return None
+        msg = self.pending.pop(key)
+        batch = self._hand_out(msg)
+        if self.in_order:
+            self.progress.mark_batch(msg.batch)
+        else:
+            self.progress.mark_tags(self.host.tags(msg))
+        self._advance()
+        return batch
+
+
+class StreamEpoch(_Epoch):
+    """An iterable dataset's epoch: each worker fills its own batches; in
+    order, they come round-robin over the workers still going, as
+    PyTorch delivers them (see NOTE [ Runs ])."""
+
+    def __init__(self, host, epoch: int, resume: dict | None):
+        super().__init__(host, epoch, resume)
+        self.workers = host.streams
+        self.ends: dict = {}  # worker -> (its batch count, those it left empty)
+        self.lost: set = set()  # batches a failure spoiled, counted as handed out
+
+    def _started(self) -> None:
+        # a resumed epoch goes on where the round-robin was (NOTE [ Resuming an epoch ])
+        self.next_id = min(j * self.workers + w
+                           for w, j in enumerate(self.progress.first_batches()))
+
+    def _batch_lost(self, batch: int | None) -> None:
+        """A batch a failure spoils counts as handed out (in order when its
+        turn comes, first-ready at once): its worker may fill one more, else
+        it would wait for a limit only the batches handed out raise."""
+        if batch is None or batch < 0 or batch in self.lost:
+            return
+        self.lost.add(batch)
+        self.control.raise_worker_limit(self.run.id, batch % self.workers)
+
+    def _skipped(self, batch: int) -> bool:
+        w, j = batch % self.workers, batch // self.workers
+        return w in self.ends and (j >= self.ends[w][0] or j in self.ends[w][1])
+
+    def _all_over(self) -> bool:
+        return len(self.ends) == self.workers and self.next_id > max(
+            (k - 1) * self.workers + w for w, (k, _) in self.ends.items())
+
+    def _next(self):
+        self._resumed()
+        while True:
+            batch = self._next_ready()
+            if batch is not None:
+                return batch
+            if self.ended and not self.pending:
+                if self.errors:
+                    self.host.raise_failed(self.errors.pop(min(self.errors)))
+                self.progress.complete = True
+                self._done()
+            msg = self._receive()
+            kind = type(msg)
+            if kind is _protocol.Failed:
+                if not self.in_order:
+                    self._batch_lost(msg.batch)
+                self._failed(msg)
+            elif kind is _protocol.StreamEnded:
+                self.ends[msg.worker] = (msg.batches, set(msg.dropped))
+            elif kind is _protocol.RunEnded:
+                self._run_ended(msg)
+            else:
+                self.pending[msg.batch] = msg
+
+    def _next_ready(self):
+        if self.in_order:
+            while True:
+                failed = self.errors.pop(self.next_id, None)
+                if failed is not None:
+                    self._batch_lost(self.next_id)
+                    self.next_id += 1
+                    self.host.raise_failed(failed)
+                if self._skipped(self.next_id) and not self._all_over():
+                    self.next_id += 1  # a batch that stream will never fill
+                    continue
+                break
+            key = self.next_id if self.next_id in self.pending else None
+        else:
+            key = next(iter(self.pending), None)
+        if key is None:
+            return None
+        msg = self.pending.pop(key)
+        batch = self._hand_out(msg)
+        if self.in_order:
+            self.next_id += 1
+        worker = key % self.workers
+        self.control.raise_worker_limit(self.run.id, worker)
+        if self.host.per_batch:
+            self.progress.mark_batch(worker)
+        else:
+            self.progress.mark_tags(worker, self.host.tags(msg))
+        return batch

@@ -1,0 +1,555 @@
+"""ShmLoader: the main-process side.  See NOTE [ ShmLoader processes and
+shutdown ] in shared/messages.py for the processes and how they stop, and NOTE
+[ Runs ] in shared/control.py for how passes over the data are started."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import warnings
+import weakref
+
+from loader.order import indices as _order
+from loader.shared import messages as _protocol
+from loader.main.arguments import check_arguments, positive_int
+from loader.main.autoscale import Autoscaler
+from loader.main.epochs import MapEpoch, StreamEpoch
+from loader.errors import LoaderTimeout, WorkerError
+from loader.main.lookahead import FrozenState
+from loader.main.inline import InlineEpoch
+from loader.main.materialize import Materializer
+from loader.main.pinning import cuda_available
+from loader.main.procs import LoaderStartError, this_pid
+from loader.torch.integrations import install_imported
+from loader.main.planner import EpochPlanner
+from loader.order.planning import Plan
+from loader.main.runs import EpochHost, EpochOwner, Runs
+from loader.order.progress import STATE_FORMAT, MapProgress
+from loader.order.feed import sampler_length
+from loader.main.session import Session
+from loader.shared.memory import LoaderConfig
+from loader.main.state import Expected, check_state
+from loader.main.stats import EpochClock, stall_advice, summary_line, warn_stalled
+from loader.shared.trace import ROLE_MAIN, TraceLog, tracer_of
+
+__all__ = ["ShmLoader", "WorkerError", "LoaderTimeout", "LoaderStartError"]
+
+# stats() keys under the batcher's former name ("the collator"), kept so that
+# code reading them goes on working: old name -> the key it repeats
+RENAMED_STATS = {"collator_busy_share": "batcher_busy_share",
+                 "samples_written_by_collator": "samples_written_by_batcher"}
+
+_live_loaders: "weakref.WeakSet[ShmLoader]" = weakref.WeakSet()
+
+
+class ShmLoader(FrozenState):
+    """Batches from arbitrary Python preprocessing, at memory speed.
+
+    Forked workers run ``dataset[i]`` (or iterate an iterable dataset) and
+    write each sample straight into its row of a batch slab in shared
+    memory (a batcher process lays the slabs out); iterating yields numpy
+    arrays (or torch tensors with ``output="torch"``) that view those slabs:
+    no copy, no unpickling in the training loop.  A slab is reused only when
+    every array of its batch is gone, so batches you keep stay intact.
+
+    dataset: map-style (``__len__`` and ``__getitem__``; a torch Dataset, a
+        FileDataset) or iterable (``__iter__`` only; a torch IterableDataset,
+        a ParquetDataset), each worker iterating its own copy (split it with
+        ``get_worker_info()``).
+    batch_size: samples per batch (None: samples unbatched, one at a time).
+    shuffle, sampler, batch_sampler, drop_last, collate_fn, timeout,
+    worker_init_fn, persistent_workers, pin_memory, in_order, generator: as
+        in torch's DataLoader (timeout=None waits for ever; persistent_workers
+        defaults to True, so that the next epoch starts loading before this
+        one ends).  in_order=False hands out batches as they are ready.
+    num_workers: worker processes (default 2; 0 loads in the training
+        process; "auto" grows and shrinks the pool from what it measures,
+        up to max_workers).
+    prefetch: batches loaded ahead of the training loop (default 3; for an
+        iterable dataset, shared among the workers' streams).
+    seed: the base of every random choice: the shuffle order, the workers'
+        generators.  With a seed, reproducible=True by default: the global
+        generators are seeded from (seed, epoch, index) before each
+        dataset[i], so batches do not depend on the number of workers.
+    output: "numpy" (default), "torch" (tensors viewing the same memory) or
+        "keep" (each leaf as dataset or collate_fn gave it).
+    memory_cap_bytes: the most batch memory in use at once (default a
+        quarter of RAM): batches loaded ahead and batches you still hold.
+    distributed: True (ranks from torch.distributed or torchrun's RANK and
+        WORLD_SIZE) or (rank, world_size): each rank gets a disjoint share
+        of every epoch.
+    shuffle_buffer: iterable datasets: place each sample in a random row of
+        the next this-many samples' batches (all of them in memory at once:
+        a memory_cap_bytes too small for that is a MemoryError).
+    worker_mode: "process" (default, forked) or "thread" (for preprocessing
+        that releases the GIL, or that cannot be forked).
+    trace: a path: close() writes a Chrome-trace / Perfetto JSON of the
+        run there (each sample's load and write, the batches, the loop's
+        waits in next(), epochs, the slab pool); open it in
+        https://ui.perfetto.dev.
+
+    stats() says where the last epoch's time went; state_dict() and
+    load_state_dict() resume mid-epoch; steps(n) runs n batches across
+    epoch boundaries.  Close it (or use ``with``) to stop the workers at
+    once; garbage collection and interpreter exit do it too.
+    """
+
+    def __init__(self, dataset, batch_size=1, shuffle=False, sampler=None, batch_sampler=None,
+                 num_workers=2, collate_fn=None, drop_last=False, in_order=True, prefetch=None,
+                 persistent_workers=True, worker_init_fn=None, seed=None, generator=None,
+                 reproducible=None, timeout=None, output="numpy", pin_memory=False,
+                 memory_cap_bytes=None, distributed=False, shuffle_buffer=None,
+                 worker_mode="process", max_workers=None, trace=None):
+        install_imported()  # NOTE [ Installing the integrations ]
+        args = check_arguments(
+            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+            drop_last, in_order, prefetch, persistent_workers, worker_init_fn, seed, generator,
+            reproducible, timeout, output, pin_memory, memory_cap_bytes, distributed,
+            shuffle_buffer, worker_mode, max_workers, trace)
+        self.dataset, self.batch_size, self.shuffle = args.dataset, args.batch_size, args.shuffle
+        self.sampler, self.batch_sampler = args.sampler, args.batch_sampler
+        self.num_workers, self.auto, self.max_workers = (args.num_workers, args.auto,
+                                                         args.max_workers)
+        self.collate_fn, self.drop_last, self.in_order = (args.collate_fn, args.drop_last,
+                                                          args.in_order)
+        self.prefetch, self.persistent_workers = args.prefetch, args.persistent_workers
+        self.worker_init_fn, self.timeout = args.worker_init_fn, args.timeout
+        self.seed, self._seed_given = args.seed, args.seed_given
+        self.reproducible, self.generator = args.reproducible, args.generator
+        self.output, self.pin_memory = args.output, args.pin_memory
+        self.memory_cap_bytes, self.distributed = args.memory_cap_bytes, args.distributed
+        self.shuffle_buffer, self.worker_mode = args.shuffle_buffer, args.worker_mode
+        self.iterable = args.iterable
+        # a bad path fails here, not at close(); NOTE [ Trace records ] in shared/trace.py
+        self._trace = None if trace is None else TraceLog(trace)
+        self._tracer = tracer_of(self._trace, ROLE_MAIN)
+        self._planner = EpochPlanner(self)  # seeds, generators, each epoch's plan
+        self._epoch = 0          # epochs started by iter(): they pick the order and the seeds
+        self._runs = Runs(self, self._planner)  # NOTE [ Runs ]
+        self._owner_pid = os.getpid()
+        self._session = None     # the processes and shared memory, once started (main/session.py)
+        self._autoscaler = None  # num_workers="auto": its decisions (main/autoscale.py)
+        self._resume = None           # a state to resume at the next iter()
+        self._steps_epoch = None      # (epoch, its iterator) that steps() goes on with
+        self._progress = self._progress_plan = None  # of the epoch state_dict() describes
+        self._closed = False
+        self._stats = None
+        self._moved_out = (0, 0)  # kept slabs and bytes moved out by lease books closed
+        self._warned_stall = False
+        _live_loaders.add(self)
+
+    # --- sizes ----------------------------------------------------------------------
+
+    @property
+    def _rows(self) -> int:
+        """Samples per batch (1 unbatched: batch_size=None)."""
+        return 1 if self.batch_size is None else self.batch_size
+
+    def __len__(self):
+        if self.iterable:
+            raise TypeError("an iterable dataset has no length; ShmLoader cannot know its "
+                            "number of batches")
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)
+        planner = self._planner
+        n = self._sampler_len() if self.sampler is not None else planner.dataset_len()
+        n = _order.shard_size(n, planner.ranks()[1])
+        if self.batch_size is None:
+            return n
+        return -(-_order.kept_of(n, self.batch_size, self.drop_last) // self.batch_size)
+
+    def _sampler_len(self) -> int:
+        """len(sampler), or a TypeError that says why there is none."""
+        n = sampler_length(self.sampler)
+        if n is None:
+            raise TypeError(f"this ShmLoader has no len(): its sampler ({self._planner.sampler_name()}) "
+                            f"has no __len__, so its number of batches is known only once the "
+                            f"sampler ends (as torch's DataLoader, len() needs a sized sampler); "
+                            f"iterate it to its end, or count batches with steps(n)")
+        return n
+
+    def stats(self) -> dict | None:
+        """How the last epoch that ran to its end was delivered, and where
+        its time went; None before the end of the first epoch.
+
+        - "summary": all of it in one line, for a log.
+        - "epoch", "batches", "samples"; "seconds" from the epoch's first
+          next() to its end; "bytes" of batch memory handed out (slabs, with
+          their row tags, and "spilled_bytes": large bytes and str leaves,
+          which come through the spill heap) and "bytes_per_second".
+        - "kept_slabs_moved_out", "kept_bytes_moved_out": since the loader
+          started, slabs whose parts you still held, or whose batches main
+          held back (received ahead of their turn), were moved out of the
+          pool when it ran short, copying that many bytes (NOTE [ Kept batch
+          memory ]).
+        - "loop_wait_seconds", "loop_wait_share": how long the training loop
+          waited in next() for a batch (num_workers=0: loading them).  Above
+          half of an epoch of 5 s or more, a DataStallWarning says why, once
+          (unless other programs held the CPUs: see "cpu_wait_share").
+        - "workers_busy_share", "batcher_busy_share": the share of the
+          epoch the workers (on average) and the batcher were not waiting;
+          None with num_workers=0.
+        - "cpu_wait_share": the share of the epoch the loading spent ready
+          to run with no CPU free: the training thread's, the batcher's and
+          an average worker's run-queue time, added up (num_workers=0: the
+          training thread's).  "other_programs_cpu_share" and
+          "loader_cpu_share": the share of the "cpus" this process may use
+          that other programs, and the loader's processes (this one
+          included), used.  A stall that other programs holding the CPUs
+          explains is no DataStallWarning (NOTE [ CPU starvation ] in
+          main/stats.py).  None where /proc does not say.
+        - "peak_slab_bytes" of "memory_cap_bytes": the most batch memory in
+          use (batches being filled, ready, or still referenced by you).
+        - "samples_written_by_workers" / "samples_written_by_batcher":
+          samples whose dtypes or structure differ from the batch's layout
+          are written by the batcher, slower; "relayouts": batches laid out
+          again (shapes that change between batches, promotions).
+        - "workers": the workers loading now (num_workers="auto": the count
+          it chose, and "worker_counts": the counts it went through).
+
+        The busy shares include the next epoch's loading once it starts
+        early (persistent workers run ahead into it).  "collator_busy_share"
+        and "samples_written_by_collator", the batcher's figures under the
+        process's former name, are still given, with the same values."""
+        if self._stats is None:
+            return None
+        out = dict(self._stats)
+        out["workers"] = self._workers_loading()
+        out["kept_slabs_moved_out"], out["kept_bytes_moved_out"] = self._kept_moved_out()
+        if self._autoscaler is not None:
+            out["worker_counts"] = list(self._autoscaler.history)
+        for old, new in RENAMED_STATS.items():  # the batcher's figures, by their old names
+            out[old] = out[new]
+        return out
+
+    def _kept_moved_out(self) -> tuple[int, int]:
+        slabs, nbytes = self._moved_out
+        if self._session is not None:  # the pool's book now
+            now = self._session.kept_moved_out()
+            slabs, nbytes = slabs + now[0], nbytes + now[1]
+        return slabs, nbytes
+
+    # --- processes ----------------------------------------------------------------------
+
+    def _check_owner(self):
+        if this_pid() != self._owner_pid and os.getpid() != self._owner_pid:
+            raise RuntimeError(
+                f"this ShmLoader belongs to process {self._owner_pid}; a process forked from it "
+                f"(this is {os.getpid()}) cannot use it: create a new ShmLoader here")
+
+    def _start(self):
+        planner = self._planner
+        cfg = LoaderConfig(
+            dataset=self.dataset, batch_size=None if self.batch_size is None else self._rows,
+            num_workers=self.num_workers, prefetch=self.prefetch, drop_last=self.drop_last,
+            in_order=self.in_order, iterable=self.iterable, collate_fn=self.collate_fn,
+            worker_init_fn=self.worker_init_fn, seed=self.seed, reproducible=self.reproducible,
+            torch_seeding=planner.torch_rules, memory_cap_bytes=self.memory_cap_bytes,
+            parent_pid=0 if self._threads else os.getpid(), rank=planner.rank,
+            world=planner.world,
+            threads=self._threads, max_workers=self.max_workers,
+            whole_batches=planner.torch_rules and not self.iterable,
+            batched_fetch=planner.batched_fetch(),
+            shuffle_buffer=self.shuffle_buffer, trace=self._trace)
+        self._session = Session(cfg, timeout=self.timeout, torch_rules=planner.torch_rules,
+                                pin_memory=self.pin_memory)
+        self._runs.session = self._session
+        if self.auto:
+            self._session.shared.control.set_active(self.num_workers)
+            set_active = weakref.WeakMethod(self._set_active_workers)  # (no cycle: see Runs)
+            self._autoscaler = Autoscaler(self._session.shared.waited,
+                                          lambda count: set_active()(count), self.num_workers,
+                                          self.max_workers)
+
+    @property
+    def _procs(self) -> list:
+        """The loader's child processes now (pid, exitcode; none once
+        stopped): the name scripts written against earlier versions read."""
+        return self._session.procs if self._session is not None else []
+
+    def _set_active_workers(self, active: int) -> None:
+        """num_workers="auto": let `active` workers claim units (main/autoscale.py)."""
+        runs = self._runs
+        first_run = runs.current.id if runs.current is not None else max(runs.count, 1)
+        self.num_workers = self._session.add_workers(active, first_run)
+
+    def _shutdown(self):
+        """Stop the session (NOTE [ ShmLoader processes and shutdown ] in
+        shared/messages.py).  Interrupted (a Ctrl-C while it waits for the
+        children), it is done by the next call: close() again, __del__ or
+        interpreter exit."""
+        session = self._session
+        if session is None:
+            return
+        session.stop(self._runs.count)
+        moved = session.kept_moved_out()
+        self._moved_out = (self._moved_out[0] + moved[0], self._moved_out[1] + moved[1])
+        self._session = None
+        self._runs.stopped()
+
+    def close(self):
+        """Stop the workers and the batcher.  Batches you hold stay valid.
+        Safe to call again, e.g. after a Ctrl-C interrupted it.  With
+        trace=PATH, then write the trace; if that fails (a full disk), raise
+        TraceWriteError, everything stopped all the same and the records
+        kept: close() again writes them."""
+        self._closed = True
+        if os.getpid() != self._owner_pid:
+            self._session = None  # a forked copy: its parent's processes
+            return
+        self._shutdown()
+        if self._trace is not None:  # every writer is gone now (NOTE [ Trace records ])
+            self._trace.write()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        trace = getattr(self, "_trace", None)
+        unwritten = trace is not None and trace.pending  # (workers stopped after each epoch)
+        if (getattr(self, "_session", None) is not None or unwritten) and \
+                os.getpid() == self._owner_pid:
+            self.close()
+
+    # --- receiving --------------------------------------------------------------------
+
+    @property
+    def _threads(self) -> bool:
+        return self.worker_mode == "thread"
+
+    # --- iteration ----------------------------------------------------------------------
+
+    def __iter__(self):
+        if self._closed:
+            raise ValueError("this ShmLoader is closed; create a new one")
+        self._check_owner()
+        self.thaw_state()  # a pass of its own, or a wrapper's (which freezes it again)
+        if self._session is None:  # (re)starting: the ranks are taken now
+            self._planner.take_ranks()
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            self._epoch = resume["epoch"] - 1  # the epoch the state is in
+        self._epoch += 1
+        if self._planner.torch_rules and resume is None:  # as torch's iterator is made
+            self._planner.draw_at_iter(self._epoch)
+        if self.pin_memory and not self._planner.torch_rules and not cuda_available():
+            warnings.warn("ShmLoader: pin_memory=True, but CUDA is not available: batches are not "
+                          "pinned (pin_memory=False says the same without this warning)",
+                          UserWarning, stacklevel=2)
+        if self.num_workers == 0:
+            return InlineEpoch(self, self._epoch, resume, planner=self._planner,
+                               tracer=self._tracer, owner=self._epoch_owner())
+        if self._session is None:
+            self._start()
+        host = EpochHost(runs=self._runs, session=self._session, owner=self._epoch_owner(),
+                         tracer=self._tracer, materializer=self._materializer,
+                         autoscaler=self._autoscaler, in_order=self.in_order,
+                         timeout=self.timeout, streams=max(self.num_workers, 1))
+        return (StreamEpoch if self.iterable else MapEpoch)(host, self._epoch, resume)
+
+    def _epoch_owner(self) -> EpochOwner:
+        """What this loader's epochs tell it (main/runs.py)."""
+        return EpochOwner(track=self._track, check_current=self._check_current,
+                          record_stats=self._record_stats, epoch_closed=self._epoch_closed)
+
+    def _epoch_closed(self, epoch: int) -> None:
+        """An epoch's iterator is done: without persistent workers, the
+        processes stop (unless a newer iterator, already made, owns them)."""
+        if not self.persistent_workers and self._epoch == epoch:
+            self._shutdown()
+
+    def steps(self, n: int | None = None):
+        """Yield n batches (None: for ever), going from one epoch into the
+        next with no pause (the next epoch's first batches are loaded
+        before the current one ends) and advancing the epoch, and so its
+        shuffle and seeds, at each boundary.  steps() called again goes on
+        where the last call stopped, mid-epoch included; state_dict() and
+        load_state_dict() work between and within calls."""
+        if n is not None:
+            positive_int("n", n, 0)
+        count = 0
+        while n is None or count < n:
+            current = self._steps_epoch
+            if current is None or current[0] != self._epoch or self._resume is not None:
+                it = iter(self)  # the next epoch (or the one a loaded state is in)
+                current = self._steps_epoch = (self._epoch, it)
+            got = False
+            for batch in current[1]:
+                got = True
+                count += 1
+                yield batch
+                if n is not None and count >= n:
+                    return  # the epoch's iterator stays suspended here for the next call
+            self._steps_epoch = None
+            if not got and current[0] == self._epoch:
+                raise ValueError("ShmLoader.steps(): an epoch yielded no batch (an empty dataset, "
+                                 "or drop_last with fewer samples than a batch); there is nothing "
+                                 "to step through")
+
+    def _workers_loading(self) -> int:
+        scaler = self._autoscaler
+        return scaler.active if scaler is not None else self.num_workers
+
+    def _record_stats(self, epoch: int, msg: _protocol.RunEnded | None, clock: EpochClock,
+                      batches: int = 0, samples: int = 0) -> None:
+        """An epoch ran to its end: keep its figures for stats() (msg: the
+        batcher's account; None when the epoch was loaded in this process,
+        which counted `batches` and `samples` itself)."""
+        by_batcher = relayouts = peak = cap = 0
+        if msg is not None:
+            batches, samples, by_batcher, relayouts = (msg.batches, msg.samples,
+                                                       msg.rows_by_batcher, msg.relayouts)
+            peak, cap = msg.peak_slab_bytes, self.memory_cap_bytes
+        workers = self._workers_loading()
+        s = {"epoch": epoch, "batches": batches, "samples": samples,
+             "samples_written_by_workers": samples - by_batcher,
+             "samples_written_by_batcher": by_batcher, "relayouts": relayouts,
+             "workers": workers, **clock.figures(workers, peak, cap)}
+        s["summary"] = summary_line(s)
+        self._stats = s
+        # once per loader; loader.DataLoader keeps torch's behaviour (no warning)
+        if not self._warned_stall and not self._planner.torch_rules:
+            advice = stall_advice(s)
+            if advice is not None:
+                self._warned_stall = True  # (before: with -W error the warning raises)
+                warn_stalled(advice)
+
+    def _check_current(self, epoch):
+        """An iterator is resumed: it must still be the loader's current one,
+        in the process that owns the loader."""
+        self._check_owner()
+        if self._closed:
+            raise ValueError("this ShmLoader is closed; create a new one")
+        if self._epoch != epoch:
+            raise RuntimeError("this ShmLoader iterator was superseded: iter(loader) was called "
+                               "again, which starts a new epoch; use one iterator at a time")
+
+    @property
+    def _materializer(self) -> Materializer:
+        """Builds batches for this loader's output (its leaf plans kept
+        across batches); made again if output or torch's rules changed."""
+        m = self.__dict__.get("_materializer_made")
+        torch_rules = self._planner.torch_rules
+        if m is None or m.output != self.output or m.torch_rules != torch_rules:
+            m = self.__dict__["_materializer_made"] = Materializer(self.output, torch_rules)
+        return m
+
+    # --- resuming ---------------------------------------------------------------------
+
+    def _track(self, plan: Plan):
+        """The epoch of this plan is the one state_dict() describes now."""
+        self._progress, self._progress_plan = plan.progress, plan
+        return plan.progress
+
+    def state_dict(self) -> dict:
+        """Where the loader is: the epoch in progress and which of its
+        samples the training loop has received (a few numbers: no sample
+        data, cheap enough to take every step).  A new loader of the same
+        dataset and arguments given it by load_state_dict() yields exactly
+        the rest of that epoch, then the following epochs as this one
+        would.  See NOTE [ Resuming an epoch ] in order/progress.py; behind a
+        wrapper that looks ahead, freeze_state() (NOTE [ A state through a
+        look-ahead wrapper ] in main/lookahead.py)."""
+        frozen = self._frozen_state_copy()
+        if frozen is not None:
+            return frozen
+        progress = self._progress
+        planner = self._planner
+        state = {"format": STATE_FORMAT, "epoch": self._epoch, "seed": self.seed,
+                 "rank": planner.rank, "world": planner.world, "workers": self.num_workers,
+                 "iterable": self.iterable, "rng": {}, "base_seed": None, "map": None,
+                 "stream": None, "batch_size": self.batch_size, "dataset_len": self._map_len(),
+                 "sampler": planner.sampler_name()}
+        if progress is None:  # no epoch started: the next is the first
+            state["complete"] = True
+            return state
+        plan = self._progress_plan
+        state["rng"] = dict(plan.rng)
+        state["base_seed"] = plan.base_seed
+        if isinstance(progress, MapProgress):
+            state["map"] = progress.state()
+            state["complete"] = progress.complete()
+        else:
+            state["stream"] = progress.state()
+            state["complete"] = progress.complete
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from state_dict(): the next iter() yields the rest of the
+        epoch the state was taken in (or the next epoch, if it was over)."""
+        self._check_owner()
+        check_state(state, self._expected_state())  # before anything changes (main/state.py)
+        self._freeze_loaded(state)
+        if self._session is not None:
+            self._runs.end(self._runs.current)
+            self._runs.end(self._runs.ahead)
+            if state["seed"] != self.seed:
+                self._shutdown()  # the workers know the old seed: new ones start at iter()
+        self._runs.current = self._runs.ahead = None
+        self._steps_epoch = None
+        self.seed = state["seed"]
+        if state["complete"]:
+            self._epoch, self._resume = state["epoch"], None
+        else:
+            self._resume = state
+        self._progress = None
+
+    def _map_len(self) -> int | None:
+        """The dataset's length (None: iterable, or none)."""
+        if self.iterable:
+            return None
+        try:
+            return len(self.dataset)
+        except TypeError:
+            return None
+
+    def _epoch_positions(self, world: int) -> int | None:
+        """The positions of a map-style epoch of this rank, as plan_run counts
+        them (None: a batch sampler's, known only by iterating it)."""
+        if self.iterable or self.batch_sampler is not None:
+            return None
+        n = sampler_length(self.sampler) if self.sampler is not None else self._map_len()
+        if n is None:
+            return None
+        share = n if self.sampler is not None else _order.shard_size(n, world)
+        return share if self.batch_size is None else _order.kept_of(share, self.batch_size,
+                                                                    self.drop_last)
+
+    def _expected_state(self) -> Expected:
+        rank, world = self._planner.ranks()
+        return Expected(
+            iterable=self.iterable, num_workers=self.num_workers, rank=rank, world=world,
+            seed=self.seed if self._seed_given else None, batch_size=self.batch_size,
+            positions=self._epoch_positions(world), dataset_len=self._map_len(),
+            sampler=self._planner.sampler_name(),
+            rng_bytes={k: len(v) for k, v in self._planner.rng_states().items()},
+            seeded_shuffle=(self.shuffle and self.generator is None and self.sampler is None
+                            and self.batch_sampler is None and not self.iterable))
+
+def follow_torch_rules(loader: ShmLoader) -> None:
+    """Make a new loader load as torch's DataLoader does (loader.DataLoader's
+    own ShmLoader): torch's worker seeding, base seed per iterator, order
+    draws and collate structure."""
+    loader._planner.torch_rules = True
+
+
+def worker_children(loader: ShmLoader) -> list:
+    """The loader's worker processes now (none once they have stopped)."""
+    session = loader._session
+    return session.worker_children() if session is not None else []
+
+
+def _close_all():
+    for loader in list(_live_loaders):
+        _close_if_owned(loader)
+
+
+def _close_if_owned(loader: ShmLoader) -> None:
+    if loader._owner_pid == os.getpid():  # (a forked copy leaves its parent's processes alone)
+        loader.close()
+
+
+atexit.register(_close_all)

@@ -1,0 +1,213 @@
+"""What each epoch of a loader loads, drawn from the loader's arguments and
+generators: the workers' base seed, the generator states a state records,
+the dataset's snapshot of the epoch, and the plan of its run (plan_run,
+in order/planning.py, decides the plan itself without side effects; what draws
+from generators is here).
+
+A ShmLoader owns one EpochPlanner.  It reads the loader's public arguments
+(dataset, sampler, generator, seed, ...) through a weak proxy, so the
+loader is freed as soon as it is dropped, and owns what only planning
+needs: the rank this loader shards for, torch's rules for loader.DataLoader
+(torch_rules), and the base seeds torch's rules draw ahead.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import numpy as np
+
+from loader.worker import fetch as _fetch
+from loader.datasets.snapshot import EpochInfo
+from loader._native import derived_seeds
+from loader.order.planning import Plan, PlanRules, plan_run
+from loader.shared.optional import imported_torch
+
+
+def distributed_rank() -> tuple[int, int]:
+    """(rank, world size) of this process: from the initialised
+    torch.distributed process group, else the RANK and WORLD_SIZE
+    environment variables torchrun sets, else (0, 1)."""
+    torch = imported_torch()
+    dist = None if torch is None else torch.distributed
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError as e:
+        raise ValueError(f"distributed=True: RANK and WORLD_SIZE must be integers ({e})") from None
+    if not 0 <= rank < world:
+        raise ValueError(f"distributed=True: RANK={rank} is not in 0..WORLD_SIZE-1 "
+                         f"(WORLD_SIZE={world})")
+    return rank, world
+
+
+class EpochPlanner:
+    """Plans the epochs of one loader (see the module's docstring)."""
+
+    def __init__(self, loader):
+        self.loader = weakref.proxy(loader)
+        self.torch_rules = False  # loader.DataLoader: torch's seeding, order and collate rules
+        self.rank, self.world = 0, 1  # taken when the loader (re)starts (take_ranks)
+        self.drawn_base_seed = None  # torch's rules: drawn once with persistent workers
+        self.early_base_seed = None  # torch's rules: drawn by iter(), taken by the epoch's plan
+
+    # --- the loader's shape ------------------------------------------------------------
+
+    def ranks(self) -> tuple[int, int]:
+        """(rank, world size) the loader's `distributed` asks for now."""
+        distributed = self.loader.distributed
+        if distributed is True:
+            return distributed_rank()
+        if distributed:
+            return distributed
+        return 0, 1
+
+    def take_ranks(self) -> None:
+        """The loader (re)starts: its ranks are taken now (torchrun may have
+        initialised its process group since it was made)."""
+        self.rank, self.world = self.ranks()
+
+    def dataset_len(self) -> int:
+        dataset = self.loader.dataset
+        try:
+            return len(dataset)
+        except TypeError:
+            raise TypeError(f"this map-style dataset ({type(dataset).__name__}) has no "
+                            f"__len__: pass a sampler that says which indices to load") from None
+
+    def sampler_name(self) -> str | None:
+        ld = self.loader
+        s = ld.batch_sampler if ld.batch_sampler is not None else ld.sampler
+        return None if s is None else getattr(s, "sampler_name", type(s).__name__)
+
+    def batched_fetch(self) -> bool:
+        """One dataset.__getitems__ call per batch (NOTE [ Batched fetch ])."""
+        ld = self.loader
+        return _fetch.batch_fetcher(ld.dataset, ld.batch_size, ld.iterable) is not None
+
+    def runs_ahead(self) -> bool:
+        """Can the next epoch start before this one ends?  Not when the
+        next order is the user's to make (a sampler, which may wait for
+        set_epoch(); an iterable dataset), nor without persistent workers,
+        nor for DataLoader (torch draws its seeds at iter(), maybe after
+        the user reseeded the generator)."""
+        ld = self.loader
+        return (ld.persistent_workers and ld.sampler is None and ld.batch_sampler is None
+                and not ld.iterable and not self.torch_rules)
+
+    # --- seeds and generators -------------------------------------------------------------
+
+    def base_seed(self, epoch: int, resumed: int | None = None) -> int:
+        """The seed workers take for an epoch (see seed_worker): drawn from
+        the generator as torch's DataLoader draws it (once per iterator it
+        makes: each epoch, or once with persistent workers), else from the
+        seed.  A resumed epoch takes the one its state recorded (`resumed`),
+        drawing nothing: the recorded generator states are those after it
+        was drawn (NOTE [ Resuming an epoch ])."""
+        ld = self.loader
+        early, self.early_base_seed = self.early_base_seed, None
+        if resumed is None:
+            resumed = early
+        if resumed is not None:
+            self.drawn_base_seed = resumed
+            return resumed
+        if self.torch_rules or ld.generator is not None:
+            if self.drawn_base_seed is not None and ld.persistent_workers and ld.num_workers:
+                return self.drawn_base_seed
+            import torch
+
+            seed = int(torch.empty((), dtype=torch.int64).random_(generator=ld.generator).item())
+            self.drawn_base_seed = seed
+            return seed
+        return int(derived_seeds(ld.seed & ((1 << 64) - 1), epoch, 0, 0)[0])
+
+    def draw_at_iter(self, epoch: int) -> None:
+        """torch's rules: the base seed is drawn as the iterator is made."""
+        self.early_base_seed = None
+        self.early_base_seed = self.base_seed(epoch)
+
+    def rng_states(self) -> dict:
+        """The states of the torch generators an epoch's order and base
+        seed are drawn from, as bytes (see NOTE [ Resuming an epoch ])."""
+        ld = self.loader
+        states = {}
+        if ld.generator is not None:
+            states["generator"] = ld.generator.get_state().numpy().tobytes()
+        elif self.torch_rules:  # DataLoader draws from torch's global generator
+            import torch
+
+            states["global"] = torch.get_rng_state().numpy().tobytes()
+        sampler_gen = getattr(ld.sampler, "generator", None)
+        if sampler_gen is not None and hasattr(sampler_gen, "get_state"):
+            states["sampler"] = sampler_gen.get_state().numpy().tobytes()
+        return states
+
+    def set_rng_states(self, states: dict) -> None:
+        if not states:  # no torch generator in play: nothing to restore (nor torch to import)
+            return
+        import torch
+
+        def tensor(b):
+            return torch.from_numpy(np.frombuffer(b, np.uint8).copy())
+
+        ld = self.loader
+        if "generator" in states and ld.generator is not None:
+            ld.generator.set_state(tensor(states["generator"]))
+        if "global" in states:
+            torch.set_rng_state(tensor(states["global"]))
+        if "sampler" in states:
+            ld.sampler.generator.set_state(tensor(states["sampler"]))
+
+    # --- an epoch's plan ------------------------------------------------------------------
+
+    def snapshot(self, epoch: int):
+        """The dataset's own view of the epoch starting, or None: see NOTE
+        [ Datasets that change with the epoch ] in datasets/snapshot.py."""
+        ld = self.loader
+        take = getattr(ld.dataset, "epoch_snapshot", None)
+        if not callable(take):
+            return None
+        return take(EpochInfo(epoch, ld.seed, self.rank, self.world))
+
+    def plan(self, epoch: int, resume: dict | None = None, snapshot=None) -> Plan:
+        """Decide epoch's run: which indices in which order (see NOTE
+        [ Runs ]); with `resume`, only what the state says is left of it
+        (NOTE [ Resuming an epoch ])."""
+        if snapshot is None:
+            snapshot = self.snapshot(epoch)
+        if resume is None or "global" not in resume["rng"]:
+            plan = self._drawn(epoch, resume)
+        else:
+            import torch
+
+            with torch.random.fork_rng(devices=[]):  # the user's global generator is left alone
+                plan = self._drawn(epoch, resume)
+        return plan._replace(snapshot=snapshot)
+
+    def _drawn(self, epoch: int, resume: dict | None) -> Plan:
+        if resume is not None:
+            if (resume["rank"], resume["world"]) != (self.rank, self.world):
+                raise ValueError(f"this state is of rank {resume['rank']} of {resume['world']}; "
+                                 f"this loader is rank {self.rank} of {self.world}: each rank "
+                                 f"resumes from its own state")
+            self.set_rng_states(resume["rng"])
+        base_seed = self.base_seed(epoch, None if resume is None else resume.get("base_seed"))
+        # after the base seed, as torch draws it before the order: these are
+        # the states the order is drawn from (NOTE [ Resuming an epoch ])
+        rng = self.rng_states()
+        return plan_run(self.rules(), epoch=epoch, resume=resume, base_seed=base_seed, rng=rng)
+
+    def rules(self) -> PlanRules:
+        ld = self.loader
+        per_batch = ld.collate_fn is not None or ld.batch_size is None
+        return PlanRules(
+            iterable=ld.iterable, num_workers=ld.num_workers, batch_size=ld.batch_size,
+            drop_last=ld.drop_last, per_batch=per_batch,
+            claims_batches=per_batch or ((self.torch_rules or self.batched_fetch())
+                                         and ld.num_workers > 0),
+            sampler=ld.sampler, batch_sampler=ld.batch_sampler,
+            sampler_name=self.sampler_name(), shuffle=ld.shuffle, generator=ld.generator,
+            seed=ld.seed, torch_rules=self.torch_rules, rank=self.rank, world=self.world,
+            dataset_len=self.dataset_len)

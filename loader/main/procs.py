@@ -1,0 +1,364 @@
+"""The loader's child processes: forking them safely, knowing how they
+ended, and ending them.  See NOTE [ ShmLoader processes and shutdown ] in
+shared/messages.py."""
+
+from __future__ import annotations
+
+import errno
+import faulthandler
+import os
+import resource
+import re
+import select
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from typing import NamedTuple
+
+from loader import _native
+
+# Caught in C by every child (_native.pyx): its parent thread or process
+# ended.  A real-time signal, so it is not one a dataset is likely to use.
+PARENT_DEATH_SIGNAL = signal.SIGRTMAX - 2
+_BLOCKED_AROUND_FORK = {signal.SIGINT, signal.SIGTERM}
+REAPED_ELSEWHERE = 1 << 16  # not an exit code: the status went to someone else
+
+
+class LoaderStartError(RuntimeError):
+    """The loader's processes could not be started (fork failed, no file
+    descriptors left...); nothing was left running."""
+
+
+class Role(NamedTuple):
+    """Who a child (process or thread) is: a worker, by its id, or the
+    batcher (worker None).  str() is how messages name it."""
+    worker: int | None = None
+
+    def __str__(self) -> str:
+        return "the batcher" if self.worker is None else f"worker {self.worker}"
+
+
+BATCHER = Role()
+
+
+class Child:
+    """One forked child: its pid, a pidfd to wait on, and its report file
+    (faulthandler stacks on SIGUSR1, and the traceback of an exception that
+    ended it)."""
+
+    __slots__ = ("role", "pid", "pidfd", "report", "_code")
+
+    def __init__(self, role: Role, pid: int, pidfd: int | None, report):
+        self.role, self.pid, self.pidfd, self.report = role, pid, pidfd, report
+        self._code = None
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; its exit code, or -signal, once it ended."""
+        if self._code is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else (an os.wait() in main?)
+                self._code = REAPED_ELSEWHERE
+                return self._code
+            if pid:
+                self._code = os.waitstatus_to_exitcode(status)
+        return self._code
+
+    def how_it_ended(self) -> str:
+        code = self.exitcode
+        if code is None:
+            return "is still running"
+        if code == REAPED_ELSEWHERE:
+            return ("exited, and its exit status was collected by other code in this process "
+                    "(an os.wait() or os.waitpid(-1, ...) reaps the loader's children too)")
+        if code < 0:
+            name = signal.Signals(-code).name
+            hint = (" (SIGKILL is often the out-of-memory killer: check `dmesg`, use smaller "
+                    "batches or fewer workers)" if code == -signal.SIGKILL else "")
+            return f"was killed by signal {name}{hint}"
+        return f"exited unexpectedly with exit code {code}"
+
+    def last_words(self, limit: int = 6000) -> str:
+        """What it wrote to its report file (a traceback, stacks), if anything."""
+        try:
+            self.report.seek(0)
+            text = self.report.read().decode(errors="replace").strip()
+        except (OSError, ValueError):
+            return ""
+        return text[-limit:]
+
+    def kill(self) -> None:
+        if self.exitcode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+        self.report.close()
+
+
+# The thread advice is given once per process (a flag, not the warnings
+# registry, which is the user's: see _fork_quietly).
+_advised_threads = False
+
+# Python 3.12+ warns (DeprecationWarning) about forking a multi-threaded
+# process; native thread pools (torch's) are safe to fork around, and the
+# loader advises about Python threads itself (fork_children).
+_FORK_WARNING = ("ignore", re.compile(r".*multi-threaded.*fork", re.I), DeprecationWarning,
+                 None, 0)
+
+
+def _risky_threads() -> int:
+    """Python threads besides this one that could hold a lock across the
+    fork, and that the user could have avoided starting (the advice says to
+    create the loader before them).  Not counted:
+    - tqdm's monitor: every progress bar starts it (datasets' save_to_disk,
+      map, from_parquet), it only sleeps on an event and takes tqdm's own
+      lock, which a worker does not need;
+    - a Ray worker's own threads: Train V2 runs the training function in a
+      thread of its own while the main thread serves Ray's calls, beside
+      Ray's GC and monitoring threads; none of them is the user's to move,
+      and they hold Ray's locks, which a worker does not take."""
+    me = threading.current_thread()
+    in_ray_worker = _is_ray_worker()
+    return sum(1 for t in threading.enumerate()
+               if t is not me and type(t).__module__ != "tqdm._monitor"
+               and not (in_ray_worker and _is_rays(t)))
+
+
+def _is_ray_worker() -> bool:
+    """This process is a Ray worker (an actor or task process, not the driver)."""
+    worker = sys.modules.get("ray._private.worker")
+    return worker is not None and getattr(worker.global_worker, "mode", None) == getattr(
+        worker, "WORKER_MODE", object())
+
+
+def _is_rays(t: threading.Thread) -> bool:
+    """A thread of a Ray worker that Ray started: its main thread (Ray's task
+    loop), or one whose class or target is Ray's."""
+    if t is threading.main_thread():
+        return True
+    target = getattr(t, "_target", None)
+    return any(str(getattr(x, "__module__", "") or "").startswith("ray.")
+               for x in (type(t), target))
+
+
+def fork_children(specs, advise: bool = True) -> list[Child]:
+    """Fork one child per (role, target, args); each runs target(*args) and
+    exits.  If any fork fails, the children already started are killed and
+    reaped and every file closed, then LoaderStartError is raised.
+    advise=False: no warning about other threads (loader.DataLoader gives
+    none that torch's does not give)."""
+    global _advised_threads
+    others = _risky_threads()
+    if advise and not _advised_threads and others:
+        _advised_threads = True  # (before: with -W error the warning raises)
+        warnings.warn(
+            f"ShmLoader forks {len(specs)} processes from a process running "
+            f"{others + 1} threads; a lock another thread holds at the fork stays "
+            f"locked in the children and can hang them. Create the loader (and iterate it once) "
+            f"before starting threads, or make sure they hold no locks the dataset uses",
+            RuntimeWarning, stacklevel=4)
+    children: list[Child] = []
+    try:
+        for role, target, args in specs:
+            _fork(role, target, args, children)
+    except BaseException as e:
+        for c in children:
+            c.kill()
+        wait_all([c for c in children if c.pidfd is not None], 5.0)
+        for c in children:
+            if c.exitcode is None and c.pidfd is None:
+                # Its pidfd_open failed (out of fds): nothing to wait on with
+                # a bound, but a SIGKILLed child ends at once.
+                os.waitpid(c.pid, 0)
+            c.close()
+        raise start_error(e, f"start its processes ({len(children)} of {len(specs)} started)")
+    return children
+
+
+def start_error(exc: BaseException, doing: str) -> BaseException:
+    """What to raise when starting failed with exc: a LoaderStartError
+    naming the limits for what a limit causes, else exc itself."""
+    if _mapping_refused(exc):
+        from loader.shared.spill import address_space_limits
+
+        err = LoaderStartError(
+            f"ShmLoader could not {doing}: {exc}. Its batch memory is mapped in every process "
+            f"(memory_cap_bytes; the default is a quarter of RAM) and the system refused "
+            f"the mapping ({address_space_limits()}): pass a smaller memory_cap_bytes, or "
+            f"raise `ulimit -v`")
+        err.__cause__ = exc
+        return err
+    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.EAGAIN,
+                                                  errno.ENOMEM):
+        limits = f" (here: {process_limits()})" if exc.errno == errno.EAGAIN else ""
+        err = LoaderStartError(
+            f"ShmLoader could not {doing}: {exc}. It needs a few file descriptors for its "
+            f"shared memory, and 2 and a process slot per worker. Raise the limits "
+            f"(`ulimit -n`, `ulimit -u`, the pids.max of a container's cgroup){limits} or use "
+            f"fewer workers")
+        err.__cause__ = exc
+        return err
+    return exc
+
+
+def _mapping_refused(exc: BaseException) -> bool:
+    """A MemoryError(ENOMEM, text) of a shared mapping (_native.arena_array)."""
+    return type(exc) is MemoryError and len(exc.args) == 2 and exc.args[0] == errno.ENOMEM
+
+
+def process_limits() -> str:
+    """The limits on the number of processes that apply to this one, in
+    words: fork's EAGAIN does not say which one was hit."""
+    soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    said = [f"`ulimit -u` is {'unlimited' if soft == resource.RLIM_INFINITY else soft}"
+            + (" (not enforced for root)" if os.geteuid() == 0 else "")]
+    cgroup = _pids_cgroup()
+    if cgroup is not None:
+        try:
+            with open(os.path.join(cgroup, "pids.max")) as f:
+                most = f.read().strip()
+            with open(os.path.join(cgroup, "pids.current")) as f:
+                now = f.read().strip()
+            said.append(f"the pids cgroup {cgroup} allows {most} (pids.max), {now} in use")
+        except OSError:
+            pass
+    return "; ".join(said)
+
+
+def _pids_cgroup() -> str | None:
+    """The directory of this process's pids cgroup (v1 or v2), if any."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "pids" in controllers.split(","):
+            return "/sys/fs/cgroup/pids" + path.rstrip("/")
+        if controllers == "" and os.path.exists(f"/sys/fs/cgroup{path.rstrip('/')}/pids.max"):
+            return "/sys/fs/cgroup" + path.rstrip("/")
+    return None
+
+
+# This process's id, kept by a fork hook: main checks it on every batch
+# (ShmLoader._check_owner), and os.getpid() is a system call each time.
+_this_pid = os.getpid()
+
+
+def _note_fork() -> None:
+    global _this_pid
+    _this_pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_note_fork)
+
+
+def this_pid() -> int:
+    """os.getpid(), as of the last os.fork() (a fork outside os.fork, from
+    C, is not seen: use it only where os.getpid() would do as well)."""
+    return _this_pid
+
+
+def _fork(role, target, args, children: list[Child]) -> None:
+    """Fork one child and append it to children before anything can raise
+    in this process (a Ctrl-C held back across the fork is raised when the
+    signal mask is restored: the caller must know the child by then)."""
+    report = tempfile.TemporaryFile()
+    parent = os.getpid()
+    # Blocked across the fork: a Ctrl-C arriving now is delivered after it,
+    # in main's own code, never inside an at-fork hook (Python swallows
+    # exceptions raised there) and never in the child.
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED_AROUND_FORK)
+    pid = -1
+    try:
+        pid = _fork_quietly()
+        if pid == 0:
+            _child_main(role, parent, target, args, report, old_mask)  # never returns
+        child = Child(role, pid, None, report)
+        children.append(child)
+        try:
+            child.pidfd = os.pidfd_open(pid)
+        except OSError as e:  # the caller kills and reaps the children it knows
+            if e.errno == errno.ENOSYS:
+                raise LoaderStartError("ShmLoader needs Linux 5.3 or later (pidfd_open) to wait "
+                                       "for its processes without polling") from e
+            raise
+    except BaseException:
+        if pid < 0:
+            report.close()
+        raise
+    finally:
+        if pid != 0:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _fork_quietly() -> int:
+    """os.fork() without Python 3.12's multi-threaded fork warning (see
+    _FORK_WARNING).  The filter goes into warnings.filters in place and out
+    again: warnings.catch_warnings() or filterwarnings() would mark the
+    filters changed, which empties every module's show-once registry, so
+    warnings the program had already shown would be shown again."""
+    _native.forking_own_child(True)  # no batch needs to move out first (NOTE [ Kept batch memory ])
+    try:
+        if sys.version_info < (3, 12):
+            return os.fork()
+        filters = warnings.filters
+        filters.insert(0, _FORK_WARNING)
+        try:
+            return os.fork()
+        finally:
+            if _FORK_WARNING in filters:
+                filters.remove(_FORK_WARNING)
+    finally:
+        _native.forking_own_child(False)
+
+
+def _child_main(role, parent, target, args, report, mask):
+    code = 1
+    try:
+        _native.die_with_parent(parent, PARENT_DEATH_SIGNAL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is main's to handle
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        faulthandler.register(signal.SIGUSR1, file=report, all_threads=True)
+        target(*args)
+        code = 0
+    except BaseException:
+        try:
+            report.write(f"ShmLoader {role} (pid {os.getpid()}) failed:\n"
+                         f"{traceback.format_exc()}".encode())
+            report.flush()
+        except BaseException:
+            pass
+    finally:
+        os._exit(code)
+
+
+def wait_all(children, timeout: float) -> bool:
+    """Wait until every child has exited, up to timeout seconds (on their
+    pidfds: no polling; threads are joined).  True if they all did."""
+    deadline = time.monotonic() + timeout
+    if children and not isinstance(children[0], Child):  # threads (main/threads.py)
+        return all(c.join(max(0.0, deadline - time.monotonic())) for c in children)
+    pending = [c for c in children if c.exitcode is None]
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        poller = select.poll()
+        for c in pending:
+            poller.register(c.pidfd, select.POLLIN)
+        poller.poll(left * 1000)
+        pending = [c for c in pending if c.exitcode is None]
+    return True

@@ -1,0 +1,349 @@
+"""The runs main reads, and all an epoch may ask of its loader.
+
+`Runs` keeps the runs of one loader (NOTE [ Runs ] in shared/control.py): the
+current one and the next epoch's, started ahead; the messages of each,
+filed as they come; which have not ended.  It starts a run from a plan
+(order/planning.py), raises its LIMIT as the loop takes batches, feeding a
+streamed sampler first and settling a run whose sampler ended (NOTE
+[ Streamed samplers ] in order/feed.py), and ends it.
+
+`EpochHost` is the handful of methods an epoch iterator (main/epochs.py)
+calls; it reads nothing else of the loader.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import weakref
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from loader.order import indices as _order
+from loader.shared import messages as _protocol
+from loader.shared.control import RunWords
+from loader.errors import raise_reported
+from loader.order.planning import Plan, offsets_word, order_of, settled_plan
+from loader.order.feed import BatchFeed
+from loader.main.stats import EpochClock
+from loader.shared.trace import EPOCH
+
+
+class Run(NamedTuple):
+    id: int
+    plan: Plan
+    batches: _order.Batches | None  # None for an iterable dataset
+
+
+class Runs:
+    """The runs of one loader, which owns them.  Plans come from the
+    loader's EpochPlanner (main/planner.py); its public arguments
+    (prefetch, timeout, iterable) are read through a weak proxy, so that a
+    loader dropped without close() is freed, and closed, at once (no cycle
+    to wait for)."""
+
+    def __init__(self, loader, planner):
+        self.loader = weakref.proxy(loader)
+        self.planner = planner
+        self.count = 0           # runs started (ids are never reused)
+        self.current = None      # the run of the latest iter()
+        self.ahead = None        # the next epoch's run, started before its iter()
+        self.inboxes: dict[int, collections.deque] = {}  # messages of the runs main reads
+        self.unended: set[int] = set()                     # runs whose RunEnded has not come
+        self.session = None      # the loader's Session while it runs
+
+    def stopped(self) -> None:
+        """The session stopped: no run is live any more."""
+        self.session = None
+        self.inboxes.clear()
+        self.unended.clear()
+        self.current = self.ahead = None
+
+    def route(self, msg) -> None:
+        """File a message under its run: the runs main still reads get it;
+        a batch of a run main abandoned is released at once."""
+        kind = type(msg)
+        if kind is _protocol.MemoryWait:
+            # A wake-up only: every caller receives again, and _receive
+            # moves what the loop keeps out of the pool while MEMORY_WAIT is
+            # set.  (If the loop keeps nothing, the pool is full of batches
+            # loading ahead, a cap under prefetch's needs: stats() says so.)
+            return
+        if kind is _protocol.RunEnded:
+            self.unended.discard(msg.run)
+        inbox = self.inboxes.get(msg.run)
+        if inbox is not None:
+            inbox.append(msg)
+        elif kind is _protocol.BatchReady:
+            self.session.give_back(msg)
+
+    def next_of(self, run: int, deadline, held: dict | None = None):
+        """The run's next message; held: the batches its epoch received
+        ahead of their turn (they move out of the pool if it runs short)."""
+        inbox = self.inboxes[run]
+        while not inbox:
+            self.route(self.session.receive(deadline, lambda: self.copy_out_held(held)))
+        return inbox.popleft()
+
+    def copy_out_held(self, held: dict | None = None) -> None:
+        """The batcher waits for memory: every batch main holds back (filed
+        for a run, or in `held`) moves out of the pool, since the batch the
+        loop waits for may need its memory (NOTE [ Kept batch memory ])."""
+        copy_out = self.session.copy_out
+        for inbox in self.inboxes.values():
+            for i, msg in enumerate(inbox):
+                if type(msg) is _protocol.BatchReady:
+                    inbox[i] = copy_out(msg)
+        if held:
+            for key, msg in held.items():
+                held[key] = copy_out(msg)
+
+    def limit(self, run: Run, yielded: int) -> int:
+        """Units workers may load once `yielded` batches were yielded: those
+        of the next `prefetch` batches.  (Iterable runs: per worker.)  A run
+        started ahead shares `prefetch` with the epoch still running: it is
+        given a negative `yielded`, minus the batches that epoch has left."""
+        if run.batches is None:  # each stream's next batches (a resumed one starts further)
+            ahead = self.session.cfg.worker_prefetch + self.session.cfg.shuffle_batches
+            return [j + ahead for j in run.plan.progress.first_batches()]
+        upto = max(min(yielded + self.loader.prefetch, run.plan.nbatches), 0)
+        feed = run.plan.feed
+        if feed is not None and feed.failure is not None:  # (NOTE [ Int indices ])
+            upto = min(upto, feed.whole_batches(run.batches))
+        if run.plan.claims_batches:  # workers claim whole batches
+            return upto
+        return run.batches.span(upto - 1)[1] if upto > 0 else 0
+
+    def open_limit(self, run: Run, yielded: int) -> int:
+        """_limit(), once a streamed sampler has written the indices of
+        every position below it (NOTE [ Streamed samplers ]), or below its
+        failure (NOTE [ Int indices ]: the epoch raises it).  A run whose
+        sampler (without len()) ended there is settled first: its final
+        length is stored before the LIMIT that reaches it, and the run main
+        holds (_current, _ahead) is replaced by the settled one."""
+        settled, limit = self._fed_limit(run, yielded)
+        if settled is not run:
+            plan = settled.plan
+            self.session.shared.control.settle_run(run.id, plan.kept, plan.units, plan.nbatches)
+            if self.current is run:
+                self.current = settled
+            if self.ahead is run:
+                self.ahead = settled
+        return limit
+
+    def _fed_limit(self, run: Run, yielded: int) -> tuple[Run, int]:
+        """(the run, settled if its sampler just ended; its _limit()), the
+        indices below that limit written."""
+        feed = run.plan.feed
+        if feed is None or run.batches is None:
+            return run, self.limit(run, yielded)
+        # (needed=0: a failure is kept in the feed, not raised here: the epoch
+        # that owns the run raises it at the batch it stopped (EpochHost))
+        if isinstance(feed, BatchFeed):  # its batches' offsets first: _limit reads them
+            feed.feed_batches(max(min(yielded + self.loader.prefetch, run.plan.nbatches), 0),
+                              needed=0)
+        else:
+            feed.feed(self._positions_below(run, self.limit(run, yielded)), needed=0)
+        feed.release_below(run.plan.progress.run_prefix())
+        plan = settled_plan(run.plan, self.planner.rules())
+        if plan is not None:
+            run = run._replace(plan=plan, batches=plan.progress.batches)
+        return run, self.limit(run, yielded)
+
+    @staticmethod
+    def _positions_below(run: Run, limit: int) -> int:
+        """The run positions below a LIMIT (in batches when claimed whole)."""
+        if not run.plan.claims_batches:
+            return limit
+        return run.batches.span(limit - 1)[1] if limit > 0 else 0
+
+    def start(self, epoch, resume: dict | None = None, snapshot=None,
+                   yielded: int = 0) -> Run:
+        """Start a pass over the data for `epoch` (see NOTE [ Runs ]);
+        yielded: see _limit."""
+        run_id = self.count + 1
+        timeout = self.loader.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while run_id - 2 in self.unended:  # its block is about to be reused
+            self.route(self.session.receive(deadline, self.copy_out_held))
+        plan = self.planner.plan(epoch, resume, snapshot)
+        if plan.shipped is not None:
+            self.session.shared.write_order(run_id, plan.shipped)
+        elif plan.remaining is not None:
+            self.session.shared.write_order(run_id, plan.remaining.words())
+        elif plan.feed is not None:
+            plan.feed.attach(self.session.shared.order_fd(run_id))
+        if plan.snapshot is not None:
+            self.session.shared.write_snapshot(run_id, plan.snapshot)
+        batches = None if self.loader.iterable else plan.progress.batches
+        run, limit = self._fed_limit(Run(run_id, plan, batches), yielded)
+        plan = run.plan
+        self.count = run_id
+        self.unended.add(run_id)
+        self.inboxes[run_id] = collections.deque()
+        self.session.shared.control.start_run(run_id, RunWords(
+            epoch=epoch, size=plan.size, kept=plan.kept, units=plan.units,
+            nbatches=plan.nbatches, order=plan.order_kind, order_seed=plan.order_seed,
+            offsets=offsets_word(plan), base_seed=plan.base_seed, limit=limit,
+            snapshot=int(plan.snapshot is not None), resumed=int(plan.remaining is not None),
+            open_ended=int(plan.feed is not None and plan.feed.open and not plan.feed.settled)))
+        return run
+
+    def end(self, run: Run | None) -> None:
+        """Main will read no more of this run: its workers stop, and its
+        batches are released as they come."""
+        if run is None:
+            return
+        self.session.shared.control.end_run(run.id)
+        for msg in self.inboxes.pop(run.id, ()):
+            if type(msg) is _protocol.BatchReady:
+                self.session.give_back(msg)
+
+    def run_for(self, epoch, resume: dict | None) -> Run:
+        """The run for `epoch`: the one started ahead if len(dataset) has not
+        changed since, else a new one."""
+        ahead, self.ahead = self.ahead, None
+        self.end(self.current)  # an iterator this one supersedes
+        self.current = None
+        snapshot = self.planner.snapshot(epoch)  # the dataset as this epoch starts
+        if ahead is not None and resume is None and ahead.plan.epoch == epoch and \
+                ahead.plan.size == self.planner.dataset_len() and ahead.plan.snapshot == snapshot:
+            self.current = ahead
+            return ahead
+        self.end(ahead)
+        self.current = self.start(epoch, resume, snapshot)
+        return self.current
+
+    def index_at(self, run_id: int, pos: int):
+        """The dataset index at position pos of a map-style run main still
+        has (the current one, or the one started ahead), else None."""
+        run = next((r for r in (self.current, self.ahead) if r is not None and r.id == run_id),
+                   None)
+        if run is None or run.batches is None or not 0 <= pos < run.plan.kept:
+            return None
+        if run.plan.feed is not None:
+            return run.plan.feed.index(pos)
+        planner = self.planner
+        return _order.index_getter(order_of(run.plan, planner.rank, planner.world))(pos)
+
+
+class EpochOwner(NamedTuple):
+    """What an epoch tells the loader that owns it (ShmLoader's methods)."""
+    track: Callable           # (plan) -> its progress, the one state_dict() describes now
+    check_current: Callable   # (epoch): raise if a newer iter() superseded this one
+    record_stats: Callable    # (epoch, RunEnded | None, EpochClock, ...): for stats()
+    epoch_closed: Callable    # (epoch): its iterator is done
+
+
+class EpochHost:
+    """What an epoch iterator (main/epochs.py) may ask of its loader, and
+    nothing else: the run for its epoch, the next message of that run,
+    batches, limits, the run started ahead, and its end.  One per iter(),
+    given by the loader exactly what it may use."""
+
+    def __init__(self, *, runs: Runs, session, owner: EpochOwner, tracer, materializer,
+                 autoscaler, in_order: bool, timeout: float | None, streams: int):
+        self._runs, self._session, self._owner = runs, session, owner
+        self.tracer, self._materializer, self._autoscaler = tracer, materializer, autoscaler
+        self.in_order, self._timeout = in_order, timeout
+        self.control = session.shared.control
+        self.streams = streams                      # an iterable dataset's: one per worker
+        self.per_batch = session.cfg.per_batch      # a row's tag is its unit
+
+    @property
+    def wait_clocks(self):
+        """The children's wait clocks (NOTE [ Wait clocks ] in main/stats.py)."""
+        return self._session.shared.waited
+
+    def cpu_tasks(self) -> tuple[dict, list]:
+        """Whose CPU time and waits to read (NOTE [ CPU starvation ] in main/stats.py)."""
+        return self._session.cpu_tasks()
+
+    def begin(self, epoch: int, resume: dict | None):
+        """(the run of the epoch, its progress, which state_dict() now describes)."""
+        run = self._runs.run_for(epoch, resume)
+        return run, self._owner.track(run.plan)
+
+    def check_current(self, epoch: int) -> None:
+        self._owner.check_current(epoch)
+
+    def raise_failed(self, msg: _protocol.Failed):
+        index = None
+        if msg.index is None and msg.pos is not None:
+            index = self._runs.index_at(msg.run, msg.pos)  # the batcher knows positions only
+        raise_reported(msg, index)
+
+    def next_message(self, run: Run, held: dict):
+        """The run's next message, within the loader's timeout; held: the
+        batches the epoch received ahead of their turn (Runs.next_of)."""
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        scaler = self._autoscaler
+        if scaler is None:
+            return self._runs.next_of(run.id, deadline, held)
+        t0 = time.perf_counter()  # the training loop waits for data from here (main/autoscale.py)
+        try:
+            return self._runs.next_of(run.id, deadline, held)
+        finally:
+            scaler.waited_for(time.perf_counter() - t0)
+
+    def raise_feed_failure(self, run: Run, yielded: int) -> None:
+        """The loop asks for the run's batch `yielded` (first-ready: one
+        more than the `yielded` it had): if its streamed sampler failed
+        before that batch, raise what it raised (NOTE [ Int indices ])."""
+        feed = run.plan.feed
+        if feed is not None and feed.failure is not None and \
+                yielded >= feed.whole_batches(run.batches):
+            raise feed.failure.with_traceback(None)
+
+    def hand_out(self, msg: _protocol.BatchReady):
+        """The user's batch of msg."""
+        if self._autoscaler is not None:
+            self._autoscaler.batch_handed_out()
+        return self._session.batch(msg, self._materializer)
+
+    def tags(self, msg: _protocol.BatchReady) -> np.ndarray:
+        return self._session.tags(msg)
+
+    def advance(self, run: Run, yielded: int, left: int) -> Run:
+        """`yielded` batches of run were handed out: raise its LIMIT, and
+        that of the run started ahead, which has `left` (minus the batches
+        run has still to hand out) to share.  Returns the run, settled if
+        its sampler (without len()) just ended (NOTE [ Streamed samplers ])."""
+        runs = self._runs
+        self.control.set_limit(run.id, runs.open_limit(run, yielded))
+        current = runs.current
+        if current is not run and current is not None and current.id == run.id:
+            run = current  # settled
+        if runs.ahead is not None and current is run:
+            self.control.set_limit(runs.ahead.id, runs.open_limit(runs.ahead, left))
+        return run
+
+    def run_ahead(self, run: Run, next_epoch: int, left: int) -> None:
+        """Every unit of run is claimed: start the next epoch's run now, if
+        the loader runs ahead and none is started (NOTE [ Runs ])."""
+        runs = self._runs
+        if runs.ahead is None and runs.planner.runs_ahead() and run.id - 1 not in runs.unended:
+            runs.ahead = runs.start(next_epoch, yielded=left)
+
+    def epoch_ended(self, epoch: int, msg: _protocol.RunEnded, clock: EpochClock) -> None:
+        """The epoch ran to its end: its figures for stats() and the trace."""
+        self._owner.record_stats(epoch, msg, clock)
+        self.tracer.record(EPOCH, clock.t0, time.perf_counter_ns(), epoch, msg.batches,
+                           msg.samples, 1)
+
+    def epoch_closed(self, epoch: int, run: Run, *, finished: bool, pending) -> None:
+        """The iterator is done (ran to its end, or dropped early): batches
+        received but not handed out go back, and the run ends unless it ran
+        to its end; then the loader hears of it (without persistent
+        workers, it stops the processes)."""
+        runs = self._runs
+        if runs.current is run:
+            if not finished:
+                for msg in pending:
+                    self._session.give_back(msg)
+                runs.end(run)
+                runs.current = None
+            else:
+                runs.inboxes.pop(run.id, None)
+        self._owner.epoch_closed(epoch)

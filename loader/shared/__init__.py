@@ -1,0 +1,1 @@
+"""What the processes share: the control words, the batch table, the rings' messages, the spill heap, layouts."""

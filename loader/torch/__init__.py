@@ -1,0 +1,1 @@
+"""The torch face: loader.DataLoader, torch's rules for drawing orders, framework integrations."""

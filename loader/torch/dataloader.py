@@ -1,0 +1,457 @@
+"""`from loader import DataLoader`: torch.utils.data.DataLoader, running on
+ShmLoader.
+
+It *is* a torch DataLoader (a subclass), so torch's own argument checks,
+samplers, attributes, len() and error messages apply unchanged, and code
+that checks isinstance(loader, torch.utils.data.DataLoader) accepts it.
+Only loading differs: iterating runs ShmLoader's forked workers, which
+write samples straight into shared-memory batch slabs, and yields tensors
+viewing them.  Batches are those torch gives: the same order for the same
+generator or seeds, torch's default_collate structure and dtypes, worker
+seeding by torch's rules (base seed drawn from the generator per iterator;
+each worker seeded with base_seed + worker id before worker_init_fn), the
+original exception type re-raised in main.
+
+What has no meaning here is accepted and documented:
+- multiprocessing_context: workers are always forked (the loader's design:
+  see NOTE [ ShmLoader processes and shutdown ]); "spawn" and
+  "forkserver" are accepted and fork is used.
+- pin_memory without an accelerator: a warning, as torch gives.
+
+One keyword torch does not have: trace=PATH, as ShmLoader's (a Perfetto
+trace of the loader's own workers, written when it is closed).
+
+Iterators are torch's: without persistent workers each iter() is its own
+pass with its own workers, so several may be live at once (a peek with
+next(iter(loader)) inside the loop, zip(loader, loader)); with persistent
+workers iter() resets the one iterator, as torch's does.  See NOTE
+[ Drawing the order as torch does ] for the sampler's generator.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+import weakref
+from typing import NamedTuple, TypeVar
+
+import torch
+import numpy as np
+from torch.utils.data import BatchSampler, IterDataPipe, SequentialSampler
+from torch.utils.data import DataLoader as _TorchDataLoader
+from torch.utils.data._utils.collate import default_collate, default_convert
+from torch.utils.data.dataloader import _DatasetKind
+
+from loader.errors import LoaderTimeout, StateError, WorkerError
+from loader.main.lookahead import FrozenState
+from loader.main.loader import ShmLoader, follow_torch_rules, worker_children
+from loader.main.procs import wait_all
+from loader.torch.order import TorchOrder, epoch_sampler
+from loader.shared.trace import check_path
+from loader.torch.integrations import accelerate as _accelerate_integration
+from loader.torch.integrations import install_imported
+
+__all__ = ["DataLoader"]
+
+# HF accelerate rebuilds the DataLoaders it prepares as torch's class: make
+# it keep this one (loader/torch/integrations/accelerate.py), whenever it is imported.
+_accelerate_integration.install_when_imported()
+
+
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
+    """torch.utils.data.DataLoader's signature, defaults and batches, with
+    ShmLoader's shared-memory workers underneath.  See the module docstring
+    for what differs (nothing a training loop sees)."""
+
+    def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
+                 num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
+                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                 prefetch_factor=None, persistent_workers=False, pin_memory_device="",
+                 in_order=True, trace=None):
+        install_imported()  # NOTE [ Installing the integrations ]
+        self._user_collate_fn = collate_fn
+        self._trace = trace        # ShmLoader(trace=...): the loader's own workers' run
+        if trace is not None:
+            check_path(trace)      # a bad path fails here, as ShmLoader's does
+        self._pool = None          # the loader's own ShmLoader: state_dict() is its
+        self._pool_user = None     # (weakref) the iterator using it, without persistent workers
+        self._extra_pools = weakref.WeakSet()  # ShmLoaders of further live iterators
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
+                         collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
+                         multiprocessing_context, generator, prefetch_factor=prefetch_factor,
+                         persistent_workers=persistent_workers,
+                         pin_memory_device=pin_memory_device, in_order=in_order)
+
+    def __getstate__(self):
+        # A copy (pickle, deepcopy: Lightning, spawn) gets the arguments, not
+        # this process's workers or iterators: it starts its own when iterated.
+        state = self.__dict__.copy()
+        state.update(_pool=None, _pool_user=None, _extra_pools=None, _iterator=None,
+                     _frozen_state=None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._extra_pools = weakref.WeakSet()
+
+    @property
+    def _shm(self) -> ShmLoader | None:
+        return None if self._pool is None else self._pool.shm
+
+    def _shm_loader(self) -> ShmLoader:
+        """The ShmLoader that loads for this DataLoader, made at the first
+        iteration (torch's attributes may be read until then)."""
+        if self._pool is None:
+            self._pool = self._new_pool()
+        return self._pool.shm
+
+    def _new_pool(self, traced: bool = True) -> _Pool:
+        kwargs = {}
+        order = None
+        custom = self._user_collate_fn not in (None, default_collate, default_convert)
+        if self._dataset_kind == _DatasetKind.Iterable:
+            kwargs["batch_size"] = self.batch_size
+            kwargs["drop_last"] = self.drop_last
+        else:
+            bs = self.batch_sampler
+            if bs is None:  # batch_size=None: one sample at a time, not collated
+                kwargs["batch_size"] = None
+                kwargs["sampler"] = order = self._order_source(self.sampler)
+            elif type(bs) is BatchSampler:  # torch's own: batches are cut from the order
+                kwargs["batch_size"] = bs.batch_size
+                kwargs["drop_last"] = bs.drop_last
+                kwargs["sampler"] = order = self._order_source(bs.sampler)
+            else:  # a user's batch sampler: its batches as they come
+                kwargs["batch_sampler"] = order = self._order_source(bs)
+        workers = self.num_workers
+        pipe = _PipeEpochs(self.dataset) if isinstance(self.dataset, IterDataPipe) else None
+        shm = ShmLoader(
+            self.dataset if pipe is None else pipe, num_workers=workers,
+            collate_fn=self.collate_fn if custom else None,
+            in_order=self.in_order,
+            prefetch=(self.prefetch_factor or 2) * max(workers, 1) if workers else None,
+            persistent_workers=self.persistent_workers, worker_init_fn=self.worker_init_fn,
+            generator=self.generator, reproducible=False,
+            timeout=self.timeout if self.timeout > 0 else None,
+            output="keep" if custom else "torch", pin_memory=self.pin_memory,
+            trace=self._trace if traced else None, **kwargs)
+        follow_torch_rules(shm)
+        return _Pool(shm, order, pipe)
+
+    def _order_source(self, source):
+        """What ShmLoader takes as its sampler (or batch sampler): None for
+        torch's default sequential order over this dataset (workers compute
+        it), else the source, iterated in main at each epoch as torch
+        iterates it (NOTE [ Drawing the order as torch does ])."""
+        if type(source) is SequentialSampler and source.data_source is self.dataset:
+            return None
+        prefetched = (self.prefetch_factor or 2) * self.num_workers if self.num_workers else 1
+        return TorchOrder(source, self._index_sampler, self._generators(), prefetched)
+
+    def _generators(self) -> list:
+        """The generators drawing an order can consume: torch's global one,
+        the loader's, and those of its samplers."""
+        found = [torch.default_generator]
+        for g in (self.generator, getattr(self.sampler, "generator", None),
+                  getattr(getattr(self.batch_sampler, "sampler", None), "generator", None)):
+            if isinstance(g, torch.Generator) and all(g is not h for h in found):
+                found.append(g)
+        return found
+
+    def __iter__(self):
+        self.thaw_state()  # a pass of its own, or a wrapper's (which freezes it again)
+        if self.num_workers > 0:
+            self.check_worker_number_rationality()  # torch warns at each iterator too
+        if self.pin_memory and not torch.accelerator.is_available():
+            warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
+                          "then device pinned memory won't be used.", stacklevel=2)
+        if self.persistent_workers and self.num_workers > 0:
+            # torch keeps one iterator and resets it: an older reference to it
+            # goes on with the new epoch, on the same workers
+            if self._iterator is None:
+                self._iterator = _Iterator(self, self._own_pool())
+            else:
+                self._iterator._reset(self)
+            return self._iterator
+        user = None if self._pool_user is None else self._pool_user()
+        if user is None or user.finished:
+            it = _Iterator(self, self._own_pool())
+            self._pool_user = weakref.ref(it)
+            return it
+        # another iterator is live: this one has its own workers, as in torch
+        pool = self._new_pool(traced=False)  # the trace is of the loader's own workers
+        self._extra_pools.add(pool.shm)
+        return _Iterator(self, pool, owned=True)
+
+    def _own_pool(self) -> _Pool:
+        self._shm_loader()
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the workers now (they also stop when the DataLoader is
+        garbage collected, and at interpreter exit)."""
+        for shm in list(self._extra_pools):
+            shm.close()
+        if self._pool is not None:
+            self._pool.shm.close()
+
+    def state_dict(self) -> dict:
+        """The position of the current epoch, to resume it exactly: see
+        ShmLoader.state_dict.  With several live iterators, the state is
+        of the one the loader's own workers serve (the first).  Behind a
+        wrapper that looks ahead: freeze_state() (main/lookahead.py)."""
+        frozen = self._frozen_state_copy()
+        if frozen is not None:
+            return frozen
+        state = self._shm_loader().state_dict()
+        order = self._pool.order
+        if order is not None and order.sampler_epoch is not None and not state.get("complete"):
+            # the epoch's order came from a sampler's set_epoch (DistributedSampler):
+            # see NOTE [ The sampler's epoch in a state ]
+            state["sampler_epoch"] = order.sampler_epoch
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        shm = self._shm_loader()
+        sampler_epoch = None
+        if isinstance(state, dict) and "sampler_epoch" in state:
+            state = dict(state)
+            sampler_epoch = state.pop("sampler_epoch")
+            if not isinstance(sampler_epoch, int) or isinstance(sampler_epoch, bool):
+                raise StateError(f"load_state_dict: field 'sampler_epoch' is {sampler_epoch!r}, "
+                                 f"but it must be an int; load a state from state_dict() of a "
+                                 f"loader of the same dataset and arguments")
+            if self._pool.order is None or epoch_sampler(self._pool.order.source) is None:
+                raise StateError("load_state_dict: the state records the epoch of a sampler "
+                                 "with set_epoch (sampler_epoch), but this loader's sampler has "
+                                 "none; load a state of a loader with the same sampler")
+        shm.load_state_dict(state)
+        self._freeze_loaded(state if sampler_epoch is None else {**state,
+                                                                 "sampler_epoch": sampler_epoch})
+        if self._pool.order is not None and not state.get("complete", True):
+            self._pool.order.resuming = True
+            self._pool.order.resume_epoch = sampler_epoch
+
+    def stats(self) -> dict | None:
+        """Where the last complete epoch's time went: see ShmLoader.stats
+        (None before one ended)."""
+        return None if self._pool is None else self._pool.shm.stats()
+
+
+class _Pool(NamedTuple):
+    """A ShmLoader serving a DataLoader, and the order it ships (None: the
+    default sequential order, computed by its workers); pipe: the wrapper
+    of an IterDataPipe dataset (NOTE [ IterDataPipes as torch runs them ])."""
+    shm: ShmLoader
+    order: "TorchOrder | None"
+    pipe: "_PipeEpochs | None" = None
+
+
+# NOTE [ IterDataPipes as torch runs them ]
+# =========================================
+#
+# torch's DataLoader treats an IterDataPipe specially (dataloader.py:
+# _BaseDataLoaderIter, _sharding_worker_init_fn; _utils/worker.py):
+# - each iterator (and each _reset of a persistent one) draws a "shared
+#   seed" from the loader's generator (before the workers' base seed;
+#   broadcast from rank 0 under torch.distributed) and every worker reseeds
+#   the pipe's random datapipes (shuffle) from it with apply_random_seed,
+#   so all workers shuffle alike and torch.manual_seed before an epoch
+#   fixes its order;
+# - each worker applies sharding_filter with apply_sharding over
+#   num_workers * world_size instances, instance worker_id * world_size +
+#   rank (num_workers=0: world_size instances, instance rank), so every
+#   sample comes from exactly one worker of one rank.
+# ShmLoader iterates its dataset afresh in each worker at each epoch, so
+# the DataLoader hands it _PipeEpochs, which does both as iteration starts.
+# The epoch's seed, world size and rank reach the (forked, possibly
+# persistent) workers through three int64 words of an anonymous shared
+# mapping, written by main before the epoch's run is published (the run's
+# publication is the release store that makes them visible).
+
+class _PipeEpochs(torch.utils.data.IterableDataset):
+    """An IterDataPipe, sharded and reseeded per epoch as torch's workers
+    do (NOTE [ IterDataPipes as torch runs them ])."""
+
+    def __init__(self, pipe):
+        import mmap
+
+        self.pipe = pipe
+        # MAP_SHARED | MAP_ANONYMOUS: shared with the forked workers, no name to leak
+        self._words = np.frombuffer(mmap.mmap(-1, 24), np.int64)
+
+    def new_epoch(self, generator, group) -> None:
+        """In main, as torch's iterator starts or resets: draw the shared seed."""
+        import torch.distributed as dist
+
+        seed = torch.empty((), dtype=torch.int64).random_(generator=generator)
+        world, rank = 1, 0
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast(seed, src=0, group=group)
+            world, rank = dist.get_world_size(), dist.get_rank()
+        self._words[:] = (int(seed.item()), world, rank)
+
+    def __iter__(self):
+        from torch.utils.data.graph_settings import apply_random_seed, apply_sharding
+
+        seed, world, rank = (int(w) for w in self._words)
+        info = torch.utils.data.get_worker_info()
+        workers, wid = (info.num_workers, info.id) if info is not None else (1, 0)
+        # torch applies it once per worker; the same values again change nothing
+        apply_sharding(self.pipe, workers * world, wid * world + rank)
+        rng = torch.Generator()
+        rng.manual_seed(seed)
+        apply_random_seed(self.pipe, rng)
+        return iter(self.pipe)
+
+
+class _Iterator:
+    """What iter(DataLoader) returns: torch's iterator protocol (len(),
+    the warning for an IterableDataset that yields more than its len, the
+    worker processes as `_workers`), pulling the order as torch's iterator
+    does (NOTE [ Drawing the order as torch does ]).  It holds no reference
+    to the DataLoader, as torch's does not: dropping both frees the
+    workers at once."""
+
+    def __init__(self, loader: DataLoader, pool: _Pool, owned: bool = False):
+        self._pool, self._owned = pool, owned  # owned: a ShmLoader of this iterator alone
+        self._index_sampler = loader._index_sampler
+        self._dataset, self._iterable = loader.dataset, loader._dataset_kind == _DatasetKind.Iterable
+        self._num_workers = loader.num_workers
+        self._batches = None
+        self._pipe_group = None
+        if pool.pipe is not None:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                self._pipe_group = dist.new_group(backend="gloo")  # as torch's iterator makes
+        self._reset(loader)
+
+    def _reset(self, loader: DataLoader) -> None:
+        """Start a new epoch (persistent workers: torch's _reset)."""
+        if self._batches is not None:
+            self._batches.close()
+        self._IterableDataset_len_called = loader._IterableDataset_len_called
+        if self._pool.pipe is not None:  # drawn before the base seed, as torch draws it
+            self._pool.pipe.new_epoch(loader.generator, self._pipe_group)
+        self._batches = iter(self._pool.shm)
+        if self._num_workers:
+            self._batches.start()  # torch's iterator prefetches as it is made
+        self._num_yielded = self._calls = 0
+        self.finished = False
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self._index_sampler)
+
+    @property
+    def _workers(self) -> list:
+        """The worker processes, as torch's iterator lists them (pid,
+        is_alive(), join(), exitcode)."""
+        return [_WorkerProcess(c) for c in worker_children(self._pool.shm)]
+
+    def __next__(self):
+        if self.finished:
+            raise StopIteration
+        order = self._pool.order
+        if order is not None and self._calls and not self._num_workers:
+            order.pull()  # torch takes the next index before loading it
+        self._calls += 1
+        try:
+            data = next(self._batches)
+        except StopIteration:
+            self._finish()
+            raise
+        except (WorkerError, LoaderTimeout):
+            raise  # no batch came: torch's iterator takes no index either
+        except Exception:
+            if order is not None and self._num_workers:
+                order.pull()  # a batch's error: torch takes an index before re-raising it
+            raise
+        if order is not None and self._num_workers:
+            order.pull()
+        self._num_yielded += 1
+        self._check_length()
+        return data
+
+    def _check_length(self) -> None:
+        if not self._iterable or self._IterableDataset_len_called is None:
+            return
+        if self._num_yielded > self._IterableDataset_len_called:
+            msg = (f"Length of IterableDataset {self._dataset} was reported to be "
+                   f"{self._IterableDataset_len_called}(when accessing len(dataloader)), but "
+                   f"{self._num_yielded} samples have been fetched. ")
+            if self._num_workers > 0:
+                msg += ("For multiprocessing data-loading, this could be caused by not properly "
+                        "configuring the IterableDataset replica at each worker. Please see "
+                        "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                        "for examples.")
+            warnings.warn(msg, stacklevel=3)
+
+    def _finish(self) -> None:
+        self.finished = True
+        if self._pool.order is not None:
+            self._pool.order.drain()
+        if self._owned:
+            self._pool.shm.close()
+
+    def close(self) -> None:
+        if self._batches is not None:
+            self._batches.close()
+        if self._owned:
+            self._pool.shm.close()
+
+    def __del__(self):
+        if getattr(self, "_batches", None) is not None:
+            self.close()
+
+
+class _WorkerProcess:
+    """One worker as torch's iterator shows it in `_workers`: pid,
+    is_alive(), join(timeout), exitcode, terminate(), kill()."""
+
+    def __init__(self, child):
+        self._child = child
+
+    @property
+    def pid(self) -> int:
+        return self._child.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._child.exitcode
+
+    def is_alive(self) -> bool:
+        return self._child.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._child.exitcode is None:
+            wait_all([self._child], float("inf") if timeout is None else timeout)
+
+    def terminate(self) -> None:
+        """SIGTERM, as multiprocessing.Process.terminate; nothing once it
+        has exited (an unreaped child's pid cannot be reused), nor for a
+        thread worker (worker_mode="thread"), which no signal stops.  The
+        loader reports the death as any worker's."""
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL, as multiprocessing.Process.kill (see terminate)."""
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        if self._child.exitcode is None and self._child.pid != os.getpid():
+            try:
+                os.kill(self._child.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def __repr__(self) -> str:
+        state = "alive" if self.is_alive() else f"exitcode={self.exitcode}"
+        return f"<loader worker pid={self.pid} {state}>"

@@ -1,0 +1,1 @@
+"""The worker processes (or threads): claim units of a run, load them, write their rows."""

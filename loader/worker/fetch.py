@@ -1,0 +1,94 @@
+"""Batched fetch: a dataset's __getitems__(indices), called once per batch
+instead of dataset[i] once per sample.
+
+NOTE [ Batched fetch ]
+torch's rule (_MapDatasetFetcher in torch/utils/data/_utils/fetch.py): a
+map-style dataset whose __getitems__ exists and is truthy, loaded with
+automatic batching (a batch_size or a batch sampler), gets one
+__getitems__(list_of_indices) call per batch; it returns a list of the
+batch's samples, in the indices' order.  torch's Subset and StackDataset
+and Hugging Face's datasets.Dataset define it; for an Arrow table one
+slice is many times faster than a Python call per row.
+
+Here the same rule holds with workers (ShmLoader, in order and first-ready,
+and loader.DataLoader) and with num_workers=0.  With workers, a run whose
+dataset fetches in batches claims whole batches (LoaderConfig.claims_batches),
+and the worker writes each returned sample straight into its row (NOTE
+[ Direct row writes ] in shared/table.py), tagged with its position as a
+per-sample load is, so state_dict() resumes mid-epoch exactly as before.
+
+reproducible=True seeds random, numpy's global generator and torch's once
+per call, from (seed, epoch, BATCH_STREAM, the batch's first dataset
+index): the first index rather than the batch's number or position, because
+those are renumbered when a state_dict() resumes an epoch, while a batch's
+indices are not.  A batch's draws so depend neither on the worker that
+loads it nor on the worker count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# The derived_seeds stream of batch calls: apart from stream 0 (one sample
+# of a map-style dataset) and 1..W (worker w's stream of an iterable one).
+BATCH_STREAM = 1 << 63
+
+_SHOWN_INDICES = 16  # the indices an error message lists (a batch may hold thousands)
+
+
+def batch_fetcher(dataset, batch_size, iterable: bool):
+    """The dataset's __getitems__ when torch's rule says to use it (see
+    NOTE [ Batched fetch ]), else None."""
+    if iterable or batch_size is None:
+        return None
+    fetch = getattr(dataset, "__getitems__", None)
+    return fetch if fetch else None
+
+
+def seed_call(seeder, epoch: int, indices: list, start: int) -> None:
+    """reproducible=True: seed the generators for one call, from its
+    first index (a sampler's non-int index: the batch's first position)."""
+    first = indices[0]
+    seeder(epoch, BATCH_STREAM, first if type(first) is int else start | (1 << 62))
+
+
+def indices_of(order, start: int, stop: int) -> list:
+    """The dataset indices at positions [start, stop) of a run's order, as
+    torch's BatchSampler hands them over: a list (of ints, or of the
+    sampler's own index objects)."""
+    if order is None:
+        return list(range(start, stop))
+    chunk = order[start:stop]  # an array (written out, computed or streamed) or a list
+    return chunk.tolist() if isinstance(chunk, np.ndarray) else list(chunk)
+
+
+def describe(indices: list) -> str:
+    """The indices for an error message, the first few if there are many."""
+    if len(indices) <= _SHOWN_INDICES:
+        return repr(indices)
+    head = ", ".join(repr(i) for i in indices[:_SHOWN_INDICES])
+    return f"[{head}, ... ({len(indices)} indices)]"
+
+
+def checked(dataset, indices: list, samples):
+    """What __getitems__ returned, if it is a list of one sample per
+    index (torch's contract); else a TypeError or ValueError saying what
+    came back and what it should be."""
+    name = type(dataset).__qualname__
+    if not isinstance(samples, list):
+        raise TypeError(
+            f"{name}.__getitems__({describe(indices)}) returned {type(samples).__qualname__}, "
+            f"not a list: it must return a list of {len(indices)} samples, one per index "
+            f"(torch's contract for __getitems__); to load sample by sample, remove "
+            f"__getitems__ or set it to None")
+    if len(samples) != len(indices):
+        raise ValueError(
+            f"{name}.__getitems__({describe(indices)}) returned a list of {len(samples)} "
+            f"samples for {len(indices)} indices: it must return one sample per index, "
+            f"in the indices' order")
+    return samples
+
+
+def where(dataset, indices: list) -> str:
+    """Where an error in a batch call happened, for its report."""
+    return f"in {type(dataset).__qualname__}.__getitems__ on indices {describe(indices)}"
