@@ -138,6 +138,26 @@ def test_stop_escalates_to_sigkill_when_sigterm_is_not_obeyed():
     assert pid not in descendants()
 
 
+def test_ports_taken_meanwhile_are_chosen_again(s3_server, monkeypatch):
+    """Another server (here the module's) took the ports between the check
+    and weed's start: weed refuses them, start() draws new ones."""
+    import s3server
+
+    drawn = []
+
+    def the_module_servers_ports_first(count):
+        drawn.append(count)
+        return dict(s3_server.ports) if len(drawn) == 1 else free_port_pairs(count)
+
+    free_port_pairs = s3server._free_port_pairs
+    monkeypatch.setattr(s3server, "_free_port_pairs", the_module_servers_ports_first)
+    with S3Server(buckets=("other-bucket",)) as server:
+        assert len(drawn) == 2 and server.ports != s3_server.ports
+        server.put("other-bucket", "k", b"v")
+        assert server.get("other-bucket", "k") == b"v"
+    assert s3_server.list_keys("test-bucket") == []   # the module's server untouched
+
+
 def test_start_failure_names_the_exit_status_and_log(tmp_path):
     fake = tmp_path / "weed"
     fake.write_text("#!/bin/sh\necho 'fake weed: cannot start here' >&2\nexit 3\n")

@@ -76,6 +76,9 @@ REGION = "us-east-1"
 GRPC_OFFSET = 10000
 PORT_RANGE = (10000, 32767 - GRPC_OFFSET)
 COMPONENTS = ("master", "volume", "filer", "s3", "admin")
+# weed checks its ports before it binds them ("Port allocation failed: port N ... is not
+# available"); a port taken in between fails the bind itself
+PORT_TAKEN_SIGNS = ("port allocation failed", "address already in use")
 
 
 class S3ServerError(RuntimeError):
@@ -205,7 +208,7 @@ class S3Server:
         last_error: Exception | None = None
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                if "address already in use" in self.log_tail().lower():
+                if any(sign in self.log_tail().lower() for sign in PORT_TAKEN_SIGNS):
                     raise _PortTaken()
                 raise S3ServerError(f"weed mini exited with status {self._process.returncode} "
                                     f"while starting; its log ends:\n{self.log_tail()}")
