@@ -17,7 +17,8 @@ What is measured
   the process's CPU seconds (user + system, every thread: obstore's Tokio
   runtime and pyarrow's pool included) per GB delivered. The byte count of
   every cell is checked. Each cell runs `--rounds` times (2), the clients
-  in turn within a round; the median run is reported, with the range.
+  in turn within a round; the fastest run is reported (the machine is
+  shared: other load only slows a run), with the range.
   How each client is driven: obstore: its async API (`get_async` +
   `bytes_async`) under a semaphore; boto3 and pyarrow.fs: a thread pool of
   that many threads (boto3: one client, `max_pool_connections` = in
@@ -455,8 +456,8 @@ def available(client: str, python: str) -> bool:
 
 def get_cells(server, proxy, args, pythons) -> list[dict]:
     """Every cell `args.rounds` times, the clients in turn within a round
-    (so that each sees the same load from the rest of the machine); the
-    median of each client's rounds, with the slowest and fastest."""
+    (so that each sees the same load from the rest of the machine); each
+    client's fastest round, with the range."""
     rows = []
     combos = [(size, rtt, n) for size in args.sizes for rtt in args.rtts for n in args.in_flight]
     if 0 in args.rtts and "obstore" in args.clients:   # the proxy's own ceiling
@@ -470,12 +471,12 @@ def get_cells(server, proxy, args, pythons) -> list[dict]:
                                              in_flight, args.counts[size_name], pythons[client],
                                              via_proxy=rtt == "proxy"))
         for client in clients:
-            rows.append(median_row(runs[client]))
+            rows.append(best_row(runs[client]))
             print(_format_get(rows[-1]), flush=True)
     return rows
 
 
-def median_row(runs: list[dict]) -> dict:
+def best_row(runs: list[dict]) -> dict:
     good = sorted((r for r in runs if "objects_per_s" in r and "error" not in r),
                   key=lambda r: r["objects_per_s"])
     row = dict(runs[0])
@@ -483,8 +484,8 @@ def median_row(runs: list[dict]) -> dict:
     if errors:
         row["error"] = f"{len(errors)} of {len(runs)} runs: {errors[0]}"
     if good:
-        mid = good[len(good) // 2]
-        row.update({k: mid[k] for k in ("objects_per_s", "MB_per_s", "cpu_s_per_GB", "seconds", "cpu", "bytes")})
+        best = good[-1]   # foreign load only ever slows a run down
+        row.update({k: best[k] for k in ("objects_per_s", "MB_per_s", "cpu_s_per_GB", "seconds", "cpu", "bytes")})
         row["objects_per_s_range"] = [good[0]["objects_per_s"], good[-1]["objects_per_s"]]
     row["rounds"] = len(good)
     return row
@@ -552,7 +553,7 @@ def parse_args(argv):
     p.add_argument("--sizes", default=",".join(SIZES))
     p.add_argument("--rtts", default=",".join(map(str, RTTS_MS)))
     p.add_argument("--in-flight", default=",".join(map(str, IN_FLIGHT)))
-    p.add_argument("--rounds", type=int, default=2, help="runs of each cell (the median is reported)")
+    p.add_argument("--rounds", type=int, default=2, help="runs of each cell (the fastest is reported)")
     p.add_argument("--quick", action="store_true", help="32 objects a size, 1,000 keys to list, 1 round")
     p.add_argument("--s3fs-python", default=sys.executable,
                    help="the interpreter that has s3fs (its aiobotocore pins a botocore of its own)")

