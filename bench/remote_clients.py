@@ -7,6 +7,7 @@ emulated round trips through tests/support/faultproxy.py.
     python bench/remote_clients.py get list         # some of it
     python bench/remote_clients.py get --quick      # a smoke run (few objects)
     python bench/remote_clients.py --s3fs-python /tmp/s3fs-venv/bin/python   # s3fs elsewhere
+    python bench/remote_clients.py --json a.json; python bench/remote_clients.py --markdown a.json
 
 What is measured
 - GET: N objects of one size (400 x 128 KiB, 200 x 1 MiB, 64 x 8 MiB), each read whole into
@@ -32,6 +33,8 @@ What is measured
 - fork/spawn: whether each client works in a child started with spawn or
   with fork after the parent used it (bounded: a child that does not
   finish in FORK_TIMEOUT_S is killed and reported as hung).
+- exit: how often an interpreter that used obstore's async API, or its
+  sync API, dies of SIGABRT as it exits normally.
 - errors: what obstore raises for 404, 403, 412, a truncated body, 503, a
   stall and an unreachable endpoint, and where the status is.
 
@@ -68,7 +71,8 @@ IN_FLIGHT = (1, 8, 32, 64)
 RTTS_MS = (0, 20)
 LIST_KEYS = 10_000
 CLIENTS = ("obstore", "obstore-sync", "boto3", "pyarrow", "s3fs")
-PARTS = ("get", "list", "fork", "errors")
+PARTS = ("get", "list", "fork", "errors", "exit")
+EXIT_RUNS = 30
 SAME_LIBRARY = ("obstore-sync",)   # LIST and fork/spawn: as obstore
 FORK_TIMEOUT_S = 20.0
 CHILD_TIMEOUT_S = 600.0
@@ -224,6 +228,37 @@ def list_all(client: str, prefix: str) -> tuple[int, float, float]:
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def exit_child(api: str) -> None:
+    """32 GETs with obstore's async or sync API, then a normal interpreter
+    exit (no os._exit): what a fetcher that simply returns would do."""
+    import obstore
+
+    store = obstore_store()
+    keys = [object_key("1MiB", i % 8) for i in range(32)]
+    if api == "async":
+        asyncio.run(obstore_read_all(store, keys, 8))
+    else:
+        threaded_read_all(lambda k: len(obstore.get(store, k).bytes()), keys, 8)
+    print(json.dumps({"done": True}), flush=True)
+
+
+def exit_cells(server, proxy) -> dict:
+    """How many of EXIT_RUNS interpreters end by SIGABRT after using each API."""
+    server.put_many(BUCKET, {object_key("1MiB", i): b"x" * MiB for i in range(8)})
+    found = {}
+    for api in ("async", "sync"):
+        codes: dict[int, int] = {}
+        for _ in range(EXIT_RUNS):
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--exit-child", api],
+                                 env={**os.environ, **server.env()}, capture_output=True,
+                                 timeout=CHILD_TIMEOUT_S)
+            codes[out.returncode] = codes.get(out.returncode, 0) + 1
+        found[api] = codes
+        print(f"EXIT obstore {api:5} API: exit codes of {EXIT_RUNS} interpreters {codes} (-6: SIGABRT)",
+              flush=True)
+    return found
 
 
 def child_main(spec: dict) -> None:
@@ -545,6 +580,42 @@ def fork_cells(server, args, pythons) -> dict:
     return found
 
 
+def markdown(reports: list[dict]) -> str:
+    """The GET and LIST tables of one or more runs' JSON (--json): for each
+    cell the fastest of all their rounds."""
+    best: dict[tuple, dict] = {}
+    for report in reports:
+        for row in report.get("get", []):
+            key = (row["size"], row["rtt_ms"], row["via_proxy"] and not row["rtt_ms"], row["client"], row["in_flight"])
+            if "objects_per_s" in row and row["objects_per_s"] > best.get(key, {}).get("objects_per_s", -1):
+                best[key] = row
+    lines = []
+    for size in SIZES:
+        lines += [f"\n**{size}** objects/s by requests in flight; MB/s and CPU s/GB of the best cell\n",
+                  "| client | RTT | 1 | 8 | 32 | 64 | best MB/s | CPU s/GB there |", "|---|---|---|---|---|---|---|---|"]
+        for rtt, proxied in ((0, False), (20, False), (0, True)):
+            for client in CLIENTS:
+                cells = {n: best.get((size, rtt, proxied, client, n)) for n in IN_FLIGHT}
+                if not any(cells.values()):
+                    continue
+                top = max((c for c in cells.values() if c), key=lambda c: c["objects_per_s"])
+                label = "0 ms via proxy" if proxied else f"{rtt} ms"
+                lines.append(f"| {client} | {label} | " + " | ".join(
+                    f"{c['objects_per_s']:.0f}" if c else "" for c in cells.values())
+                    + f" | {top['MB_per_s']:.0f} | {top['cpu_s_per_GB']:.2f} |")
+    lists = [row for report in reports for row in report.get("list", []) if "keys" in row]
+    if lists:
+        lines += ["\n**LIST** of 10,000 keys (fastest run): seconds, CPU seconds\n",
+                  "| client | 0 ms | 20 ms |", "|---|---|---|"]
+        for client in CLIENTS:
+            by_rtt = {rtt: min((r for r in lists if r["client"] == client and r["rtt_ms"] == rtt),
+                               key=lambda r: r["seconds"], default=None) for rtt in RTTS_MS}
+            if any(by_rtt.values()):
+                lines.append(f"| {client} | " + " | ".join(
+                    f"{r['seconds']:.2f} s, CPU {r['cpu']:.2f} s" if r else "" for r in by_rtt.values()) + " |")
+    return "\n".join(lines)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -558,7 +629,9 @@ def parse_args(argv):
     p.add_argument("--s3fs-python", default=sys.executable,
                    help="the interpreter that has s3fs (its aiobotocore pins a botocore of its own)")
     p.add_argument("--json", help="write every row here")
+    p.add_argument("--markdown", nargs="+", metavar="JSON", help="print the tables of earlier runs' --json")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--exit-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.parts = args.parts or list(PARTS)
     args.clients = args.clients.split(",")
@@ -575,6 +648,16 @@ def main(argv=None) -> None:
     args = parse_args(argv if argv is not None else sys.argv[1:])
     if args.child:
         child_main(json.loads(args.child))
+        return
+    if args.exit_child:
+        exit_child(args.exit_child)
+        return
+    if args.markdown:
+        reports = []
+        for path in args.markdown:
+            with open(path) as f:
+                reports.append(json.load(f))
+        print(markdown(reports))
         return
     from faultproxy import FaultProxy
     from s3server import S3Server
@@ -603,6 +686,8 @@ def main(argv=None) -> None:
             report["list"] = list_cells(server, proxy, args, pythons)
         if "fork" in args.parts:
             report["fork"] = fork_cells(server, args, pythons)
+        if "exit" in args.parts and "obstore" in args.clients:
+            report["exit"] = exit_cells(server, proxy)
         if "errors" in args.parts and "obstore" in args.clients:
             proxy.set_link(delay_ms=0)
             report["errors"] = obstore_errors(server, proxy)
