@@ -191,8 +191,11 @@ def test_server_dies_with_the_process_that_started_it(procs, tmp_path):
         child.kill()
         child.wait(10)
         assert wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), 20)
+        assert os.path.isdir(workdir)   # its stop() never ran...
+        with S3Server():
+            assert not os.path.exists(workdir)   # ...the next start() removed what it left
     finally:
-        subprocess.run(["rm", "-rf", workdir], check=True)   # its own stop() never ran
+        subprocess.run(["rm", "-rf", workdir], check=True)
 
 
 def _is_zombie(pid: int) -> bool:

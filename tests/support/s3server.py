@@ -26,7 +26,9 @@ What the server is:
   server's log tail); `start_seconds` is how long that took;
 - `stop()`: SIGTERM to its process group, SIGKILL after 10 s, reaped; it
   also dies with the process that started it (PR_SET_PDEATHSIG), so a test
-  run killed with SIGKILL leaves no server behind.
+  run killed with SIGKILL leaves no server behind; the temporary directory
+  such a server leaves is removed by the next `start()` (its weed.pid names
+  a process that is gone).
 
 Why the fixtures do not trip tests/conftest.py's orphan guard
 (`no_leftover_processes`): `s3_server` is module-scoped, and pytest sets up
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import glob
 import os
 import random
 import secrets
@@ -67,6 +70,8 @@ STOP_GRACE_S = 10.0
 START_ATTEMPTS = 3            # a port taken between choosing and binding: choose again
 LOG_TAIL_CHARS = 4000
 REGION = "us-east-1"
+WORKDIR_PREFIX = "s3server-"
+PID_FILE = "weed.pid"
 
 # weed derives a gRPC port as HTTP port + 10000 in places that ignore the
 # -*.port.grpc flags (mini's plugin worker dials the admin server that way),
@@ -137,6 +142,7 @@ class S3Server:
         if self._process is not None:
             raise S3ServerError(f"S3Server already started (pid {self.pid})")
         began = time.monotonic()
+        _remove_stale_workdirs()
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
                 self._start_once(began + self.startup_timeout)
@@ -163,7 +169,7 @@ class S3Server:
         self.stop()
 
     def _start_once(self, deadline: float) -> None:
-        self._workdir = tempfile.mkdtemp(prefix="s3server-")
+        self._workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)
         self.ports = _free_port_pairs(len(COMPONENTS))
         self.endpoint_url = f"http://127.0.0.1:{self.ports['s3']}"
         os.mkdir(os.path.join(self._workdir, "data"))
@@ -175,6 +181,8 @@ class S3Server:
                 start_new_session=True, preexec_fn=_die_with_parent)
         finally:
             log.close()
+        with open(os.path.join(self._workdir, PID_FILE), "w") as f:
+            f.write(str(self._process.pid))
         self._wait_ready(deadline)
 
     def _command(self) -> list[str]:
@@ -336,6 +344,35 @@ def _no_expect_without_body(request, **_) -> None:
     needs no 100 Continue anyway."""
     if "Expect" in request.headers and request.headers.get("Content-Length") in ("0", b"0"):
         del request.headers["Expect"]
+
+
+def _remove_stale_workdirs() -> None:
+    """Removes the temporary directories of servers whose process is gone
+    without a stop() (their starter was killed): ours (same uid), with a
+    weed.pid naming no live `weed` of that directory. A directory without
+    weed.pid is a server starting right now: left alone."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{WORKDIR_PREFIX}*")):
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            with open(os.path.join(path, PID_FILE)) as f:
+                pid = int(f.read())
+        except (OSError, ValueError):
+            continue
+        if not _serves_from(pid, path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _serves_from(pid: int, workdir: str) -> bool:
+    """Whether pid is a live weed started on workdir (not a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != b"Z" and workdir.encode() in cmdline
 
 
 class _PortTaken(Exception):
