@@ -249,3 +249,10 @@ def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+# A real S3 server for the tests that name these fixtures: `s3_server` (one
+# SeaweedFS `weed mini` per test module; skips if `weed` is not installed)
+# and `s3_bucket` (a fresh bucket per test). See tests/support/s3server.py,
+# also for why the module-scoped server does not trip no_leftover_processes.
+from s3server import s3_bucket, s3_server  # noqa: E402,F401
