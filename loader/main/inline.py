@@ -74,6 +74,7 @@ class InlineEpoch:
     def _begin(self) -> None:
         ld = self.loader
         plan = self.plan = self.planner.plan(self.epoch, self.resume)
+        self.planner.tell_order(plan)
         self.progress = self.owner.track(plan)
         self.k = 0                      # the next batch
         if ld.iterable:

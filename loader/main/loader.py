@@ -216,6 +216,9 @@ class ShmLoader(FrozenState):
         out = dict(self._stats)
         out["workers"] = self._workers_loading()
         out["kept_slabs_moved_out"], out["kept_bytes_moved_out"] = self._kept_moved_out()
+        remote = getattr(self.dataset, "remote_stats", None)
+        if callable(remote):  # FileDataset over an object store (NOTE [ Remote data ])
+            out["remote"] = remote()
         if self._autoscaler is not None:
             out["worker_counts"] = list(self._autoscaler.history)
         for old, new in RENAMED_STATS.items():  # the batcher's figures, by their old names

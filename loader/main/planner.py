@@ -21,7 +21,7 @@ import numpy as np
 from loader.worker import fetch as _fetch
 from loader.datasets.snapshot import EpochInfo
 from loader._native import derived_seeds
-from loader.order.planning import Plan, PlanRules, plan_run
+from loader.order.planning import Plan, PlanRules, plan_run, run_indices
 from loader.shared.optional import imported_torch
 
 
@@ -169,7 +169,18 @@ class EpochPlanner:
         take = getattr(ld.dataset, "epoch_snapshot", None)
         if not callable(take):
             return None
-        return take(EpochInfo(epoch, ld.seed, self.rank, self.world))
+        return take(EpochInfo(epoch=epoch, seed=ld.seed, rank=self.rank, world_size=self.world,
+                              batch_size=ld.batch_size))
+
+    def tell_order(self, plan: Plan) -> None:
+        """A dataset that fetches ahead of the workers learns what the run
+        loads, in order (NOTE [ Datasets that change with the epoch ])."""
+        tell = getattr(self.loader.dataset, "epoch_order", None)
+        if not callable(tell) or plan.snapshot is None or self.loader.iterable:
+            return
+        indices = run_indices(plan, self.rank, self.world)
+        if indices is not None:
+            tell(plan.snapshot, indices)
 
     def plan(self, epoch: int, resume: dict | None = None, snapshot=None) -> Plan:
         """Decide epoch's run: which indices in which order (see NOTE

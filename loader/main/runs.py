@@ -176,6 +176,7 @@ class Runs:
             plan.feed.attach(self.session.shared.order_fd(run_id))
         if plan.snapshot is not None:
             self.session.shared.write_snapshot(run_id, plan.snapshot)
+        self.planner.tell_order(plan)
         batches = None if self.loader.iterable else plan.progress.batches
         run, limit = self._fed_limit(Run(run_id, plan, batches), yielded)
         plan = run.plan

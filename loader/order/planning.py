@@ -279,3 +279,17 @@ def order_of(plan: Plan, rank: int, world: int):
         return plan.feed
     return _order.computed_order(plan.order_kind, plan.size, plan.order_seed, plan.epoch,
                                  rank, world, plan.kept, plan.remaining)
+
+
+def run_indices(plan: Plan, rank: int, world: int) -> np.ndarray | None:
+    """The dataset indices a map-style run loads, position by position (an
+    int64 array), or None for a streamed feed (its indices come as LIMIT
+    moves) or an order of keys rather than ints."""
+    if plan.feed is not None:
+        return None
+    order = order_of(plan, rank, world)
+    if order is None:
+        return np.arange(plan.kept, dtype=np.int64)
+    if isinstance(order, np.ndarray):
+        return order[:plan.kept] if order.dtype.kind in "iu" else None
+    return order[0:len(order)]

@@ -45,8 +45,8 @@ def test_the_limit_holds_and_eviction_takes_the_most_trained_then_the_oldest(tmp
     cache = ObjectCache(str(tmp_path), 10 * KiB)
     try:
         entries = [fetch(cache, f"s3://b/{i}", 2 * KiB) for i in range(5)]   # full
-        cache.trained([entries[3].id, entries[3].id, entries[1].id])
-        cache.pin_epoch([("s3://b/0", "e1")])                                   # only 0 pinned
+        cache.trained(0, [entries[3].id, entries[3].id, entries[1].id])
+        cache.pin_epoch(0, [("s3://b/0", "e1")])                                # only 0 pinned
         new = fetch(cache, "s3://b/5", 3 * KiB)                                 # 2 must go: 3, 1
         assert cache.used_bytes() <= 10 * KiB and isinstance(new, Entry)
         left = {url for (url,) in cache.db.execute("SELECT url FROM objects")}
@@ -68,7 +68,7 @@ def test_pinned_objects_stay_and_one_overflow_object_per_job_gets_through(tmp_pa
         with open(over.tmp, "wb") as f:
             f.write(b"c" * 2 * KiB)
         c = cache.commit(over)
-        cache.trained([c.id])                                     # trained: it goes at once
+        cache.trained(0, [c.id])                                  # trained: it goes at once
         assert not os.path.exists(c.path) and cache.used_bytes() == 4 * KiB
         assert os.path.exists(a.path) and os.path.exists(b.path)
         with pytest.raises(NoRoom):

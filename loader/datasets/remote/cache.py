@@ -26,8 +26,10 @@ answers (a flock dies with its process, in any pid namespace sharing the
 disk): no pids, no heartbeats, no clean-up by hand after a crash.
 
 What may be evicted: a complete object that no live job pins.  A job pins
-what its current epoch still needs (every object of the epoch not trained
-yet); once trained, an object is unpinned.  Among the unpinned, the most
+what each of its epochs still needs (every object of the epoch not trained
+yet: an epoch is a `slot`, and a job has two at a time while the next
+epoch starts ahead); once trained in that epoch, an object is unpinned
+for it.  Among the unpinned, the most
 trained go first, then the oldest (for train_on="all" that is what this
 epoch has trained already; for "cached", the rotation through the remote
 data).  Every reservation counts against cache_limit_bytes, so the files
@@ -58,7 +60,7 @@ import numpy as np
 
 from loader.datasets.remote.board import Doorbell
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FETCHING, COMPLETE = 0, 1
 XATTR = "user.shmloader.object"   # "url NUL etag NUL size", on every complete file
 BUSY_TIMEOUT_S = 10.0
@@ -82,8 +84,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     started REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS pins (
     job INTEGER NOT NULL,
+    slot INTEGER NOT NULL,           -- the job's epoch that needs it
     object INTEGER NOT NULL,
-    PRIMARY KEY (job, object)) WITHOUT ROWID;
+    PRIMARY KEY (job, slot, object)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS pins_by_object ON pins (object);
 """
 
@@ -147,6 +150,7 @@ class ObjectCache:
     def __init__(self, cache_dir: str, limit_bytes: int, label: str = ""):
         self.dir, self.limit = os.path.abspath(cache_dir), int(limit_bytes)
         self.evicted = 0   # objects this job evicted
+        self.last_evicted: list[int] = []   # ids the last reserve() or trained() evicted
         for sub in ("objects", "tmp", "jobs"):
             os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
         self.bell = _open_bell(os.path.join(self.dir, "bell"))
@@ -304,41 +308,48 @@ class ObjectCache:
     def used_bytes(self) -> int:
         return self.db.execute("SELECT COALESCE(SUM(size), 0) FROM objects").fetchone()[0]
 
-    def reserve(self, url: str, etag: str, size: int) -> Entry | Reservation | None:
-        """This job fetches (url, etag): its Reservation, room made for it
-        (pinned for this job).  Or the Entry if it is complete already
+    def reserve(self, url: str, etag: str, size: int, slot: int = 0, spare=()
+                ) -> Entry | Reservation | None:
+        """This job fetches (url, etag) for its epoch `slot`: its
+        Reservation, room made for it (pinned for that epoch).  `spare`:
+        ids of objects this job pins but needs later than this one, the
+        latest first: evicted too if unpinned ones are not enough (and no
+        other live job pins them).  Or the Entry if it is complete already
         (pinned now), or None if another live job is fetching it (wait on
         the bell).  NoRoom if it does not fit, not even as this job's
         overflow object."""
+        self.last_evicted = []
         with _transaction(self.db):
             row = self.db.execute("SELECT id, state, fetcher, size FROM objects WHERE url = ? "
                                   "AND etag = ?", (url, etag)).fetchone()
             if row is not None:
                 obj, state, fetcher, known = row
                 if state == COMPLETE:
-                    self.db.execute("INSERT OR IGNORE INTO pins VALUES (?, ?)", (self.job, obj))
+                    self.db.execute("INSERT OR IGNORE INTO pins VALUES (?, ?, ?)",
+                                    (self.job, slot, obj))
                     return Entry(obj, self.path_of(url, etag), known)
                 if fetcher != self.job and self.alive(fetcher):
                     return None
                 self.db.execute("DELETE FROM objects WHERE id = ?", (obj,))  # a dead job's
                 self.db.execute("DELETE FROM pins WHERE object = ?", (obj,))
-            overflow, gone = self._make_room(size)
+            overflow, gone = self._make_room(size, spare)
             obj = self.db.execute(
                 "INSERT INTO objects (url, etag, size, state, fetcher, overflow) "
                 "VALUES (?, ?, ?, ?, ?, ?)", (url, etag, size, FETCHING, self.job,
                                               int(overflow))).lastrowid
-            self.db.execute("INSERT OR IGNORE INTO pins VALUES (?, ?)", (self.job, obj))
-        for path in gone:  # after the commit: a rolled back eviction keeps its files
+            self.db.execute("INSERT OR IGNORE INTO pins VALUES (?, ?, ?)", (self.job, slot, obj))
+        self.last_evicted = [obj for obj, _ in gone]
+        for _, path in gone:  # after the commit: a rolled back eviction keeps its files
             _unlink(path)  # (a worker that opened one reads on: its fd keeps the data)
         tmp = os.path.join(self.dir, "tmp", f"{self.job}.{secrets.token_hex(8)}.part")
         return Reservation(id=obj, url=url, etag=etag, size=size, tmp=tmp,
                            path=self.path_of(url, etag), overflow=overflow)
 
-    def _make_room(self, size: int) -> tuple[bool, list[str]]:
-        """Evict unpinned complete objects until size fits (inside the
-        caller's transaction): (whether it fits only as this job's overflow
-        object, the files to remove once committed).  NoRoom if it does not
-        fit even so."""
+    def _make_room(self, size: int, spare=()) -> tuple[bool, list[str]]:
+        """Evict unpinned complete objects until size fits, then this job's
+        `spare` ones (inside the caller's transaction): (whether it fits
+        only as this job's overflow object, the files to remove once
+        committed).  NoRoom if it does not fit even so."""
         used = self.db.execute("SELECT COALESCE(SUM(size), 0) FROM objects").fetchone()[0]
         if used + size <= self.limit:
             return False, []
@@ -346,6 +357,15 @@ class ObjectCache:
             "SELECT id, url, etag, size FROM objects WHERE state = ? AND id NOT IN "
             "(SELECT object FROM pins) ORDER BY overflow DESC, trained DESC, fetched_at",
             (COMPLETE,)).fetchall()
+        if spare:
+            spare = list(spare)
+            others = {obj for (obj,) in self.db.execute(
+                f"SELECT object FROM pins WHERE job != ? AND object IN "
+                f"({','.join('?' * len(spare))})", (self.job, *spare))}
+            rows = {row[0]: row for row in self.db.execute(
+                f"SELECT id, url, etag, size FROM objects WHERE state = ? AND id IN "
+                f"({','.join('?' * len(spare))})", (COMPLETE, *spare))}
+            victims += [rows[obj] for obj in spare if obj in rows and obj not in others]
         gone = []
         for obj, url, etag, n in victims:
             if used + size <= self.limit:
@@ -359,8 +379,9 @@ class ObjectCache:
             if mine or size > self.limit:
                 raise NoRoom(size, used, self.limit)
         self.db.executemany("DELETE FROM objects WHERE id = ?", [(obj,) for obj, _ in gone])
+        self.db.executemany("DELETE FROM pins WHERE object = ?", [(obj,) for obj, _ in gone])
         self.evicted += len(gone)
-        return used + size > self.limit, [path for _, path in gone]
+        return used + size > self.limit, gone
 
     def commit(self, res: Reservation) -> Entry:
         """The object is in res.tmp, whole (the caller checked its length
@@ -384,12 +405,12 @@ class ObjectCache:
 
     # --- pins and training ---------------------------------------------------------------
 
-    def pin_epoch(self, objects: list[tuple[str, str]]) -> list[Entry | None]:
-        """This job's epoch needs these (url, etag): pin the complete ones
-        (and only them, replacing the last epoch's pins).  Returns each
+    def pin_epoch(self, slot: int, objects: list[tuple[str, str]]) -> list[Entry | None]:
+        """This job's epoch `slot` needs these (url, etag): pin the complete
+        ones for it (replacing what that slot pinned before).  Returns each
         one's Entry, or None where it is not complete."""
         with _transaction(self.db):
-            self.db.execute("DELETE FROM pins WHERE job = ?", (self.job,))
+            self.db.execute("DELETE FROM pins WHERE job = ? AND slot = ?", (self.job, slot))
             self.db.execute("CREATE TEMP TABLE IF NOT EXISTS wanted (pos INTEGER PRIMARY KEY, "
                             "url TEXT, etag TEXT)")
             self.db.execute("DELETE FROM wanted")
@@ -399,29 +420,45 @@ class ObjectCache:
                 "SELECT wanted.pos, objects.id, objects.size FROM wanted JOIN objects ON "
                 "objects.url = wanted.url AND objects.etag = wanted.etag WHERE objects.state = ?",
                 (COMPLETE,)).fetchall()
-            self.db.executemany("INSERT OR IGNORE INTO pins VALUES (?, ?)",
-                                [(self.job, obj) for _, obj, _ in found])
+            self.db.executemany("INSERT OR IGNORE INTO pins VALUES (?, ?, ?)",
+                                [(self.job, slot, obj) for _, obj, _ in found])
         out: list[Entry | None] = [None] * len(objects)
         for pos, obj, size in found:
             url, etag = objects[pos]
             out[pos] = Entry(obj, self.path_of(url, etag), size)
         return out
 
-    def trained(self, objects: list[int]) -> None:
-        """This job trained on these objects (ids): counted, and unpinned
-        for this job; an overflow object goes at once."""
+    def unpin(self, slot: int, objects: list[int]) -> None:
+        """This job's epoch `slot` no longer holds these objects (ids) in the
+        cache: it gives them up to make room for one needed sooner (it
+        fetches them again when their turn comes)."""
+        with _transaction(self.db):
+            self.db.executemany("DELETE FROM pins WHERE job = ? AND slot = ? AND object = ?",
+                                [(self.job, slot, obj) for obj in objects])
+
+    def unpin_slot(self, slot: int) -> None:
+        """This job's epoch `slot` is over: nothing is pinned for it."""
+        with _transaction(self.db):
+            self.db.execute("DELETE FROM pins WHERE job = ? AND slot = ?", (self.job, slot))
+        self.bell.ring()
+
+    def trained(self, slot: int, objects: list[int]) -> None:
+        """This job's epoch `slot` trained on these objects (ids): counted,
+        and unpinned for that epoch; an overflow object nobody pins goes at
+        once."""
         if not objects:
             return
-        ids = [(obj,) for obj in objects]
         with _transaction(self.db):
-            self.db.executemany("UPDATE objects SET trained = trained + 1 WHERE id = ?", ids)
-            self.db.executemany("DELETE FROM pins WHERE job = ? AND object = ?",
-                                [(self.job, obj) for obj in objects])
+            self.db.executemany("UPDATE objects SET trained = trained + 1 WHERE id = ?",
+                                [(obj,) for obj in objects])
+            self.db.executemany("DELETE FROM pins WHERE job = ? AND slot = ? AND object = ?",
+                                [(self.job, slot, obj) for obj in objects])
             gone = self.db.execute(
                 f"SELECT id, url, etag FROM objects WHERE overflow = 1 AND state = ? AND id IN "
                 f"({','.join('?' * len(objects))}) AND id NOT IN (SELECT object FROM pins)",
                 (COMPLETE, *objects)).fetchall()
             self.db.executemany("DELETE FROM objects WHERE id = ?", [(obj,) for obj, _, _ in gone])
+        self.last_evicted = [obj for obj, _, _ in gone]
         for _, url, etag in gone:
             _unlink(self.path_of(url, etag))
         self.bell.ring()

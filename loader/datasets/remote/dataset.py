@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -23,6 +24,7 @@ from loader.datasets.remote import fetcher as F
 from loader.datasets.remote.errors import KINDS, FetcherDied, RemoteError
 from loader.datasets.remote.store import parse
 
+_pidfds: dict[int, int] = {}   # the fetchers' pidfds, per process (_fetcher_alive)
 WAIT_SLICE_S = 0.25        # a worker's wait for an object, between checks of the fetcher
 REPLY_TIMEOUT_S = 60.0     # the fetcher's answer to main's Adopt (local work only)
 
@@ -41,7 +43,7 @@ class RemoteFiles(FileDataset):
     def __init__(self, pattern: str, decode=None, *, cache_dir=None, cache_limit_bytes=None,
                  train_on: str = "all", storage_options: dict | None = None,
                  requests_in_flight: int = 32, listing_timeout: float = 600.0,
-                 request_deadline: float = 60.0):
+                 request_deadline: float = 60.0, first_batch_timeout: float = 600.0):
         if decode is not None and not callable(decode):
             raise TypeError(f"decode must be callable, got {type(decode).__name__}")
         if train_on not in ("all", "cached"):
@@ -57,7 +59,9 @@ class RemoteFiles(FileDataset):
         if not isinstance(cache_limit_bytes, int) or cache_limit_bytes <= 0:
             raise ValueError(f"cache_limit_bytes must be a positive int, got {cache_limit_bytes!r}")
         self.cache_limit_bytes = cache_limit_bytes
+        self.first_batch_timeout = first_batch_timeout
         self._owner = os.getpid()
+        self._by_epoch: dict = {}  # epoch -> its snapshot (asked again for a run started ahead)
         self._board = B.Board.create()
         self._turn = -1            # the slot last adopted
         self._gen = 0              # the listing last asked for
@@ -66,9 +70,15 @@ class RemoteFiles(FileDataset):
         self._start_fetcher(storage_options, requests_in_flight, request_deadline)
         self._closer = weakref.finalize(self, _stop, self._proc, self._sock, self._board,
                                         self._stderr)
-        self._list_now(listing_timeout)
-        self.current = self._adopt()
-        self._ask_listing()
+        try:
+            self._list_now(listing_timeout)
+            self.current = self._adopt()
+            if train_on == "all":   # the first epoch's, unless a listing comes first
+                self._by_epoch["first"] = self.current
+            self._ask_listing()
+        except BaseException:
+            self._closer()   # (the error's traceback may keep this object alive)
+            raise
 
     # --- the fetcher --------------------------------------------------------------------
 
@@ -131,7 +141,7 @@ class RemoteFiles(FileDataset):
         if not self._listing_pending:
             self._gen += 1
             self._listing_pending = True
-            F.send(self._sock, F.ListRequest(self._gen))
+            F.send(self._sock, F.ListRequest(gen=self._gen))
 
     def _list_now(self, timeout: float) -> None:
         self._ask_listing()
@@ -166,13 +176,13 @@ class RemoteFiles(FileDataset):
     def _adopt(self) -> RemoteSnapshot:
         """The newest listing, in the next slot: this epoch's objects."""
         self._turn = (self._turn + 1) % B.SLOTS
-        F.send(self._sock, F.Adopt(self._turn, self._listed.gen))
+        F.send(self._sock, F.Adopt(slot=self._turn, gen=self._listed.gen))
         done = self._reply((F.Adopted,), REPLY_TIMEOUT_S)
         positions = None
         if self.train_on == "cached":
             state = self._board.slot(done.slot).state
             positions = np.flatnonzero((state & B.STATUS_MASK) == B.COMPLETE)
-        return RemoteSnapshot(done.slot, done.gen, done.count, positions)
+        return RemoteSnapshot(slot=done.slot, gen=done.gen, count=done.count, positions=positions)
 
     def close(self) -> None:
         """Stop the fetcher (it also stops when the dataset is collected, and
@@ -194,11 +204,64 @@ class RemoteFiles(FileDataset):
     def epoch_snapshot(self, info=None) -> RemoteSnapshot:
         """In main, as an epoch starts: the newest finished listing (a new
         one is asked for in the background: it never holds the epoch up),
-        put into the next slot of the board."""
+        put into the next slot of the board.  Asked again for the same epoch
+        (a run started ahead, checked at its iter()), the same snapshot,
+        unless a newer listing came meanwhile.  train_on="cached": the
+        objects complete in the cache now, and at least one batch of them
+        (waited for, if the cache has less)."""
         self._drain()
-        self.current = self._adopt()
+        epoch = None if info is None else info.epoch
+        known = self._by_epoch.get(epoch) or self._by_epoch.pop("first", None)
+        if known is not None and known.gen == self._listed.gen and (
+                self.train_on == "all" or known.positions is not None):
+            self.current = known
+            return known
+        snap = self._adopt()
+        if self.train_on == "cached":
+            least = max(1, (info.batch_size or 1) if info is not None else 1)
+            snap = self._at_least(snap, min(least, snap.count))
+        self.current = snap
+        if epoch is not None:
+            self._by_epoch = {e: v for e, v in self._by_epoch.items() if e >= epoch - 1}
+            self._by_epoch[epoch] = snap
         self._ask_listing()
-        return self.current
+        return snap
+
+    def _at_least(self, snap: RemoteSnapshot, least: int) -> RemoteSnapshot:
+        """train_on="cached": the epoch's objects once `least` are complete
+        (the first epoch starts as soon as one batch is cached)."""
+        slot = self._board.slot(snap.slot)
+        deadline = time.monotonic() + self.first_batch_timeout
+
+        def complete():
+            return int(np.count_nonzero((slot.state & B.STATUS_MASK) == B.COMPLETE))
+
+        while complete() < least:
+            if time.monotonic() > deadline:
+                raise RemoteError(f"FileDataset({self.pattern!r}, train_on='cached'): fewer than "
+                                  f"{least} objects (a batch) reached the cache in "
+                                  f"{self.first_batch_timeout:.0f} s; {self._board.get(B.W_ERRORS)} "
+                                  f"fetches failed")
+            if self._board.get(B.W_STATE) in (B.FAILED, B.STOPPED) or self._proc.poll() is not None:
+                raise self._died()
+            self._board.arrived.wait(lambda: complete() >= least, WAIT_SLICE_S)
+        positions = np.flatnonzero((slot.state & B.STATUS_MASK) == B.COMPLETE)
+        return snap._replace(positions=positions)
+
+    def epoch_order(self, snapshot: RemoteSnapshot, indices: np.ndarray) -> None:
+        """In main, as a run starts: the order its workers will ask for the
+        objects in, for the fetcher to follow (NOTE [ Datasets that change
+        with the epoch ])."""
+        if os.getpid() != self._owner or snapshot.positions is not None:
+            return   # ("cached": the epoch's objects are local already)
+        order = np.ascontiguousarray(indices, np.int64)
+        fd = os.memfd_create("shmloader-fetch-order", os.MFD_CLOEXEC)
+        try:
+            with os.fdopen(os.dup(fd), "wb") as f:
+                f.write(memoryview(order).cast("B"))
+            F.send(self._sock, F.Order(slot=snapshot.slot, count=len(order)), fds=[fd])
+        finally:
+            os.close(fd)
 
     def restore_snapshot(self, snapshot: RemoteSnapshot) -> None:
         self.current = snapshot
@@ -241,10 +304,10 @@ class RemoteFiles(FileDataset):
                     self._board.work.ring()
                     asked = True
                 state = self._board.get(B.W_STATE)
-                if state in (B.FAILED, B.STOPPED):
-                    raise FetcherDied(f"FileDataset({self.pattern!r}): the fetcher stopped "
-                                      f"({'failed' if state == B.FAILED else 'stopped'}) before "
-                                      f"object {index} arrived")
+                if state in (B.FAILED, B.STOPPED) or not self._fetcher_alive():
+                    how = {B.FAILED: "failed", B.STOPPED: "was stopped"}.get(state, "was killed")
+                    raise FetcherDied(f"FileDataset({self.pattern!r}): the fetcher (pid "
+                                      f"{self._proc.pid}) {how} before object {index} arrived")
                 self._board.arrived.wait(
                     lambda: slot.status(index) & B.STATUS_MASK != B.ABSENT, WAIT_SLICE_S)
                 status = slot.status(index) & B.STATUS_MASK
@@ -258,17 +321,44 @@ class RemoteFiles(FileDataset):
             err.url, err.endpoint, err.status = url, "", code
             raise err
 
+    def _fetcher_alive(self) -> bool:
+        """Whether the fetcher process still runs: its pidfd, opened once in
+        each process that waits (main's child, a worker's sibling), is
+        readable once it has exited."""
+        pid = self._proc.pid
+        fd = _pidfds.get(pid)
+        if fd is None:
+            try:
+                fd = _pidfds[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                return False
+        return not select.select([fd], [], [], 0)[0]
+
     def _trained(self, slot: B.Slot, index: int) -> None:
         slot.mark(index, B.TRAINED)
+        if self._board.get(B.W_PARKED):  # it waits for room that this may free
+            self._board.work.ring()
 
     # --- stats ----------------------------------------------------------------------------
 
     def remote_stats(self) -> dict:
+        """What the fetcher did since the dataset was made (ShmLoader.stats()
+        shows it as "remote"): objects and bytes fetched, objects an epoch
+        found in the cache as it began, evictions by this job, failed
+        fetches, listings made, the workers' total wait for objects, and
+        for train_on="cached" how many objects were trained how many times
+        ({times: objects})."""
         b = self._board
+        if os.getpid() == self._owner and self._proc.poll() is None:
+            self._drain()
+            F.send(self._sock, F.Count())
+            self._reply((F.Counted,), REPLY_TIMEOUT_S)
         out = {"objects_fetched": b.get(B.W_FETCHED), "bytes_fetched": b.get(B.W_FETCHED_BYTES),
                "cache_hits": b.get(B.W_HITS), "evictions": b.get(B.W_EVICTED),
                "fetch_errors": b.get(B.W_ERRORS), "listings": b.get(B.W_LISTINGS),
                "fetch_wait_s": b.get(B.W_WAIT_NS) / 1e9}
+        times = {k: b.get(B.W_HISTOGRAM + k) for k in range(1, B.HISTOGRAM)}
+        out["times_trained"] = {k: n for k, n in times.items() if n}
         return out
 
 

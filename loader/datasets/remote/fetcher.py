@@ -6,27 +6,31 @@ of a process whose network client may be in use), with the board's memfd
 and one end of a socketpair as inherited fds.  It ends when main says
 Stop, when the socket closes, or when main's process dies.
 
-Its loop (asyncio: obstore's requests are awaited, up to `in_flight` at
-once):
+Threads, not asyncio: obstore's blocking calls release the GIL, so a pool
+of `in_flight` threads keeps that many requests going (faster than its
+async API on small objects, and its async runtime could abort the
+interpreter at exit).  One scheduler thread decides what to fetch next,
+under one lock, and wakes on a Condition that every event notifies:
 
-  messages from main  ListRequest -> list the store in the background ->
-                      ListDone; Adopt -> put a listing into a board slot,
-                      each object's state from the cache -> Adopted; Order ->
-                      the order in which a slot's epoch will read its objects
+  messages from main  ListRequest -> list the store (a thread) -> ListDone;
+                      Adopt -> put a listing into a board slot, each
+                      object's state from the cache -> Adopted; Order -> the
+                      order in which a slot's epoch reads its objects
   the next object     1. one a worker waits for (WANTED)
-                      2. the next of an active slot's order not complete
-                         (train_on="all": ahead of the workers, bounded by
-                         the cache: a reservation that does not fit waits
-                         until trained objects are unpinned)
-                      3. train_on="cached": objects of the newest listing
-                         not cached yet, evicting the most trained
-  trained objects     a worker marks TRAINED on the board and rings WORK;
-                      the fetcher counts them and unpins them in the cache
+                      2. train_on="all": the next of an active slot's order
+                         not complete, ahead of the workers, bounded by the
+                         cache (a reservation that does not fit parks the
+                         fetcher until trained objects are unpinned)
+                      3. train_on="cached": objects of the newest listing not
+                         cached yet, evicting the most trained
+  trained objects     a worker marks TRAINED on the board (and rings WORK if
+                      the fetcher is parked); the fetcher counts them and
+                      unpins them in the cache
 """
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import faulthandler
 import json
 import os
@@ -37,14 +41,17 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
 from typing import NamedTuple
 
 import numpy as np
 
 from loader.datasets.remote import board as B
-from loader.datasets.remote.cache import Entry, NoRoom, ObjectCache, Reservation, digest, extension
+from loader.datasets.remote.cache import (Entry, NoRoom, ObjectCache, Reservation, digest,
+                                          extension)
 from loader.datasets.remote.errors import RemoteError
+
+WAIT_SLICE_S = 1.0      # the scheduler's bounded wait (it is notified of every event)
+COUNT_EVERY_S = 0.1     # trained objects are counted at most this often, unless parked
 
 
 # --- messages (both directions; pickled over the socketpair) ------------------------------
@@ -73,6 +80,14 @@ class Adopted(NamedTuple):
 class Order(NamedTuple):
     slot: int
     count: int             # positions; the order's int64 object indices come as an fd
+
+
+class Count(NamedTuple):
+    """Count what the workers trained now (stats() reads it next)."""
+
+
+class Counted(NamedTuple):
+    pass
 
 
 class Stop(NamedTuple):
@@ -120,6 +135,7 @@ class Active:
         self.slot, self.listing = slot, listing
         self.ids = np.full(slot.count, -1, np.int64)    # cache object id, once known
         self.order: np.ndarray | None = None             # object indices, in the epoch's order
+        self.place: np.ndarray | None = None             # object index -> its place in order
         self.next = 0                                    # the next place in order (or listing)
         self.reported = np.zeros(slot.count, bool)       # TRAINED counted in the cache
 
@@ -135,101 +151,142 @@ class Fetcher:
         self.cache = ObjectCache(cfg["cache_dir"], cfg["cache_limit_bytes"],
                                  label=f"pid {os.getpid()} {cfg['url']}")
         self.cached_mode = cfg["train_on"] == "cached"
+        self.pool = concurrent.futures.ThreadPoolExecutor(cfg["in_flight"], "fetch")
         self.in_flight_max = cfg["in_flight"]
+        self.lock = threading.Condition()   # guards everything below, and the cache
         self.listings: dict[int, Listing] = {}
         self.latest: Listing | None = None
         self.active: dict[int, Active] = {}              # slot -> what it needs
         self.newest_slot = -1
         self.in_flight: set = set()                      # (slot, index) being fetched
+        self.fetching: dict = {}                         # (url, etag) -> Event of its fetch
         self.parked = False                              # waiting for room or another job
-        self.wake = asyncio.Event()
-        self.background: set = set()                     # listings under way
-        self.fetching: dict = {}                         # (url, etag) -> its fetch's future
+        self.counted_at = 0.0
+        self.times_trained: dict = {}                    # (key, etag) -> epochs it was trained in
         self.stopping = False
+        self.failure: BaseException | None = None        # a bug in a thread: the fetcher's end
 
     # --- main loop ----------------------------------------------------------------------
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.loop = loop
-        self.sock.setblocking(False)
-        loop.add_reader(self.sock.fileno(), self._on_message)
-        for bell in (self.board.work, self.cache.bell):
-            threading.Thread(target=self._watch, args=(bell,), daemon=True).start()
+    def run(self) -> None:
+        threads = [threading.Thread(target=self._messages, daemon=True, name="messages")]
+        threads += [threading.Thread(target=self._watch, args=(bell,), daemon=True, name=name)
+                    for bell, name in ((self.board.work, "work"), (self.cache.bell, "cache"))]
+        for t in threads:
+            t.start()
         self.board.set(B.W_STATE, B.RUNNING)
-        tasks: set = set()
-        while not self.stopping:
-            self.wake.clear()
-            self._count_trained()
-            while len(tasks) < self.in_flight_max:
-                job = self._next_job()
-                if job is None:
-                    break
-                tasks.add(asyncio.ensure_future(self._fetch(*job)))
-            woken = asyncio.ensure_future(self.wake.wait())
-            done, _ = await asyncio.wait(tasks | {woken}, return_when=asyncio.FIRST_COMPLETED)
-            woken.cancel()
-            for t in done - {woken}:
-                tasks.discard(t)
-                t.result()   # (a bug here is the fetcher's death, reported to main)
-        for t in tasks:
-            t.cancel()
+        with self.lock:
+            while not self.stopping and self.failure is None:
+                self._count_trained()
+                while len(self.in_flight) < self.in_flight_max:
+                    job = self._next_job()
+                    if job is None:
+                        break
+                    self.in_flight.add(job)
+                    self.pool.submit(self._fetch, *job)
+                self.board.set(B.W_PARKED, int(self.parked))
+                self.lock.wait(WAIT_SLICE_S)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.failure is not None:
+            raise self.failure
+
+    def _notify(self) -> None:
+        with self.lock:
+            self.lock.notify()
 
     def _watch(self, bell) -> None:
-        """A thread: wake the loop on every ring of bell (a Doorbell)."""
+        """A thread: wake the scheduler on every ring of bell (a Doorbell)."""
         seen = bell.changes()
         while not self.stopping:
-            bell.wait_change(seen, 0.25)
+            bell.wait_change(seen, WAIT_SLICE_S)
             now = bell.changes()
             if now != seen:
                 seen = now
-                self.loop.call_soon_threadsafe(self.wake.set)
+                self._notify()
 
-    def _on_message(self) -> None:
+    def _messages(self) -> None:
+        """A thread: main's messages, one at a time."""
         try:
-            msg, fds = receive(self.sock)
-        except BlockingIOError:
-            return
-        if msg is None or type(msg) is Stop:
-            self.stopping = True
-        elif type(msg) is ListRequest:
-            task = asyncio.ensure_future(self._list(msg.gen))
-            self.background.add(task)          # (a task nobody holds may be collected)
-            task.add_done_callback(self.background.discard)
-        elif type(msg) is Adopt:
-            self._adopt(msg.slot, msg.gen)
-        elif type(msg) is Order:
-            self._order(msg, fds)
-        for fd in fds:
-            os.close(fd)
-        self.wake.set()
+            while not self.stopping:
+                msg, fds = receive(self.sock)
+                try:
+                    self._handle(msg, fds)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+        except BaseException as e:
+            self._fail(e)
+
+    def _handle(self, msg, fds) -> None:
+        kind = type(msg)
+        if msg is None or kind is Stop:
+            with self.lock:
+                self.stopping = True
+                self.lock.notify()
+        elif kind is ListRequest:
+            threading.Thread(target=self._list, args=(msg.gen,), daemon=True,
+                             name="listing").start()
+        elif kind is Adopt:
+            with self.lock:
+                self._adopt(msg.slot, msg.gen)
+                self.lock.notify()
+        elif kind is Count:
+            with self.lock:
+                self.counted_at = 0.0
+                self._count_trained()
+            send(self.sock, Counted())
+        elif kind is Order:
+            order = _read_order(fds[0], msg.count) if fds else None
+            with self.lock:
+                active = self.active.get(msg.slot)
+                if active is not None and order is not None:
+                    place = np.full(active.slot.count, len(order), np.int64)
+                    valid = (order >= 0) & (order < active.slot.count)
+                    place[order[valid]] = np.flatnonzero(valid)
+                    active.order, active.place, active.next = order, place, 0
+                self.lock.notify()
+
+    def _fail(self, e: BaseException) -> None:
+        with self.lock:
+            if self.failure is None and not self.stopping:
+                self.failure = e
+            self.lock.notify()
 
     # --- listing ------------------------------------------------------------------------
 
-    async def _list(self, gen: int) -> None:
+    def _list(self, gen: int) -> None:
         from loader.datasets.remote import store as S
 
         try:
-            listed = await S.list_objects(self.store, self.pattern, self.endpoint)
-        except RemoteError as e:
-            send(self.sock, ListDone(gen, 0, (e.kind, e.status, e.url, str(e))))
-            return
-        urls = [f"{self.pattern.root}/{k}" for k in listed.keys]
-        n = len(urls)
-        digests = np.frombuffer(b"".join(digest(u, t) for u, t in zip(urls, listed.etags)),
-                                np.uint8).reshape(n, B.DIGEST)
-        exts = np.frombuffer(b"".join(extension(u).encode().ljust(B.EXT, b"\0") for u in urls),
-                             np.uint8).reshape(n, B.EXT)
-        listing = Listing(gen=gen, keys=listed.keys, sizes=np.array(listed.sizes, np.int64),
-                          etags=listed.etags, digests=digests, exts=exts)
-        self.listings[gen] = self.latest = listing
-        self.board.add(B.W_LISTINGS)
-        send(self.sock, ListDone(gen, len(listed.keys), None))
+            try:
+                listed = S.list_objects(self.store, self.pattern, self.endpoint)
+            except RemoteError as e:
+                send(self.sock, ListDone(gen=gen, count=0, error=(e.kind, e.status, e.url, str(e))))
+                return
+            urls = [f"{self.pattern.root}/{k}" for k in listed.keys]
+            n = len(urls)
+            digests = np.frombuffer(b"".join(digest(u, t) for u, t in zip(urls, listed.etags)),
+                                    np.uint8).reshape(n, B.DIGEST)
+            exts = np.frombuffer(b"".join(extension(u).encode().ljust(B.EXT, b"\0")
+                                          for u in urls), np.uint8).reshape(n, B.EXT)
+            listing = Listing(gen=gen, keys=listed.keys, sizes=np.array(listed.sizes, np.int64),
+                              etags=listed.etags, digests=digests, exts=exts)
+            with self.lock:
+                latest = self.latest
+                if latest is not None and latest.keys == listing.keys and \
+                        latest.etags == listing.etags:
+                    gen = latest.gen   # nothing changed: the epoch keeps its listing
+                else:
+                    self.listings[gen] = self.latest = listing
+            self.board.add(B.W_LISTINGS)
+            send(self.sock, ListDone(gen=gen, count=n, error=None))
+        except BaseException as e:
+            self._fail(e)
 
     def _adopt(self, s: int, gen: int) -> None:
         listing = self.listings[gen]
         urls = [f"{self.pattern.root}/{k}" for k in listing.keys]
-        entries = self.cache.pin_epoch(list(zip(urls, listing.etags)))
+        entries = self.cache.pin_epoch(s, list(zip(urls, listing.etags)))
         state = np.array([B.COMPLETE if e is not None else B.ABSENT for e in entries], np.int32)
         slot = self.board.fill(s, gen, listing.digests, listing.exts, listing.sizes, state)
         active = Active(slot, listing)
@@ -237,45 +294,38 @@ class Fetcher:
             if e is not None:
                 active.ids[i] = e.id
         self.board.add(B.W_HITS, int((state == B.COMPLETE).sum()))
+        previous = (s - 1) % B.SLOTS
+        for k in [k for k in self.active if k not in (previous, s)]:
+            self.cache.unpin_slot(k)   # two epochs back: over
+        self.active = {k: a for k, a in self.active.items() if k == previous}
         self.active[s] = active
         self.newest_slot = s
-        for old in [k for k in self.active if k not in (s, (s - 1) % B.SLOTS)]:
-            del self.active[old]   # two epochs back: its slot is reused
-        for g in [g for g in self.listings if g != gen and g != self.latest.gen
-                  and all(a.listing.gen != g for a in self.active.values())]:
-            del self.listings[g]
+        keep = {a.listing.gen for a in self.active.values()} | {self.latest.gen}
+        self.listings = {g: l for g, l in self.listings.items() if g in keep}
         self.board.arrived.ring()
-        send(self.sock, Adopted(s, gen, slot.count))
+        send(self.sock, Adopted(slot=s, gen=gen, count=slot.count))
 
-    def _order(self, msg: Order, fds) -> None:
-        active = self.active.get(msg.slot)
-        if active is None or not fds:
-            return
-        size = msg.count * 8
-        with os.fdopen(os.dup(fds[0]), "rb") as f:
-            order = np.frombuffer(f.read(size), np.int64)
-        active.order, active.next = order, 0
-
-    # --- what to fetch next -------------------------------------------------------------
+    # --- what to fetch next (under the lock) ----------------------------------------------
 
     def _next_job(self):
         """(slot, index) of the next object to fetch, or None."""
         for s, active in self._by_age():
             state = active.slot.state
-            wanted = np.flatnonzero((state & (B.WANTED | B.STATUS_MASK)) == B.WANTED)
+            # asked for, not here, and not trained this epoch already (a trained
+            # object evicted since keeps its flags: it is not needed again)
+            wanted = np.flatnonzero((state & (B.WANTED | B.TRAINED | B.STATUS_MASK)) == B.WANTED)
             for i in wanted:
                 if (s, int(i)) not in self.in_flight:
                     return s, int(i)
         if self.parked:
             return None
-        for s, active in self._by_age():
-            if self.cached_mode:
-                continue  # its epoch's objects are all local
-            job = self._next_in_order(s, active)
-            if job is not None:
-                return job
-        if self.cached_mode and self.newest_slot >= 0:
-            return self._next_uncached()
+        if not self.cached_mode:
+            for s, active in self._by_age():
+                job = self._next_absent(s, active, active.order)
+                if job is not None:
+                    return job
+        elif self.newest_slot >= 0:
+            return self._next_absent(self.newest_slot, self.active[self.newest_slot], None)
         return None
 
     def _by_age(self):
@@ -285,113 +335,234 @@ class Fetcher:
         older = (self.newest_slot - 1) % B.SLOTS
         return [(s, self.active[s]) for s in (older, self.newest_slot) if s in self.active]
 
-    def _next_in_order(self, s: int, active: Active):
+    def _next_absent(self, s: int, active: Active, order):
+        """The next object of the slot (in `order`, else in the listing's)
+        that is neither complete nor being fetched."""
         state, n = active.slot.state, active.slot.count
-        order = active.order
-        while active.next < (len(order) if order is not None else n):
+        end = len(order) if order is not None else n
+        while active.next < end:
             i = int(order[active.next]) if order is not None else active.next
-            if i < n and state[i] & B.STATUS_MASK == B.ABSENT and (s, i) not in self.in_flight:
+            active.next += 1
+            if 0 <= i < n and state[i] & (B.STATUS_MASK | B.TRAINED) == B.ABSENT and \
+                    (s, i) not in self.in_flight:
                 return s, i
-            active.next += 1
         return None
 
-    def _next_uncached(self):
-        """train_on="cached": an object of the newest listing that no slot
-        has complete, for the epochs to come."""
-        active = self.active[self.newest_slot]
-        state, n = active.slot.state, active.slot.count
-        while active.next < n:
-            i = active.next
-            if state[i] & B.STATUS_MASK == B.ABSENT and (self.newest_slot, i) not in self.in_flight:
-                return self.newest_slot, i
-            active.next += 1
-        return None
+    # --- one object (a pool thread) ---------------------------------------------------------
 
-    # --- one object ---------------------------------------------------------------------
-
-    async def _fetch(self, s: int, i: int) -> None:
+    def _fetch(self, s: int, i: int) -> None:
         """Object i of slot s into the cache, and its status onto the board.
         The same object wanted by two slots (this epoch's and the next's) is
         fetched once: the second waits for the first."""
-        active = self.active.get(s)
-        if active is None:
-            return
-        self.in_flight.add((s, i))
         try:
-            listing, slot = active.listing, active.slot
-            key, etag, size = listing.keys[i], listing.etags[i], int(listing.sizes[i])
-            url = f"{self.pattern.root}/{key}"
-            pending = self.fetching.get((url, etag))
-            if pending is None:
-                pending = self.fetching[(url, etag)] = self.loop.create_future()
+            with self.lock:
+                active = self.active.get(s)
+                if active is None:
+                    return
+                listing, slot = active.listing, active.slot
+                key, etag, size = listing.keys[i], listing.etags[i], int(listing.sizes[i])
+                url = f"{self.pattern.root}/{key}"
+                other = self.fetching.get((url, etag))
+                if other is None:
+                    done = self.fetching[(url, etag)] = _Done()
+            if other is not None:
+                got = other.wait()
+            else:
+                got = None
                 try:
-                    got = await self._get(url, key, etag, size, wanted=bool(
-                        slot.state[i] & B.WANTED))
-                except BaseException as e:
-                    pending.set_exception(e)
-                    raise
+                    got = self._get(url, key, etag, size, s, i)
                 finally:
-                    del self.fetching[(url, etag)]
-                pending.set_result(got)
-            else:
-                got = await asyncio.shield(pending)
-            if got is None:
-                return   # parked: no room now, or another job fetches it
-            if isinstance(got, RemoteError):
-                k = self.board.record_error(got.kind, got.status, got.url, str(got))
-                slot.settle(i, B.FAILED_OBJECT, k)
-            else:
-                active.ids[i] = got.id
-                slot.settle(i, B.COMPLETE)
+                    with self.lock:
+                        del self.fetching[(url, etag)]
+                    done.set(got)   # (None after an exception: the other parks)
+            with self.lock:
+                if got is None:
+                    if active.next > 0 and not slot.state[i] & B.WANTED:
+                        # parked: not fetched now; go back to it when the cache changes
+                        active.next = min(active.next, _place(active, i))
+                    return
+                if isinstance(got, RemoteError):
+                    k = self.board.record_error(got.kind, got.status, got.url, str(got))
+                    slot.settle(i, B.FAILED_OBJECT, k)
+                else:
+                    active.ids[i] = got.id
+                    slot.settle(i, B.COMPLETE)
             self.board.arrived.ring()
+        except BaseException as e:
+            self._fail(e)
         finally:
-            self.in_flight.discard((s, i))
+            with self.lock:
+                self.in_flight.discard((s, i))
+                self.lock.notify()
 
-    async def _get(self, url: str, key: str, etag: str, size: int, wanted: bool):
+    def _get(self, url: str, key: str, etag: str, size: int, slot: int, index: int):
         """The object's cache Entry (fetched now, or found complete), its
         RemoteError, or None: parked until the cache changes (no room, or
         another job is fetching it)."""
         from loader.datasets.remote import store as S
 
-        try:
-            got = self.cache.reserve(url, etag, size)
-        except NoRoom:
-            got = None
-        if got is None:
-            self.parked = True
-            return None
+        with self.lock:
+            try:
+                got = self.cache.reserve(url, etag, size, slot, self._spare(slot, index, size))
+            except NoRoom:
+                got = None
+            self._evicted(self.cache.last_evicted)
+            if got is None:
+                self.parked = True
+                return None
         if isinstance(got, Entry):
             self.board.add(B.W_HITS)
             return got
         res: Reservation = got
         try:
-            await S.download(self.store, key, etag, size, res.tmp, url, self.endpoint)
-            entry = self.cache.commit(res)
+            S.download(self.store, key, etag, size, res.tmp, url, self.endpoint)
+            with self.lock:
+                entry = self.cache.commit(res)
         except RemoteError as e:
-            self.cache.abort(res)
+            with self.lock:
+                self.cache.abort(res)
             self.board.add(B.W_ERRORS)
             return e
         except BaseException:
-            self.cache.abort(res)
+            with self.lock:
+                self.cache.abort(res)
             raise
         self.board.add(B.W_FETCHED)
         self.board.add(B.W_FETCHED_BYTES, size)
         self.board.set(B.W_EVICTED, self.cache.evicted)
         return entry
 
+    def _spare(self, s: int, i: int, nbytes: int) -> list[int]:
+        """Cache ids of objects this job holds but needs after object i of
+        slot s, the latest first: what it may evict to fetch i (under the
+        lock).  The next epoch's objects come after every one of this
+        epoch's; within an epoch, by their place in its order.  Never one
+        a worker has asked for, is reading, or trained."""
+        ages = self._by_age()
+        here = next(k for k, (slot, _) in enumerate(ages) if slot == s)
+        mine = _place(self.active[s], i)
+        out, total = [], 0
+        for k in range(len(ages) - 1, here - 1, -1):
+            slot, active = ages[k]
+            state = active.slot.state
+            held = np.flatnonzero(((state & B.STATUS_MASK) == B.COMPLETE)
+                                  & ((state & (B.TRAINED | B.WANTED)) == 0) & (active.ids >= 0))
+            places = active.place[held] if active.place is not None else held
+            if slot == s:
+                keep = places > mine
+                held, places = held[keep], places[keep]
+            for j in held[np.argsort(-places, kind="stable")]:
+                out.append(int(active.ids[j]))
+                total += int(active.slot.sizes[j])
+                if total >= 4 * nbytes:   # enough to choose from
+                    return out
+        return out
+
     def _count_trained(self) -> None:
-        """Objects the workers opened since the last look: counted and
-        unpinned in the cache, so they may be evicted (and room is free)."""
+        """Objects the workers opened since the last look (under the lock):
+        counted and unpinned in the cache, so they may be evicted and room
+        is free.  At most every COUNT_EVERY_S unless parked: it reads every
+        object's state word."""
+        now = time.monotonic()
+        if not self.parked and now - self.counted_at < COUNT_EVERY_S:
+            return
+        self.counted_at = now
         freed = False
         for active in self.active.values():
             marked = (active.slot.state & B.TRAINED) != 0
             new = np.flatnonzero(marked & ~active.reported & (active.ids >= 0))
             if len(new):
-                self.cache.trained([int(x) for x in active.ids[new]])
+                self.cache.trained(active.slot.index, [int(x) for x in active.ids[new]])
+                self._histogram(active, new)
+                self._evicted(self.cache.last_evicted)
                 active.reported[new] = True
                 freed = True
         if freed or self.parked:
             self.parked = False   # try again: room may have been made, or another job finished
+
+
+    def _histogram(self, active: Active, new: np.ndarray) -> None:
+        """How many objects this job trained how many times (stats())."""
+        for i in new:
+            key = (active.listing.keys[i], active.listing.etags[i])
+            k = self.times_trained.get(key, 0) + 1
+            self.times_trained[key] = k
+            if k > 1 and k - 1 < B.HISTOGRAM:
+                self.board.add(B.W_HISTOGRAM + k - 1, -1)
+            if k < B.HISTOGRAM:
+                self.board.add(B.W_HISTOGRAM + k, 1)
+
+    def _evicted(self, ids: list[int]) -> None:
+        """Objects the cache just evicted are absent again in every slot
+        that has them (under the lock; a slot pins what its epoch still
+        needs, so no worker of it is about to open one)."""
+        if not ids:
+            return
+        gone = np.array(ids, np.int64)
+        for active in self.active.values():
+            evicted = np.flatnonzero(np.isin(active.ids, gone))
+            for i in evicted:
+                active.ids[i] = -1
+                active.slot.settle(int(i), B.ABSENT)
+            if len(evicted):   # fetched again when their turn comes
+                active.next = min(active.next, min(_place(active, int(i)) for i in evicted))
+        self.board.set(B.W_EVICTED, self.cache.evicted)
+
+
+    def describe(self) -> str:
+        """What the fetcher is doing, in words (SIGUSR2 writes it to its
+        stderr; read without the lock: for people, not for decisions)."""
+        lines = [f"fetcher pid {os.getpid()}: parked={self.parked} in_flight={len(self.in_flight)}"
+                 f" stopping={self.stopping} cache used {self.cache.used_bytes()} of "
+                 f"{self.cache.limit} bytes, evicted {self.cache.evicted}"]
+        for s, active in self._by_age():
+            state = active.slot.state
+            status = state & B.STATUS_MASK
+            lines.append(
+                f"  slot {s} gen {active.slot.gen}: {active.slot.count} objects, "
+                f"{int((status == B.COMPLETE).sum())} complete, {int((status == B.FAILED_OBJECT).sum())} "
+                f"failed, {int(((state & B.WANTED) != 0).sum())} wanted, "
+                f"{int(((state & B.TRAINED) != 0).sum())} trained, next {active.next}, "
+                f"order {'known' if active.order is not None else 'not known'}")
+        pins = self.cache.db.execute("SELECT slot, COUNT(*) FROM pins WHERE job = ? GROUP BY slot",
+                                     (self.cache.job,)).fetchall()
+        lines.append(f"  pins by slot: {dict(pins)}")
+        return "\n".join(lines)
+
+
+class _Done:
+    """One fetch's result, for another thread that wants the same object."""
+
+    def __init__(self):
+        self.event, self.value = threading.Event(), None
+
+    def set(self, value) -> None:
+        self.value = value
+        self.event.set()
+
+    def wait(self):
+        self.event.wait()
+        return self.value
+
+
+def _place(active: Active, i: int) -> int:
+    """Where object i is in the slot's order (or listing)."""
+    if active.place is None:
+        return i
+    return int(active.place[i])
+
+
+def _read_order(fd: int, count: int) -> np.ndarray:
+    """The order main wrote into the memfd (read from its start: main's
+    writes moved the descriptor's offset, which the passed fd shares)."""
+    out = np.empty(count, np.int64)
+    view, done = memoryview(out).cast("B"), 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], done)
+        if got == 0:
+            raise EOFError(f"the epoch's order ends after {done} of {len(view)} bytes")
+        done += got
+    return out
 
 
 def main() -> None:
@@ -399,39 +570,41 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is main's to handle
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # its stacks, when main asks
     from loader import _native
-
     from loader.main.procs import PARENT_DEATH_SIGNAL
 
     _native.die_with_parent(cfg["parent"], PARENT_DEATH_SIGNAL)
     board = B.Board(cfg["board_fd"])
     sock = socket.socket(fileno=cfg["sock_fd"])
+    code = 1
+    fetcher = None
     try:
         fetcher = Fetcher(cfg, board, sock)
-    except BaseException as e:
-        board.set(B.W_STATE, B.FAILED)
-        try:
-            send(sock, Fatal(f"{type(e).__name__}: {e}"))
-        finally:
-            raise
-    try:
-        asyncio.run(fetcher.run())
+        signal.signal(signal.SIGUSR2, lambda *_: print(fetcher.describe(), file=sys.stderr,
+                                                       flush=True))
+        fetcher.run()
+        code = 0
     except BaseException:
         board.set(B.W_STATE, B.FAILED)
+        board.arrived.ring()
         try:
             send(sock, Fatal(traceback.format_exc()))
         except OSError:
             pass
-        raise
+        traceback.print_exc()
     finally:
-        fetcher.stopping = True
-        fetcher.cache.close()
-        board.set(B.W_STATE, B.STOPPED)
-        board.arrived.ring()
+        if fetcher is not None:
+            fetcher.stopping = True
+            fetcher.cache.close()
+        if code == 0:
+            board.set(B.W_STATE, B.STOPPED)
+            board.arrived.ring()
+        sys.stderr.flush()
+        os._exit(code)   # (no interpreter teardown under a client's threads)
 
 
 if __name__ == "__main__":
-    # Run as loader.datasets.remote.fetcher, not as __main__: the messages main
-    # pickles name their classes in that module.
+    # Run as loader.datasets.remote.fetcher, not as __main__: the messages
+    # main pickles name their classes in that module.
     from loader.datasets.remote.fetcher import main as fetcher_main
 
     fetcher_main()

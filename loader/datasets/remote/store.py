@@ -8,7 +8,6 @@ data ]): obstore's runtime must never be used in a forked process.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 from typing import NamedTuple
@@ -84,7 +83,7 @@ def open_store(pattern: StorePattern, storage_options: dict | None, deadline_s: 
     options = dict(storage_options or {})
     client = {k: options.pop(k) for k in list(options) if k in _CLIENT_KEYS}
     client.setdefault("connect_timeout", f"{int(min(deadline_s, 10) * 1000)}ms")
-    client.setdefault("timeout", f"{int(max(deadline_s, 30) * 1000)}ms")
+    client.setdefault("timeout", f"{int(deadline_s * 1000)}ms")   # a stalled body too
     # (client options given replace the ones obstore reads from the
     # environment: AWS_ALLOW_HTTP's among them)
     allow_http = os.environ.get("AWS_ALLOW_HTTP", os.environ.get("ALLOW_HTTP", ""))
@@ -124,15 +123,14 @@ class Listed(NamedTuple):
     etags: list
 
 
-async def list_objects(store, pattern: StorePattern, endpoint: str) -> Listed:
+def list_objects(store, pattern: StorePattern, endpoint: str) -> Listed:
     """Every object matching the pattern, sorted by key (pages listed in
     turn; a refusal raised as its RemoteError)."""
     import obstore
 
     found = []
     try:
-        stream = obstore.list(store, prefix=pattern.prefix or None, chunk_size=1000)
-        async for page in stream:
+        for page in obstore.list(store, prefix=pattern.prefix or None, chunk_size=1000):
             for meta in page:
                 key = meta["path"]
                 if matches(pattern, key):
@@ -144,19 +142,21 @@ async def list_objects(store, pattern: StorePattern, endpoint: str) -> Listed:
     return Listed([k for k, _, _ in found], [s for _, s, _ in found], [t for _, _, t in found])
 
 
-async def download(store, key: str, etag: str, size: int, path: str, url: str, endpoint: str,
-                   attempts: int = 3) -> None:
+def download(store, key: str, etag: str, size: int, path: str, url: str, endpoint: str,
+             attempts: int = 3) -> None:
     """Write object `key` (exactly `size` bytes of version `etag`) to the new
-    file `path`; raises its RemoteError (the file may then hold a part)."""
+    file `path`; raises its RemoteError (the file may then hold a part).
+    The ETag is checked by the server (If-Match: a changed object is a 412),
+    the length here."""
     import obstore
 
     for attempt in range(attempts):
+        got = 0
         try:
-            result = await obstore.get_async(store, key, options={"if_match": etag})
-            got = 0
+            result = obstore.get(store, key, options={"if_match": etag})
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                async for chunk in result.stream(min_chunk_size=4 << 20):
+                for chunk in result.stream(min_chunk_size=4 << 20):
                     view = memoryview(chunk)
                     while view:
                         n = os.write(fd, view)
@@ -204,15 +204,13 @@ def classify(exc: BaseException, url: str, endpoint: str, doing: str) -> RemoteE
     if status in (429, 503):
         return Throttled(f"{doing} {url}: still throttled after backing off ({first})",
                          url=url, endpoint=endpoint, status=status)
-    if isinstance(exc, (asyncio.TimeoutError, ConnectionError, TimeoutError)) or status is None \
-            and any(w in text.lower() for w in ("connect", "timed out", "timeout", "dns",
-                                                "unreachable", "refused")):
-        if "body" in text.lower() or "decode" in text.lower():
-            return TruncatedObject(f"{doing} {url}: the body was cut ({first})", url=url,
-                                   endpoint=endpoint)
-        return EndpointUnreachable(f"{doing} {url}: no answer ({first})", url=url,
-                                   endpoint=endpoint)
-    if "body" in text.lower() or "decode" in text.lower() or "incomplete" in text.lower():
-        return TruncatedObject(f"{doing} {url}: the body was cut ({first})", url=url,
-                               endpoint=endpoint)
+    lowered = text.lower()
+    if "body error" in lowered or "incomplete" in lowered or "decoding response body" in lowered:
+        return TruncatedObject(f"{doing} {url}: the body was cut, also when tried again ({first})",
+                               url=url, endpoint=endpoint, status=status)
+    if isinstance(exc, (ConnectionError, TimeoutError)) or status is None and any(
+            w in lowered for w in ("error sending request", "connect", "timed out", "timeout",
+                                   "dns", "unreachable", "refused")):
+        return EndpointUnreachable(f"{doing} {url}: no answer before the deadline ({first})",
+                                   url=url, endpoint=endpoint)
     return RemoteError(f"{doing} {url}: {first}", url=url, endpoint=endpoint, status=status)
