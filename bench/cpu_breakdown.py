@@ -477,8 +477,8 @@ def print_workload(w: Workload, result: dict, repeats: int) -> None:
             if all(result[c]["loaders"][kind].usage[role].cpu_s == 0 and
                    result[c]["loaders"][kind].usage[role].vcsw == 0 for c in conds):
                 continue
-            cells = " | ".join(f"{'':>{len(c) + 1}} {_cell(result[c]['loaders'][kind], samples, role)}"
-                               for c in conds)
+            cells = " | ".join(f"{'':>{len(c) + 1}} "
+                               f"{_cell(result[c]['loaders'][kind], samples, role)}" for c in conds)
             print(f"{kind:<28} {role:<20} {cells}")
     sys.stdout.flush()
 

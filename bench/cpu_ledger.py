@@ -28,6 +28,7 @@ its fd), the rest of next().
 from __future__ import annotations
 
 import collections
+import gc
 import glob
 import json
 import os
@@ -49,19 +50,37 @@ class Ledger:
         self.extra: dict = {}
 
     def call(self, step: str, fn, *args, **kwargs):
-        self.inner.append([0, 0])
-        t0 = clock()
+        t0 = self.enter()
         try:
             return fn(*args, **kwargs)
         finally:
-            elapsed = clock() - t0
-            inner_ns, inner_calls = self.inner.pop()
-            self.ns[step] += elapsed - inner_ns
-            self.calls[step] += 1
-            self.nested[step] += inner_calls
-            if self.inner:
-                self.inner[-1][0] += elapsed
-                self.inner[-1][1] += 1 + inner_calls
+            self.leave(step, t0)
+
+    def enter(self) -> int:
+        self.inner.append([0, 0])
+        return clock()
+
+    def leave(self, step: str, t0: int) -> None:
+        elapsed = clock() - t0
+        inner_ns, inner_calls = self.inner.pop()
+        self.ns[step] += elapsed - inner_ns
+        self.calls[step] += 1
+        self.nested[step] += inner_calls
+        if self.inner:
+            self.inner[-1][0] += elapsed
+            self.inner[-1][1] += 1 + inner_calls
+
+    def watch_gc(self) -> None:
+        """Python's garbage collections as steps of their own, taken out of
+        the step that allocated when one ran."""
+        started = []
+
+        def callback(phase, info):
+            if phase == "start":
+                started.append(self.enter())
+            elif started:
+                self.leave(f"garbage collection, generation {info['generation']}", started.pop())
+        gc.callbacks.append(callback)
 
     def timed(self, step: str, fn):
         def wrapper(*args, **kwargs):
@@ -160,6 +179,7 @@ class Ledgers:
             def wrapper(self):
                 global _ledger
                 _ledger = ledger = Ledger()
+                ledger.watch_gc()
                 self.writer = _Proxy(self.writer, ledger, {"place": "row write (place)"})
                 self.counters = _Proxy(self.counters, ledger, {"claim": "claim (CURSOR)",
                                                                "below_limit": "claim (LIMIT)"})
@@ -195,6 +215,7 @@ class Ledgers:
             def wrapper(self):
                 global _ledger
                 _ledger = ledger = Ledger()
+                ledger.watch_gc()
                 try:
                     return run(self)
                 finally:
@@ -210,6 +231,7 @@ class Ledgers:
             def wrapper(*args, **kwargs):
                 global _ledger
                 _ledger = ledger = Ledger()
+                ledger.watch_gc()
                 try:
                     return loop(*args, **kwargs)
                 finally:
@@ -265,6 +287,8 @@ class MainLedger:
     def __init__(self):
         global _ledger
         self.ledger = _ledger = Ledger()
+        self.ledger.watch_gc()
+        self.callback = gc.callbacks[-1]
 
     def epoch(self, loader) -> int:
         ledger, it, n = self.ledger, iter(loader), 0
@@ -280,6 +304,7 @@ class MainLedger:
     def close(self) -> dict:
         global _ledger
         _ledger = None
+        gc.callbacks.remove(self.callback)
         return self.ledger.figures()
 
 

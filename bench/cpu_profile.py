@@ -2,7 +2,8 @@
 PyTorch's DataLoader (issue 30); run by `python bench/cpu_breakdown.py
 --profile [--seconds 8] [--out DIR]`.
 
-Three views of the same loaders, W12 (token windows, batch 32, 2 workers):
+Five views of the same loaders, W12 (token windows, batch 32, 2 workers), as
+bench/cpu_breakdown.md reports them:
 
 0. The worker's steps alone, in one process (thread CPU per call).
 1. Thread CPU per step in every process (cpu_ledger.py: timers wrapped
@@ -40,8 +41,8 @@ import subprocess
 import tempfile
 import time
 
-from cpu_breakdown import (OURS, TORCH, UNSEEDED, MachineWindow, Tasks, close, make_loaders, tasks_of,
-                           timed_epoch, workload)
+from cpu_breakdown import (OURS, TORCH, UNSEEDED, MachineWindow, Tasks, close, make_loaders,
+                           tasks_of, timed_epoch, workload)
 from report import machine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,9 +111,9 @@ def torch_worker_category(frames) -> str:
     if any("collate" in f for f in files):
         return "default_collate (torch.stack into shared memory)"
     if any(n in ("_feed", "dumps", "reduce_storage", "reduce_tensor") for n in names) or \
-            any("reductions.py" in f for f in files):
+            any("multiprocessing/reductions" in f for f in files):
         return "send the batch (pickle, share the storage, pipe write)"
-    if any(n == "get" for n in names) and any("queues.py" in f for f in files):
+    if any(n == "get" for n in names) and any(f.endswith("/queues" + ".py") for f in files):
         return "index queue get (pipe read, unpickle)"
     if any(n == "put" for n in names):
         return "result queue put"
@@ -156,23 +157,23 @@ def shares(stacks, categorize) -> dict[str, float]:
     return {k: v / total for k, v in counts.most_common()} if total else {}
 
 
-def _roles(kind: str, tasks: Tasks) -> dict[str, list[int]]:
+def _roles(tasks: Tasks) -> dict[str, list[int]]:
     roles = {"worker": tasks.workers, "main": [os.getpid()]}
     if tasks.batcher:
         roles["batcher"] = tasks.batcher
     return roles
 
 
-def pyspy_window(loader, tasks: Tasks, roles, seconds: float, out: str, native: bool = False):
+def pyspy_window(loader, tasks: Tasks, roles, seconds: float, out: str):
     """py-spy on every process of roles while the loader runs whole epochs
     for about `seconds`; the raw files and the epochs timed meanwhile."""
     procs, files = [], {}
     for role, pids in roles.items():
         for pid in pids:
-            path = os.path.join(out, f"{role}-{pid}{'-native' if native else ''}.txt")
-            cmd = ["py-spy", "record", "-p", str(pid), "-r", "100" if native else "250", "-f",
+            path = os.path.join(out, f"{role}-{pid}.txt")
+            cmd = ["py-spy", "record", "-p", str(pid), "-r", "250", "-f",
                    "raw", "-o", path, "-d", str(max(1, int(seconds)))]
-            cmd += ["--native"] if native else ["--nonblocking"]
+            cmd.append("--nonblocking")
             with open(path + ".log", "w") as log:
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
             files.setdefault(role, []).append(path)
@@ -191,7 +192,7 @@ def pyspy_window(loader, tasks: Tasks, roles, seconds: float, out: str, native: 
 
 # --- strace -------------------------------------------------------------------------------------
 
-def strace_counts(loader, tasks: Tasks, roles, out: str) -> tuple[dict, int]:
+def strace_counts(loader, roles, out: str) -> tuple[dict, int]:
     """role -> {syscall: calls}, over one epoch of `samples` samples."""
     procs, paths = [], {}
     for role, pids in roles.items():
@@ -302,10 +303,10 @@ def profile_loader(kind: str, w, seconds: float, out: str) -> None:
     try:
         timed_epoch(loader, Tasks(known_threads=lambda: ()))  # warm-up
         tasks = tasks_of(kind, loader, lambda: ())
-        roles = _roles(kind, tasks)
+        roles = _roles(tasks)
         if shutil.which("py-spy"):
             with MachineWindow() as window:
-                files, epochs = pyspy_window(loader, tasks, roles, seconds, out, native=False)
+                files, epochs = pyspy_window(loader, tasks, roles, seconds, out)
             print(f"\n{kind}, W12, py-spy (on-CPU stacks), {len(epochs)} epochs of {samples} "
                   f"samples; {window.describe()}")
             cats = {"worker": torch_worker_category if kind == TORCH else worker_category,
@@ -326,7 +327,7 @@ def profile_loader(kind: str, w, seconds: float, out: str) -> None:
         else:
             print(f"\n{kind}: py-spy not found (pip install py-spy): no stacks")
         if shutil.which("strace"):
-            counts, batches = strace_counts(loader, tasks, roles, out)
+            counts, batches = strace_counts(loader, roles, out)
             n = batches * w.batch_size
             print(f"  system calls per sample, one epoch under strace -c ({n} samples):")
             for role, calls in counts.items():
