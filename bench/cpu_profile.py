@@ -307,7 +307,7 @@ def profile_loader(kind: str, w, seconds: float, out: str) -> None:
         if shutil.which("py-spy"):
             with MachineWindow() as window:
                 files, epochs = pyspy_window(loader, tasks, roles, seconds, out)
-            print(f"\n{kind}, W12, py-spy (on-CPU stacks), {len(epochs)} epochs of {samples} "
+            print(f"\n{kind}, W12, py-spy (stacks of threads running or ready to run), {len(epochs)} epochs of {samples} "
                   f"samples; {window.describe()}")
             cats = {"worker": torch_worker_category if kind == TORCH else worker_category,
                     "batcher": by_function, "main": by_function}
