@@ -52,6 +52,7 @@ import hashlib
 import os
 import re
 import secrets
+import shutil
 import sqlite3
 import time
 from typing import NamedTuple
@@ -64,6 +65,7 @@ SCHEMA_VERSION = 2
 FETCHING, COMPLETE = 0, 1
 XATTR = "user.shmloader.object"   # "url NUL etag NUL size", on every complete file
 BUSY_TIMEOUT_S = 10.0
+BALLAST_BYTES = 8 << 20
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS objects (
@@ -142,6 +144,23 @@ def extension(url: str) -> str:
     return ext if _EXTENSION.fullmatch(ext) else ""
 
 
+def _room_for_the_index(method):
+    """A change to the index that fails because the disk is full is tried
+    once more after the ballast is given back; else it is an OSError(ENOSPC)."""
+    def changed(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.OperationalError as e:
+            if "full" not in str(e) or not self.release_ballast():
+                raise _as_os_error(e) from e
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite3.OperationalError as e:
+            raise _as_os_error(e) from e
+    changed.__name__, changed.__doc__ = method.__name__, method.__doc__
+    return changed
+
+
 class ObjectCache:
     """One job's handle on a cache directory (NOTE [ The object cache ]).
     Made by the fetcher process, which alone writes the cache; a worker
@@ -154,9 +173,39 @@ class ObjectCache:
         for sub in ("objects", "tmp", "jobs"):
             os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
         self.bell = _open_bell(os.path.join(self.dir, "bell"))
+        self.make_ballast()
         self.db = self._open_index()
         self.job, self._lock_fd = self._register(label)
         self.recover()
+
+    # --- a full disk ------------------------------------------------------------------------
+
+    def make_ballast(self) -> None:
+        """A file of a few MiB the cache gives up when its disk is full, so
+        that its index can still record what it evicts to make room (SQLite
+        cannot even delete a row on a full disk).  Made again by the next job
+        that opens the cache with room to spare."""
+        path = os.path.join(self.dir, "ballast")
+        disk = shutil.disk_usage(self.dir)
+        size = int(min(BALLAST_BYTES, disk.total // 20))
+        if os.path.exists(path) or disk.free < 4 * size:
+            return
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError:
+            os.close(fd)
+            _unlink(path)
+            return
+        os.close(fd)
+
+    def release_ballast(self) -> bool:
+        """The disk is full: give the ballast back.  True if there was one."""
+        path = os.path.join(self.dir, "ballast")
+        if not os.path.exists(path):
+            return False
+        _unlink(path)
+        return True
 
     # --- paths -------------------------------------------------------------------------
 
@@ -308,6 +357,7 @@ class ObjectCache:
     def used_bytes(self) -> int:
         return self.db.execute("SELECT COALESCE(SUM(size), 0) FROM objects").fetchone()[0]
 
+    @_room_for_the_index
     def reserve(self, url: str, etag: str, size: int, slot: int = 0, spare=()
                 ) -> Entry | Reservation | None:
         """This job fetches (url, etag) for its epoch `slot`: its
@@ -389,12 +439,39 @@ class ObjectCache:
         _set_identity(res.tmp, res.url, res.etag, res.size)
         os.makedirs(os.path.dirname(res.path), exist_ok=True)
         os.rename(res.tmp, res.path)
-        with _transaction(self.db):
-            self.db.execute("UPDATE objects SET state = ?, fetcher = NULL, fetched_at = ? "
-                            "WHERE id = ?", (COMPLETE, time.time(), res.id))
+        try:
+            with _transaction(self.db):
+                self.db.execute("UPDATE objects SET state = ?, fetcher = NULL, fetched_at = ? "
+                                "WHERE id = ?", (COMPLETE, time.time(), res.id))
+        except sqlite3.OperationalError as e:
+            _unlink(res.path)   # not complete in the index: not in the cache
+            raise _as_os_error(e) from e
         self.bell.ring()
         return Entry(res.id, res.path, res.size)
 
+    @_room_for_the_index
+    def shrink(self, limit: int) -> None:
+        """The cache may hold `limit` bytes from now on (its disk filled up
+        first): unpinned objects are evicted until it does, as far as they go."""
+        self.limit = limit
+        gone = []
+        with _transaction(self.db):
+            used = self.used_bytes()
+            for obj, url, etag, n in self.db.execute(
+                    "SELECT id, url, etag, size FROM objects WHERE state = ? AND id NOT IN "
+                    "(SELECT object FROM pins) ORDER BY overflow DESC, trained DESC, fetched_at",
+                    (COMPLETE,)).fetchall():
+                if used <= limit:
+                    break
+                gone.append((obj, self.path_of(url, etag)))
+                used -= n
+            self.db.executemany("DELETE FROM objects WHERE id = ?", [(obj,) for obj, _ in gone])
+        self.evicted += len(gone)
+        self.last_evicted = [obj for obj, _ in gone]
+        for _, path in gone:
+            _unlink(path)
+
+    @_room_for_the_index
     def abort(self, res: Reservation) -> None:
         """The fetch failed: its room and temp file go."""
         _unlink(res.tmp)
@@ -405,6 +482,7 @@ class ObjectCache:
 
     # --- pins and training ---------------------------------------------------------------
 
+    @_room_for_the_index
     def pin_epoch(self, slot: int, objects: list[tuple[str, str]]) -> list[Entry | None]:
         """This job's epoch `slot` needs these (url, etag): pin the complete
         ones for it (replacing what that slot pinned before).  Returns each
@@ -428,6 +506,7 @@ class ObjectCache:
             out[pos] = Entry(obj, self.path_of(url, etag), size)
         return out
 
+    @_room_for_the_index
     def unpin(self, slot: int, objects: list[int]) -> None:
         """This job's epoch `slot` no longer holds these objects (ids) in the
         cache: it gives them up to make room for one needed sooner (it
@@ -436,12 +515,14 @@ class ObjectCache:
             self.db.executemany("DELETE FROM pins WHERE job = ? AND slot = ? AND object = ?",
                                 [(self.job, slot, obj) for obj in objects])
 
+    @_room_for_the_index
     def unpin_slot(self, slot: int) -> None:
         """This job's epoch `slot` is over: nothing is pinned for it."""
         with _transaction(self.db):
             self.db.execute("DELETE FROM pins WHERE job = ? AND slot = ?", (self.job, slot))
         self.bell.ring()
 
+    @_room_for_the_index
     def trained(self, slot: int, objects: list[int]) -> None:
         """This job's epoch `slot` trained on these objects (ids): counted,
         and unpinned for that epoch; an overflow object nobody pins goes at
@@ -482,7 +563,12 @@ def _connect(path: str) -> sqlite3.Connection:
                          check_same_thread=False)
     db.execute("PRAGMA journal_mode = WAL")
     db.execute("PRAGMA synchronous = NORMAL")  # a crash of the machine may lose the last commits,
-    return db                                  # never leave the index inconsistent
+                                               # never leave the index inconsistent
+    # The log is folded into the index every 256 KiB (not 4 MiB) and cut back
+    # after: on a full disk it is the index's log that needs room.
+    db.execute("PRAGMA wal_autocheckpoint = 64")
+    db.execute("PRAGMA journal_size_limit = 1048576")
+    return db
 
 
 class _transaction:
@@ -510,6 +596,13 @@ def _open_bell(path: str) -> Doorbell:
     finally:
         os.close(fd)
     return Doorbell(words, 0)
+
+
+def _as_os_error(e: sqlite3.OperationalError) -> OSError:
+    """SQLite's "database or disk is full" as the ENOSPC it is."""
+    if "full" in str(e):
+        return OSError(errno.ENOSPC, f"the cache's index: {e}")
+    return OSError(errno.EIO, f"the cache's index: {e}")
 
 
 def _set_identity(path: str, url: str, etag: str, size: int) -> None:

@@ -22,7 +22,7 @@ from loader.datasets.files import FileDataset, npy_array, open_regular, raw_arra
 from loader.datasets.remote import board as B
 from loader.datasets.remote import fetcher as F
 from loader.datasets.remote.errors import KINDS, FetcherDied, RemoteError
-from loader.datasets.remote.store import parse
+from loader.datasets.remote.store import endpoint_of, parse
 
 _pidfds: dict[int, int] = {}   # the fetchers' pidfds, per process (_fetcher_alive)
 WAIT_SLICE_S = 0.25        # a worker's wait for an object, between checks of the fetcher
@@ -52,6 +52,7 @@ class RemoteFiles(FileDataset):
             raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
         self.pattern, self.decode, self.train_on = pattern, decode, train_on
         self.store_pattern = parse(pattern)
+        self.endpoint = endpoint_of(self.store_pattern, storage_options)
         self.cache_dir = os.path.abspath(cache_dir or _default_cache_dir())
         os.makedirs(self.cache_dir, exist_ok=True)
         if cache_limit_bytes is None:
@@ -100,9 +101,13 @@ class RemoteFiles(FileDataset):
         self._sock = mine
 
     def _last_words(self) -> str:
-        self._stderr.seek(0)
-        text = self._stderr.read().decode("utf-8", "replace").strip()
-        return text[-3000:]
+        """The end of what the fetcher wrote to its stderr (any process of
+        the loader can read it: the file is inherited; pread moves no
+        offset another process relies on)."""
+        fd = self._stderr.fileno()
+        size = os.fstat(fd).st_size
+        tail = os.pread(fd, 3000, max(0, size - 3000))
+        return tail.decode("utf-8", "replace").strip()
 
     def _reply(self, kinds: tuple, timeout: float):
         """The fetcher's next message of one of these kinds (others are
@@ -150,7 +155,7 @@ class RemoteFiles(FileDataset):
             kind, status, url, text = done.error
             err = KINDS.get(kind, RemoteError).__new__(KINDS.get(kind, RemoteError))
             OSError.__init__(err, f"FileDataset({self.pattern!r}): {text}")
-            err.url, err.endpoint, err.status = url, "", status
+            err.url, err.endpoint, err.status = url, self.endpoint, status
             raise err
 
     def _drain(self) -> None:
@@ -307,7 +312,8 @@ class RemoteFiles(FileDataset):
                 if state in (B.FAILED, B.STOPPED) or not self._fetcher_alive():
                     how = {B.FAILED: "failed", B.STOPPED: "was stopped"}.get(state, "was killed")
                     raise FetcherDied(f"FileDataset({self.pattern!r}): the fetcher (pid "
-                                      f"{self._proc.pid}) {how} before object {index} arrived")
+                                      f"{self._proc.pid}) {how} before object {index} arrived; "
+                                      f"it said:\n{self._last_words()}")
                 self._board.arrived.wait(
                     lambda: slot.status(index) & B.STATUS_MASK != B.ABSENT, WAIT_SLICE_S)
                 status = slot.status(index) & B.STATUS_MASK
@@ -318,7 +324,7 @@ class RemoteFiles(FileDataset):
             cls = KINDS.get(kind, RemoteError)
             err = cls.__new__(cls)
             OSError.__init__(err, text)
-            err.url, err.endpoint, err.status = url, "", code
+            err.url, err.endpoint, err.status = url, self.endpoint, code
             raise err
 
     def _fetcher_alive(self) -> bool:
@@ -356,7 +362,8 @@ class RemoteFiles(FileDataset):
         out = {"objects_fetched": b.get(B.W_FETCHED), "bytes_fetched": b.get(B.W_FETCHED_BYTES),
                "cache_hits": b.get(B.W_HITS), "evictions": b.get(B.W_EVICTED),
                "fetch_errors": b.get(B.W_ERRORS), "listings": b.get(B.W_LISTINGS),
-               "fetch_wait_s": b.get(B.W_WAIT_NS) / 1e9}
+               "fetch_wait_s": b.get(B.W_WAIT_NS) / 1e9,
+               "cache_limit_bytes": b.get(B.W_LIMIT)}   # (lowered if the disk filled up first)
         times = {k: b.get(B.W_HISTOGRAM + k) for k in range(1, B.HISTOGRAM)}
         out["times_trained"] = {k: n for k, n in times.items() if n}
         return out

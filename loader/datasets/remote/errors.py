@@ -64,6 +64,14 @@ class Throttled(RemoteError):
     advice = "the store is throttling requests: use fewer fetchers or requests in flight"
 
 
+class CacheFull(RemoteError):
+    """The cache's disk is full (ENOSPC) and nothing in the cache can be
+    evicted: every object in it is still needed by a live job."""
+    kind = "cache_full"
+    advice = ("free space on the cache's disk, lower cache_limit_bytes to what the disk holds, "
+              "or point cache_dir at a larger disk")
+
+
 class FetcherDied(RemoteError):
     """The fetcher process ended without being asked to."""
     kind = "fetcher_died"
@@ -71,7 +79,8 @@ class FetcherDied(RemoteError):
 
 
 KINDS = {cls.kind: cls for cls in (RemoteError, ObjectNotFound, ObjectChanged, TruncatedObject,
-                                   AccessDenied, EndpointUnreachable, Throttled, FetcherDied)}
+                                   AccessDenied, EndpointUnreachable, Throttled, CacheFull,
+                                   FetcherDied)}
 
 
 def _remake(name: str, text: str, url: str, endpoint: str, status):

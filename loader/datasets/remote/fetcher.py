@@ -31,6 +31,7 @@ under one lock, and wakes on a Condition that every event notifies:
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import faulthandler
 import json
 import os
@@ -48,7 +49,7 @@ import numpy as np
 from loader.datasets.remote import board as B
 from loader.datasets.remote.cache import (Entry, NoRoom, ObjectCache, Reservation, digest,
                                           extension)
-from loader.datasets.remote.errors import RemoteError
+from loader.datasets.remote.errors import CacheFull, RemoteError
 
 WAIT_SLICE_S = 1.0      # the scheduler's bounded wait (it is notified of every event)
 COUNT_EVERY_S = 0.1     # trained objects are counted at most this often, unless parked
@@ -150,6 +151,7 @@ class Fetcher:
         self.store = S.open_store(self.pattern, cfg["storage_options"], cfg["deadline_s"])
         self.cache = ObjectCache(cfg["cache_dir"], cfg["cache_limit_bytes"],
                                  label=f"pid {os.getpid()} {cfg['url']}")
+        self.board.set(B.W_LIMIT, self.cache.limit)
         self.cached_mode = cfg["train_on"] == "cached"
         self.pool = concurrent.futures.ThreadPoolExecutor(cfg["in_flight"], "fetch")
         self.in_flight_max = cfg["in_flight"]
@@ -406,6 +408,11 @@ class Fetcher:
                 got = self.cache.reserve(url, etag, size, slot, self._spare(slot, index, size))
             except NoRoom:
                 got = None
+            except OSError as e:   # the disk is full: the index could not take the change
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                got = None
+                self._lower_limit(size, e.strerror or str(e))
             self._evicted(self.cache.last_evicted)
             if got is None:
                 self.parked = True
@@ -423,6 +430,12 @@ class Fetcher:
                 self.cache.abort(res)
             self.board.add(B.W_ERRORS)
             return e
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                with self.lock:
+                    self.cache.abort(res)
+                raise
+            return self._disk_full(res, url, e)
         except BaseException:
             with self.lock:
                 self.cache.abort(res)
@@ -431,6 +444,40 @@ class Fetcher:
         self.board.add(B.W_FETCHED_BYTES, size)
         self.board.set(B.W_EVICTED, self.cache.evicted)
         return entry
+
+    def _disk_full(self, res: Reservation, url: str, err: OSError):
+        """The disk filled up before cache_limit_bytes (a disk shared with
+        other programs, or smaller than the limit): the limit comes down
+        below what the cache holds now, and this object waits for the room
+        that eviction makes (parked).  If the limit was lowered already and
+        the disk is still full, a CacheFull for the object."""
+        with self.lock:
+            try:
+                self.cache.abort(res)
+            except OSError as e:   # (not even its room could be recorded: the next job's recover)
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+            if self._lower_limit(res.size, err.strerror or str(err)):
+                return None
+        self.board.add(B.W_ERRORS)
+        return CacheFull(f"the disk of cache_dir {self.cache.dir} is full ({err.strerror}) with "
+                         f"{self.cache.used_bytes()} bytes cached, all still needed",
+                         url=url, endpoint=self.endpoint)
+
+    def _lower_limit(self, nbytes: int, why: str) -> bool:
+        """(Under the lock.)  The cache's limit lowered to what it holds less
+        room for a few more objects and its index; False if nothing could be
+        evicted for it."""
+        used = self.cache.used_bytes()
+        limit = max(0, min(self.cache.limit, used - 2 * nbytes))
+        self.cache.shrink(limit)
+        self._evicted(self.cache.last_evicted)
+        self.cache.make_ballast()   # again, from the room just made
+        self.parked = True
+        self.board.set(B.W_LIMIT, self.cache.limit)
+        print(f"fetcher: the disk of {self.cache.dir} is full ({why}) with {used} bytes cached: "
+              f"cache_limit_bytes lowered to {limit}", file=sys.stderr, flush=True)
+        return bool(self.cache.last_evicted) or used > self.cache.used_bytes()
 
     def _spare(self, s: int, i: int, nbytes: int) -> list[int]:
         """Cache ids of objects this job holds but needs after object i of
@@ -472,7 +519,13 @@ class Fetcher:
             marked = (active.slot.state & B.TRAINED) != 0
             new = np.flatnonzero(marked & ~active.reported & (active.ids >= 0))
             if len(new):
-                self.cache.trained(active.slot.index, [int(x) for x in active.ids[new]])
+                try:
+                    self.cache.trained(active.slot.index, [int(x) for x in active.ids[new]])
+                except OSError as e:
+                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    self._lower_limit(0, e.strerror or str(e))
+                    continue   # counted at the next look, once the room is made
                 self._histogram(active, new)
                 self._evicted(self.cache.last_evicted)
                 active.reported[new] = True

@@ -157,13 +157,11 @@ def download(store, key: str, etag: str, size: int, path: str, url: str, endpoin
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 for chunk in result.stream(min_chunk_size=4 << 20):
-                    view = memoryview(chunk)
-                    while view:
-                        n = os.write(fd, view)
-                        view = view[n:]
-                        got += n
+                    got += _write_all(fd, memoryview(chunk))
             finally:
                 os.close(fd)
+        except _LocalWriteError as e:
+            raise e.cause   # the cache's disk (ENOSPC...): the fetcher's to handle, not the store's
         except Exception as e:
             err = classify(e, url, endpoint, "download")
             if isinstance(err, TruncatedObject) and attempt + 1 < attempts:
@@ -177,6 +175,22 @@ def download(store, key: str, etag: str, size: int, path: str, url: str, endpoin
         if attempt + 1 == attempts:
             raise TruncatedObject(f"the body of {url} ended after {got} of its {size} bytes, "
                                   f"{attempts} times", url=url, endpoint=endpoint)
+
+
+class _LocalWriteError(Exception):
+    def __init__(self, cause: OSError):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _write_all(fd: int, view: memoryview) -> int:
+    total = len(view)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as e:
+        raise _LocalWriteError(e) from e
+    return total
 
 
 _STATUS = re.compile(r"status code: (\d{3})")
