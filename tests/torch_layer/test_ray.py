@@ -28,7 +28,8 @@ torch = pytest.importorskip("torch")
 
 from torch.utils.data import DistributedSampler  # noqa: E402
 
-from loader import ShmLoader, _procs  # noqa: E402
+from loader import ShmLoader  # noqa: E402
+from loader.main import procs as _procs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)  # the first test pays for the cluster's runs
 
