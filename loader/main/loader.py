@@ -536,6 +536,15 @@ def follow_torch_rules(loader: ShmLoader) -> None:
     loader._planner.torch_rules = True
 
 
+def continue_from(loader: ShmLoader, previous: ShmLoader) -> None:
+    """A new loader.DataLoader's ShmLoader takes over from `previous`
+    between two passes (its samplers changed: NOTE [ The samplers a pass
+    takes ] in torch/dataloader.py): the epochs go on counting, and the base
+    seed a persistent iterator drew once stays drawn."""
+    loader._epoch = previous._epoch
+    loader._planner.drawn_base_seed = previous._planner.drawn_base_seed
+
+
 def worker_children(loader: ShmLoader) -> list:
     """The loader's worker processes now (none once they have stopped)."""
     session = loader._session
