@@ -86,6 +86,7 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
                          multiprocessing_context, generator, prefetch_factor=prefetch_factor,
                          persistent_workers=persistent_workers,
                          pin_memory_device=pin_memory_device, in_order=in_order)
+        _accelerate_integration.remember_samplers(self)  # a rebuild as torch's class warns
 
     def __getstate__(self):
         # A copy (pickle, deepcopy: Lightning, spawn) gets the arguments, not
