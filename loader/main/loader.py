@@ -586,6 +586,12 @@ def continue_from(loader: ShmLoader, previous: ShmLoader) -> None:
     loader._planner.drawn_base_seed = previous._planner.drawn_base_seed
 
 
+def stop_workers(loader: ShmLoader) -> None:
+    """Stop the loader's processes now (an iterator's _shutdown_workers,
+    as torch's, for tools that call it); its next iter() starts new ones."""
+    loader._shutdown()
+
+
 def worker_children(loader: ShmLoader) -> list:
     """The loader's worker processes now (none once they have stopped)."""
     session = loader._session

@@ -45,7 +45,8 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from loader.errors import LoaderTimeout, StateError, WorkerError
 from loader.main.lookahead import FrozenState
-from loader.main.loader import ShmLoader, continue_from, follow_torch_rules, worker_children
+from loader.main.loader import (ShmLoader, continue_from, follow_torch_rules, stop_workers,
+                                worker_children)
 from loader.main.procs import wait_all
 from loader.torch.order import TorchOrder, epoch_sampler
 from loader.shared.trace import check_path
@@ -415,6 +416,7 @@ class _Iterator:
         self._dataset, self._iterable = loader.dataset, loader._dataset_kind == _DatasetKind.Iterable
         self._num_workers = loader.num_workers
         self._batches = None
+        self._started_workers = []  # the processes this iterator's epoch started on
         self._pipe_group = None
         if pool.pipe is not None:
             import torch.distributed as dist
@@ -437,6 +439,7 @@ class _Iterator:
         self._batches = iter(self._pool.shm)
         if self._num_workers:
             self._batches.start()  # torch's iterator prefetches as it is made
+            self._started_workers = worker_children(self._pool.shm)
         self._num_yielded = self._calls = 0
         self.finished = False
 
@@ -449,8 +452,20 @@ class _Iterator:
     @property
     def _workers(self) -> list:
         """The worker processes, as torch's iterator lists them (pid,
-        is_alive(), join(), exitcode)."""
-        return [_WorkerProcess(c) for c in worker_children(self._pool.shm)]
+        is_alive(), join(), exitcode), by worker id: those loading now, else
+        (the epoch over without persistent workers, or stopped) those its
+        epoch ran on, which torch's iterator keeps listing once they ended."""
+        live = worker_children(self._pool.shm)
+        return [_WorkerProcess(c) for c in (live or self._started_workers)]
+
+    def _shutdown_workers(self) -> None:
+        """Stop this iterator's workers now, as torch's iterator method of
+        this name does (tools call it, then set the loader's _iterator to
+        None): the loader's next iter() starts new ones."""
+        self.close()
+        if not self._owned:
+            stop_workers(self._pool.shm)
+        self.finished = True
 
     def __next__(self):
         if self.finished:

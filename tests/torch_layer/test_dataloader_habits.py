@@ -365,6 +365,59 @@ def test_iterator_workers_are_the_worker_processes():
     assert iter(DataLoader(TensorDataset(torch.arange(4)), num_workers=0))._workers == []
 
 
+class WhoLoads(tud.Dataset):
+    """Sample i: [the worker id, its pid] of the worker that loaded it."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        info = tud.get_worker_info()
+        return torch.tensor([info.id, os.getpid()])
+
+
+def test_iterator_workers_stay_listed_once_the_epoch_ended():
+    """Issue 29 item 4 (upstream test_get_worker_info): once the epoch ran
+    to its end without persistent workers, torch's iterator still lists its
+    workers, by worker id; the pid each row was loaded in is the listed
+    worker's of its id, and they have ended."""
+    loader = DataLoader(WhoLoads(), batch_size=2, num_workers=2)
+    it = iter(loader)
+    rows = torch.cat(list(it)).tolist()
+    workers = it._workers
+    assert len(workers) == 2 and {wid for wid, _ in rows} == {0, 1}
+    assert all(pid == workers[wid].pid for wid, pid in rows)
+    for w in workers:
+        w.join(30)
+        assert not w.is_alive() and w.exitcode == 0
+    loader.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_shutdown_workers_stops_them_and_the_next_iter_starts_new_ones(persistent):
+    """Issue 29 item 4 (upstream test_shuffler_iterdatapipe): tools call
+    `loader._iterator._shutdown_workers()` and set `loader._iterator = None`
+    (mid-epoch or after it); the workers are gone, and the next iter()
+    gives a whole epoch on new ones."""
+    loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, num_workers=2,
+                        persistent_workers=persistent)
+    it = iter(loader)
+    next(it)
+    workers = it._workers
+    it._shutdown_workers()
+    for w in workers:
+        w.join(30)
+        assert not w.is_alive()
+    assert next(it, None) is None
+    loader._iterator = None
+    again = iter(loader)
+    assert torch.cat([b[0] for b in again]).tolist() == list(range(40))
+    assert not {w.pid for w in again._workers} & {w.pid for w in workers}
+    again._shutdown_workers()
+    loader._iterator = None
+    loader.close()
+
+
 def test_iterator_workers_terminate_as_processes_do():
     """Upstream's test_iterable_style_dataset (persistent workers) calls
     terminate() on every entry of _workers once they have exited: a no-op
