@@ -78,3 +78,36 @@ def test_trainer_resumes_every_cut_exactly_in_every_way(tmp_path, order, mode):
     result = run_trainer(tmp_path, order, mode, "5,17", "5,17")
     check(result)
     assert set(result["shm"]["cut"]) == set(result["torch"]["cut"]) == {"5", "17"}
+
+
+def test_the_trainers_eval_and_test_loaders_are_loader_dataloaders_too(tmp_path):
+    """The Trainer of loader.torch.integrations.transformers builds its
+    eval and test loaders as loader.DataLoader as well, and leaves
+    transformers.trainer's name DataLoader as it was; a Trainer class
+    that builds them another way gets a LoaderReplacedWarning."""
+    import torch
+    import transformers
+    import transformers.trainer as hf_trainer
+
+    from loader import DataLoader
+    from loader.torch.integrations import LoaderReplacedWarning
+    from loader.torch.integrations.transformers import Trainer
+
+    data = torch.utils.data.TensorDataset(torch.arange(8.0))
+    args = transformers.TrainingArguments(str(tmp_path), dataloader_pin_memory=False,
+                                          report_to=[], use_cpu=True)
+    trainer = Trainer(model=torch.nn.Linear(1, 1), args=args, train_dataset=data,
+                      eval_dataset=data)
+    for made in (trainer.get_train_dataloader(), trainer.get_eval_dataloader(),
+                 trainer.get_test_dataloader(data)):
+        assert isinstance(made.base_dataloader, DataLoader), type(made.base_dataloader)
+    assert hf_trainer.DataLoader is torch.utils.data.DataLoader
+
+    class BuildsTorchs(Trainer):
+        def _get_dataloader(self, dataset, *a, **kw):
+            return self.accelerator.prepare(torch.utils.data.DataLoader(dataset))
+
+    other = BuildsTorchs(model=torch.nn.Linear(1, 1), args=args, train_dataset=data)
+    with pytest.warns(LoaderReplacedWarning, match=r"Trainer.get_train_dataloader\(\) built a "
+                                                   r"torch.utils.data.dataloader.DataLoader"):
+        other.get_train_dataloader()
