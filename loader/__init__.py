@@ -60,6 +60,7 @@ from loader.main.loader import LoaderTimeout, ShmLoader, WorkerError
 from loader.datasets.parquet import ParquetDataset
 from loader.main.procs import LoaderStartError
 from loader.main.stats import DataStallWarning
+from loader.datasets.own_state import InexactResumeWarning
 from loader.worker.seeding import WorkerInfo, get_worker_info
 from loader.torch.integrations import ray as _ray_integration
 
@@ -71,7 +72,8 @@ _ray_integration.install_when_imported()
 __all__ = ["ShmLoader", "DataLoader", "FileDataset", "FileArray", "ParquetDataset",
            "get_worker_info", "WorkerInfo",
            "WorkerError", "LoaderTimeout", "LoaderStartError", "CollateError", "BatchMismatch",
-           "UnsupportedLeaf", "StateError", "DataStallWarning", "TraceWriteError"]
+           "UnsupportedLeaf", "StateError", "DataStallWarning", "InexactResumeWarning",
+           "TraceWriteError"]
 
 
 def __getattr__(name):

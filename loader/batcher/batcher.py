@@ -545,6 +545,11 @@ class Batcher:
             if p is not None and msg.batch is not None and not p.iterable:
                 self._give_up(p, msg.batch)  # main raises its error and goes on
             return
+        if kind is _protocol.DatasetState:
+            # main keeps it, and has it before the sender's batches (NOTE
+            # [ Datasets that keep their own state ] in datasets/own_state.py)
+            self._send(msg)
+            return
         if kind is _protocol.Joined:  # num_workers="auto" added a worker: its Done counts too
             self._look_at_runs()
             self.joined[msg.worker] = msg.first_run

@@ -21,6 +21,12 @@ from loader.order.planning import order_of, settled_plan
 from loader.order.feed import BatchFeed
 from loader.worker.seeding import SampleSeeder
 from loader.shared.optional import imported_torch
+from loader.datasets.own_state import CopyState
+
+
+def _raise(exc: BaseException, where: str, run: int):
+    """num_workers=0: an error of the dataset's state_dict() is raised as it is."""
+    raise exc
 
 
 def _training_thread() -> tuple[dict, list]:
@@ -77,9 +83,17 @@ class InlineEpoch:
         self.planner.tell_order(plan)
         self.progress = self.owner.track(plan)
         self.k = 0                      # the next batch
+        own = None  # NOTE [ Datasets that keep their own state ]: main's copy
+        if plan.own is not None and not ld.iterable:
+            plan.own.begin_in_main(ld.dataset, plan.own_load)
         if ld.iterable:
-            self.stream = iter(ld.dataset)
-            self.seq, self.ended = 0, False
+            if plan.own is not None:  # its stream reports to the run's book as a worker's does
+                own = CopyState(ld.dataset, 0, True, self.rows, plan.own.record, _raise)
+                point = None if plan.own_load is None else plan.own_load[0]
+                self.stream, self.seq = own.open_stream(0, point)
+            else:
+                self.stream, self.seq = iter(ld.dataset), 0
+            self.own, self.ended = own, False
             return
         order = order_of(plan, self.planner.rank, self.planner.world)
         self.geometry = plan.progress.batches  # (a streamed batch sampler's: as it is pulled)
@@ -167,9 +181,13 @@ class InlineEpoch:
             raise
         return _fetch.checked(self.loader.dataset, indices, samples)
 
+    @property
+    def rows(self) -> int:
+        return 1 if self.loader.batch_size is None else self.loader.batch_size
+
     def _next_of_stream(self):
         ld = self.loader
-        B = 1 if ld.batch_size is None else ld.batch_size
+        B = self.rows
         skip = self.progress.prefix[0]  # a resumed epoch: samples delivered already
         pending = []
         while len(pending) < B and not self.ended:
@@ -181,11 +199,15 @@ class InlineEpoch:
                     sample = next(self.stream)
                 except StopIteration:
                     self.ended = True
+                    if self.own is not None:
+                        self.own.stream_ended(0, self.stream, self.seq)
                     break
             finally:
                 if saved is not None:
                     saved.restore()
             self.seq += 1
+            if self.own is not None:
+                self.own.read(0, self.stream, self.seq)
             if self.seq > skip:
                 pending.append(sample)
         if not pending or (len(pending) < B and ld.drop_last):

@@ -31,6 +31,7 @@ from loader.shared.memory import LoaderConfig
 from loader.main.state import Expected, check_state
 from loader.main.stats import EpochClock, stall_advice, summary_line, warn_stalled
 from loader.shared.trace import ROLE_MAIN, TraceLog, tracer_of
+from loader.datasets import own_state as _own_state
 
 __all__ = ["ShmLoader", "WorkerError", "LoaderTimeout", "LoaderStartError"]
 
@@ -253,7 +254,8 @@ class ShmLoader(FrozenState):
             threads=self._threads, max_workers=self.max_workers,
             whole_batches=planner.torch_rules and not self.iterable,
             batched_fetch=planner.batched_fetch(),
-            shuffle_buffer=self.shuffle_buffer, trace=self._trace)
+            shuffle_buffer=self.shuffle_buffer, trace=self._trace,
+            own_state=planner.workers_report_own_state())
         self._session = Session(cfg, timeout=self.timeout, torch_rules=planner.torch_rules,
                                 pin_memory=self.pin_memory)
         self._runs.session = self._session
@@ -468,6 +470,7 @@ class ShmLoader(FrozenState):
                  "sampler": planner.sampler_name()}
         if progress is None:  # no epoch started: the next is the first
             state["complete"] = True
+            self._add_own_state(state, None)
             return state
         plan = self._progress_plan
         state["rng"] = dict(plan.rng)
@@ -478,13 +481,37 @@ class ShmLoader(FrozenState):
         else:
             state["stream"] = progress.state()
             state["complete"] = progress.complete
+        self._add_own_state(state, plan.own)
         return state
+
+    def _add_own_state(self, state: dict, book) -> None:
+        """The "dataset" entry of a dataset that keeps its own state: its
+        copies' states (book: the run's RunStates; None before any run).
+        See NOTE [ Datasets that keep their own state ]."""
+        dataset = self.dataset
+        if not _own_state.keeps_state(dataset):
+            return
+        if not self._planner.takes_own_state():
+            state["dataset"] = _own_state.without_state(dataset)
+            return
+        complete = state["complete"]
+        if book is None:  # no run yet: the copies begin the first from main's copy
+            book, complete = _own_state.RunStates(*self._planner.dataset_copies()), True
+            if not book.mains:
+                state["dataset"] = _own_state.entry(dataset, None, None)
+                return
+        elif book.waits_for_workers(complete, self.persistent_workers):
+            # what the workers reported may still be on its way
+            self._runs.wait_for(book.run, lambda: book.reported(complete, self.iterable))
+        state["dataset"] = book.record_of(dataset, complete=complete, iterable=self.iterable,
+                                          persistent=self.persistent_workers)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(): the next iter() yields the rest of the
         epoch the state was taken in (or the next epoch, if it was over)."""
         self._check_owner()
         check_state(state, self._expected_state())  # before anything changes (main/state.py)
+        own_load = self._own_states_to_load(state)
         self._freeze_loaded(state)
         if self._session is not None:
             self._runs.end(self._runs.current)
@@ -493,12 +520,24 @@ class ShmLoader(FrozenState):
                 self._shutdown()  # the workers know the old seed: new ones start at iter()
         self._runs.current = self._runs.ahead = None
         self._steps_epoch = None
+        self._planner.own_load = own_load
         self.seed = state["seed"]
         if state["complete"]:
             self._epoch, self._resume = state["epoch"], None
         else:
             self._resume = state
         self._progress = None
+
+    def _own_states_to_load(self, state: dict) -> list | None:
+        """What the dataset's copies load as the next run begins (NOTE
+        [ Datasets that keep their own state ]), with a warning where the
+        resume cannot be exact."""
+        dataset = self.dataset
+        if not _own_state.keeps_state(dataset):
+            return None
+        states = _own_state.states_to_load(dataset, state.get("dataset"),
+                                           self._planner.dataset_copies()[0])
+        return states if self._planner.takes_own_state() else None
 
     def _map_len(self) -> int | None:
         """The dataset's length (None: iterable, or none)."""
@@ -530,13 +569,30 @@ class ShmLoader(FrozenState):
             sampler=self._planner.sampler_name(),
             rng_bytes={k: len(v) for k, v in self._planner.rng_states().items()},
             seeded_shuffle=(self.shuffle and self.generator is None and self.sampler is None
-                            and self.batch_sampler is None and not self.iterable))
+                            and self.batch_sampler is None and not self.iterable),
+            own_state=(_own_state.name_of(self.dataset) if _own_state.keeps_state(self.dataset)
+                       else None))
 
 def follow_torch_rules(loader: ShmLoader) -> None:
     """Make a new loader load as torch's DataLoader does (loader.DataLoader's
     own ShmLoader): torch's worker seeding, base seed per iterator, order
     draws and collate structure."""
     loader._planner.torch_rules = True
+
+
+def continue_from(loader: ShmLoader, previous: ShmLoader) -> None:
+    """A new loader.DataLoader's ShmLoader takes over from `previous`
+    between two passes (its samplers changed: NOTE [ The samplers a pass
+    takes ] in torch/dataloader.py): the epochs go on counting, and the base
+    seed a persistent iterator drew once stays drawn."""
+    loader._epoch = previous._epoch
+    loader._planner.drawn_base_seed = previous._planner.drawn_base_seed
+
+
+def stop_workers(loader: ShmLoader) -> None:
+    """Stop the loader's processes now (an iterator's _shutdown_workers,
+    as torch's, for tools that call it); its next iter() starts new ones."""
+    loader._shutdown()
 
 
 def worker_children(loader: ShmLoader) -> list:

@@ -20,6 +20,7 @@ import numpy as np
 
 from loader.worker import fetch as _fetch
 from loader.datasets.snapshot import EpochInfo
+from loader.datasets.own_state import RunStates, keeps_state, why_state_cannot_be_taken
 from loader._native import derived_seeds
 from loader.order.planning import Plan, PlanRules, plan_run, run_indices
 from loader.shared.optional import imported_torch
@@ -52,6 +53,7 @@ class EpochPlanner:
         self.rank, self.world = 0, 1  # taken when the loader (re)starts (take_ranks)
         self.drawn_base_seed = None  # torch's rules: drawn once with persistent workers
         self.early_base_seed = None  # torch's rules: drawn by iter(), taken by the epoch's plan
+        self.own_load = None  # the states a loaded state gives the dataset's copies (next run)
 
     # --- the loader's shape ------------------------------------------------------------
 
@@ -195,7 +197,40 @@ class EpochPlanner:
 
             with torch.random.fork_rng(devices=[]):  # the user's global generator is left alone
                 plan = self._drawn(epoch, resume)
-        return plan._replace(snapshot=snapshot)
+        return plan._replace(snapshot=snapshot, **self._own_states(plan.progress))
+
+    # --- a dataset that keeps its own state -------------------------------------------
+
+    def dataset_copies(self) -> tuple[int, bool, int, bool]:
+        """What RunStates takes: (copies of the dataset, whether main takes
+        their state itself, worker threads iterating main's copy of an
+        iterable one, whether the copy is main's object): one per worker
+        process; a worker thread's stream reports as a process's does;
+        else main's copy (NOTE [ Datasets that keep their own state ])."""
+        ld = self.loader
+        if ld.num_workers > 0 and ld.worker_mode == "process":
+            return ld.num_workers, False, 0, False
+        if ld.num_workers > 0 and ld.iterable:
+            return 1, False, 0 if ld.num_workers == 1 else ld.num_workers, True
+        return 1, True, 0, True
+
+    def takes_own_state(self) -> bool:
+        dataset = self.loader.dataset
+        return keeps_state(dataset) and why_state_cannot_be_taken(dataset) is None
+
+    def workers_report_own_state(self) -> bool:
+        """Do the workers report their copies' states (not main)?"""
+        _, in_main, shared_by, _ = self.dataset_copies()
+        return self.takes_own_state() and not in_main and not shared_by
+
+    def _own_states(self, progress) -> dict:
+        """A run's book of its dataset copies' states, and what they load first."""
+        if not self.takes_own_state():
+            return {}
+        load, self.own_load = self.own_load, None
+        book = RunStates(*self.dataset_copies())
+        book.progress = progress if self.loader.iterable else None
+        return {"own": book, "own_load": None if book.shared_by else load}
 
     def _drawn(self, epoch: int, resume: dict | None) -> Plan:
         if resume is not None:

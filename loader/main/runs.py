@@ -28,6 +28,7 @@ from loader.order.planning import Plan, offsets_word, order_of, settled_plan
 from loader.order.feed import BatchFeed
 from loader.main.stats import EpochClock
 from loader.shared.trace import EPOCH
+from loader.datasets.own_state import RunDataset
 
 
 class Run(NamedTuple):
@@ -52,6 +53,8 @@ class Runs:
         self.inboxes: dict[int, collections.deque] = {}  # messages of the runs main reads
         self.unended: set[int] = set()                     # runs whose RunEnded has not come
         self.session = None      # the loader's Session while it runs
+        self.own_books: dict = {}  # run -> RunStates of the latest runs (NOTE [ Datasets that
+                                   # keep their own state ])
 
     def stopped(self) -> None:
         """The session stopped: no run is live any more."""
@@ -64,6 +67,11 @@ class Runs:
         """File a message under its run: the runs main still reads get it;
         a batch of a run main abandoned is released at once."""
         kind = type(msg)
+        if kind is _protocol.DatasetState:
+            book = self.own_books.get(msg.run)
+            if book is not None:
+                book.record(msg)
+            return
         if kind is _protocol.MemoryWait:
             # A wake-up only: every caller receives again, and _receive
             # moves what the loop keeps out of the pool while MEMORY_WAIT is
@@ -85,6 +93,18 @@ class Runs:
         while not inbox:
             self.route(self.session.receive(deadline, lambda: self.copy_out_held(held)))
         return inbox.popleft()
+
+    def wait_for(self, run: int, ready: Callable[[], bool]) -> None:
+        """Take messages until ready() (what the workers report of a run as
+        it begins or ends: NOTE [ Datasets that keep their own state ]), or
+        until nothing more of the run can come (its RunEnded came, or the
+        processes stopped), within the loader's timeout."""
+        if self.session is None:
+            return
+        timeout = self.loader.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ready() and run in self.unended:
+            self.route(self.session.receive(deadline, self.copy_out_held))
 
     def copy_out_held(self, held: dict | None = None) -> None:
         """The batcher waits for memory: every batch main holds back (filed
@@ -174,8 +194,9 @@ class Runs:
             self.session.shared.write_order(run_id, plan.remaining.words())
         elif plan.feed is not None:
             plan.feed.attach(self.session.shared.order_fd(run_id))
-        if plan.snapshot is not None:
-            self.session.shared.write_snapshot(run_id, plan.snapshot)
+        carried = self._carried(run_id, plan)
+        if carried is not None:
+            self.session.shared.write_snapshot(run_id, carried)
         self.planner.tell_order(plan)
         batches = None if self.loader.iterable else plan.progress.batches
         run, limit = self._fed_limit(Run(run_id, plan, batches), yielded)
@@ -187,9 +208,28 @@ class Runs:
             epoch=epoch, size=plan.size, kept=plan.kept, units=plan.units,
             nbatches=plan.nbatches, order=plan.order_kind, order_seed=plan.order_seed,
             offsets=offsets_word(plan), base_seed=plan.base_seed, limit=limit,
-            snapshot=int(plan.snapshot is not None), resumed=int(plan.remaining is not None),
+            snapshot=int(carried is not None), resumed=int(plan.remaining is not None),
             open_ended=int(plan.feed is not None and plan.feed.open and not plan.feed.settled)))
         return run
+
+    def _carried(self, run_id: int, plan: Plan) -> RunDataset | None:
+        """What the run carries for the dataset's copies (None: nothing):
+        its snapshot of the epoch, and for a dataset that keeps its own
+        state, the states its workers load first; main's own copy (thread
+        workers) begins the run here, before it is published."""
+        own, states = plan.own, None
+        if own is not None:
+            own.run = run_id
+            self.own_books[run_id] = own
+            for old in [r for r in self.own_books if r < run_id - 2]:
+                del self.own_books[old]
+            if own.in_main:
+                own.begin_in_main(self.loader.dataset, plan.own_load)
+            else:
+                states = plan.own_load
+        if plan.snapshot is None and states is None:
+            return None
+        return RunDataset(plan.snapshot, states)
 
     def end(self, run: Run | None) -> None:
         """Main will read no more of this run: its workers stop, and its

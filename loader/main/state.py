@@ -36,6 +36,8 @@ class Expected(NamedTuple):
     rng_bytes: dict               # generator key -> the size of its state, in bytes
     seeded_shuffle: bool = False  # its order is the seeded permutation (NOTE [ The seeded
                                   # order ] in order/indices.py)
+    own_state: str | None = None  # the class of a dataset that keeps its own state (NOTE
+                                  # [ Datasets that keep their own state ]); None: it keeps none
 
 
 def _fail(field: str, got, expected: str, remedy: str = "") -> StateError:
@@ -101,6 +103,7 @@ def check_state(state, exp: Expected) -> None:
     complete = state["complete"]
     _int(state, "epoch", 0 if complete else 1)
     _check_identity(state, exp)
+    _check_own_state(state, exp)
     if complete:
         return  # the next epoch starts afresh: nothing of an epoch to check
     _check_rng(state, exp)
@@ -195,6 +198,32 @@ def _check_identity(state: dict, exp: Expected) -> None:
     base = state["base_seed"]
     if base is not None:
         _int(state, "base_seed", -(1 << 63), (1 << 64) - 1)
+
+
+_OWN_KEYS = frozenset({"class", "states", "exact", "why"})
+
+
+def _check_own_state(state: dict, exp: Expected) -> None:
+    """The "dataset" entry: the state a dataset keeps itself, of this loader's dataset."""
+    record = state.get("dataset")
+    if record is None:
+        return
+    if not isinstance(record, dict):
+        raise _fail("dataset", record, "it must be a dict (the dataset's own state)", _FOREIGN)
+    _keys_of(record, "dataset", _OWN_KEYS, frozenset(), state["format"])
+    if exp.own_state is None:
+        raise _fail("dataset.class", record["class"], "this loader's dataset keeps no state of "
+                    "its own (no state_dict() and load_state_dict())", _FOREIGN)
+    if record["class"] != exp.own_state:
+        raise _fail("dataset.class", record["class"], f"this loader's dataset is a "
+                    f"{exp.own_state}", _FOREIGN)
+    if not isinstance(record["exact"], bool):
+        raise _fail("dataset.exact", record["exact"], "it must be True or False", _FOREIGN)
+    if not (record["states"] is None or isinstance(record["states"], list) and record["states"]):
+        raise _fail("dataset.states", record["states"], "it must be None or a list of one "
+                    "state per copy of the dataset", _FOREIGN)
+    if not (record["why"] is None or isinstance(record["why"], str)):
+        raise _fail("dataset.why", record["why"], "it must be None or a str", _FOREIGN)
 
 
 def _check_rng(state: dict, exp: Expected) -> None:

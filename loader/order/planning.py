@@ -68,6 +68,9 @@ class Plan(NamedTuple):
     remaining: _order.Remaining | None = None  # a resumed computed order: the positions left
     feed: SamplerFeed | BatchFeed | None = None  # a streamed sampler (NOTE [ Streamed samplers ])
     claims_batches: bool = False  # workers claim whole batches (UNITS are batches)
+    own: Any = None            # RunStates: a dataset that keeps its own state, its copies'
+                               # states (NOTE [ Datasets that keep their own state ])
+    own_load: list | None = None  # the states its copies load before the run
 
 
 class _Order(NamedTuple):

@@ -73,7 +73,9 @@ STATE_KEYS = {
     "shmloader-state-1": StateKeys(_TOP_KEYS, _IDENTITY_KEYS,
                                    frozenset({"positions", "done_prefix", "done_extra"}),
                                    _STREAM_KEYS),
-    STATE_FORMAT: StateKeys(_TOP_KEYS | _IDENTITY_KEYS, frozenset(),
+    # "dataset": written for a dataset that keeps its own state (NOTE [ Datasets
+    # that keep their own state ] in datasets/own_state.py)
+    STATE_FORMAT: StateKeys(_TOP_KEYS | _IDENTITY_KEYS, frozenset({"dataset"}),
                             frozenset({"positions", "done_prefix", "done_ranges"}), _STREAM_KEYS),
 }
 

@@ -60,6 +60,8 @@ class LoaderConfig:
     batched_fetch: bool = False   # one dataset.__getitems__ call per batch (NOTE [ Batched
                                   # fetch ] in worker/fetch.py)
     trace: Any = None             # a TraceLog (trace=PATH): NOTE [ Trace records ] in shared/trace.py
+    own_state: bool = False       # the dataset keeps its own state, which the workers report
+                                  # (NOTE [ Datasets that keep their own state ])
 
     @property
     def per_batch(self) -> bool:
@@ -251,7 +253,8 @@ class SharedState:
         return _map_words(fd, os.fstat(fd).st_size // 8, "order").copy()
 
     def write_snapshot(self, run: int, snapshot) -> None:
-        """The dataset's snapshot of the run's epoch (see SNAPSHOT in NOTE [ Runs ])."""
+        """What the run carries for the dataset, a RunDataset (see SNAPSHOT
+        in NOTE [ Runs ])."""
         _write_pickle(self.snapshot_fds[run % 2], snapshot)
 
     def read_snapshot(self, run: int):

@@ -7,10 +7,10 @@ NOTE [ ShmLoader processes and shutdown ]
   main ─────────────────────────────────────────────────────────────────────┐
    ▲                                                                        ▼
    │ BatchReady / StreamEnded / RunEnded / Failed         worker 0..N-1: claim a unit, load it,
-   │ / MemoryWait (to_main: SPSC)                         write its row (NOTE [ Direct row writes ]
+   │ / MemoryWait / DatasetState (to_main: SPSC)          write its row (NOTE [ Direct row writes ]
    │                                                      in shared/table.py)
   batcher ◄── LayoutRequest / RowValues / Filled / SampleRow / Failed / Done / Joined ─┘
-               (to_batcher: MPSC)
+               / DatasetState (to_batcher: MPSC; Failed and DatasetState go on to main)
    └── lays out slabs in the shared arena and publishes them in the batch table
 
 Main never sends anything: it starts runs, raises limits and stops the
@@ -137,6 +137,23 @@ class Done(NamedTuple):
     worker: int
     last_batch: int
     last_rows: int
+
+
+class DatasetState(NamedTuple):
+    """A worker's copy of a dataset that keeps its own state (NOTE
+    [ Datasets that keep their own state ] in datasets/own_state.py):
+    map-style, its state as it began the run (STARTED: sent before anything
+    of the run is loaded), or that it moved while the run loaded (CHANGED,
+    state None); iterable, its state after `position` samples of its stream
+    were read (AT: sent before those samples can be handed out); either,
+    its state as it ended its part of the run (ENDED: before Done).  known
+    False: the state could not be taken (its error went to main as a Failed)."""
+    run: int
+    worker: int
+    when: str
+    state: Any
+    known: bool = True
+    position: int | None = None
 
 
 # --- batcher -> main --------------------------------------------------------------

@@ -45,7 +45,8 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from loader.errors import LoaderTimeout, StateError, WorkerError
 from loader.main.lookahead import FrozenState
-from loader.main.loader import ShmLoader, follow_torch_rules, worker_children
+from loader.main.loader import (ShmLoader, continue_from, follow_torch_rules, stop_workers,
+                                worker_children)
 from loader.main.procs import wait_all
 from loader.torch.order import TorchOrder, epoch_sampler
 from loader.shared.trace import check_path
@@ -79,19 +80,21 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
             check_path(trace)      # a bad path fails here, as ShmLoader's does
         self._pool = None          # the loader's own ShmLoader: state_dict() is its
         self._pool_user = None     # (weakref) the iterator using it, without persistent workers
+        self._loaded = None        # a state load_state_dict() gave, until a pass takes it
         self._extra_pools = weakref.WeakSet()  # ShmLoaders of further live iterators
         super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
                          collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
                          multiprocessing_context, generator, prefetch_factor=prefetch_factor,
                          persistent_workers=persistent_workers,
                          pin_memory_device=pin_memory_device, in_order=in_order)
+        _accelerate_integration.remember_samplers(self)  # a rebuild as torch's class warns
 
     def __getstate__(self):
         # A copy (pickle, deepcopy: Lightning, spawn) gets the arguments, not
         # this process's workers or iterators: it starts its own when iterated.
         state = self.__dict__.copy()
         state.update(_pool=None, _pool_user=None, _extra_pools=None, _iterator=None,
-                     _frozen_state=None)
+                     _frozen_state=None, _loaded=None)
         return state
 
     def __setstate__(self, state):
@@ -103,30 +106,31 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
         return None if self._pool is None else self._pool.shm
 
     def _shm_loader(self) -> ShmLoader:
-        """The ShmLoader that loads for this DataLoader, made at the first
-        iteration (torch's attributes may be read until then)."""
+        """The ShmLoader that loads for this DataLoader, made when first
+        needed (torch's attributes may be read until then), following the
+        samplers while no pass of its own is in progress (NOTE [ The
+        samplers a pass takes ])."""
         if self._pool is None:
             self._pool = self._new_pool()
+        elif not self._own_pass_live():
+            self._follow_samplers()
         return self._pool.shm
 
-    def _new_pool(self, traced: bool = True) -> _Pool:
-        kwargs = {}
-        order = None
-        custom = self._user_collate_fn not in (None, default_collate, default_convert)
-        if self._dataset_kind == _DatasetKind.Iterable:
-            kwargs["batch_size"] = self.batch_size
-            kwargs["drop_last"] = self.drop_last
+    def _own_pass_live(self) -> bool:
+        """Is a pass on the loader's own ShmLoader begun and not ended?"""
+        if self.persistent_workers and self.num_workers > 0:
+            it = self._iterator
         else:
-            bs = self.batch_sampler
-            if bs is None:  # batch_size=None: one sample at a time, not collated
-                kwargs["batch_size"] = None
-                kwargs["sampler"] = order = self._order_source(self.sampler)
-            elif type(bs) is BatchSampler:  # torch's own: batches are cut from the order
-                kwargs["batch_size"] = bs.batch_size
-                kwargs["drop_last"] = bs.drop_last
-                kwargs["sampler"] = order = self._order_source(bs.sampler)
-            else:  # a user's batch sampler: its batches as they come
-                kwargs["batch_sampler"] = order = self._order_source(bs)
+            it = None if self._pool_user is None else self._pool_user()
+        return it is not None and not it.finished
+
+    def _new_pool(self, traced: bool = True) -> _Pool:
+        sampling = self._sampling()
+        order = None
+        if sampling.source is not None:
+            order = TorchOrder(sampling.source, self._index_sampler, self._generators(),
+                               self._prefetched_batches())
+        custom = self._user_collate_fn not in (None, default_collate, default_convert)
         workers = self.num_workers
         pipe = _PipeEpochs(self.dataset) if isinstance(self.dataset, IterDataPipe) else None
         shm = ShmLoader(
@@ -138,19 +142,49 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
             generator=self.generator, reproducible=False,
             timeout=self.timeout if self.timeout > 0 else None,
             output="keep" if custom else "torch", pin_memory=self.pin_memory,
-            trace=self._trace if traced else None, **kwargs)
+            trace=self._trace if traced else None, **sampling.loader_arguments(order))
         follow_torch_rules(shm)
-        return _Pool(shm, order, pipe)
+        return _Pool(shm, order, pipe, sampling)
 
-    def _order_source(self, source):
-        """What ShmLoader takes as its sampler (or batch sampler): None for
-        torch's default sequential order over this dataset (workers compute
-        it), else the source, iterated in main at each epoch as torch
+    def _sampling(self) -> _Sampling:
+        """The samplers as they are now, as ShmLoader takes them: the order's
+        source is None for an iterable dataset and for torch's default
+        sequential order over this dataset (workers compute it), else the
+        sampler (or batch sampler) iterated in main at each epoch as torch
         iterates it (NOTE [ Drawing the order as torch does ])."""
-        if type(source) is SequentialSampler and source.data_source is self.dataset:
+        if self._dataset_kind == _DatasetKind.Iterable:
+            return _Sampling(self.batch_size, self.drop_last, False, None)
+        bs = self.batch_sampler
+        if bs is None:  # batch_size=None: one sample at a time, not collated
+            return _Sampling(None, False, False, self._order_source(self.sampler))
+        if type(bs) is BatchSampler:  # torch's own: batches are cut from the order
+            return _Sampling(bs.batch_size, bs.drop_last, False, self._order_source(bs.sampler))
+        return _Sampling(None, False, True, bs)  # a user's batch sampler: its batches as they come
+
+    def _order_source(self, sampler):
+        if type(sampler) is SequentialSampler and sampler.data_source is self.dataset:
             return None
-        prefetched = (self.prefetch_factor or 2) * self.num_workers if self.num_workers else 1
-        return TorchOrder(source, self._index_sampler, self._generators(), prefetched)
+        return sampler
+
+    def _prefetched_batches(self) -> int:
+        return (self.prefetch_factor or 2) * self.num_workers if self.num_workers else 1
+
+    def _follow_samplers(self) -> None:
+        """The own ShmLoader takes the samplers as they are now (NOTE [ The
+        samplers a pass takes ]): a new source of the order goes to its
+        TorchOrder; a change of what it was made with makes a new one,
+        which a loaded state no pass took yet goes to."""
+        pool, now = self._pool, self._sampling()
+        if now.shape() == pool.sampling.shape():
+            if pool.order is not None:
+                pool.order.follow(now.source, self._index_sampler, self._generators())
+            self._pool = pool._replace(sampling=now)
+            return
+        pool.shm.close()
+        self._pool = self._new_pool()
+        continue_from(self._pool.shm, pool.shm)
+        if self._loaded is not None:
+            self._load(self._loaded)
 
     def _generators(self) -> list:
         """The generators drawing an order can consume: torch's global one,
@@ -172,14 +206,15 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
         if self.persistent_workers and self.num_workers > 0:
             # torch keeps one iterator and resets it: an older reference to it
             # goes on with the new epoch, on the same workers
+            pool = self._pool_for_a_pass()
             if self._iterator is None:
-                self._iterator = _Iterator(self, self._own_pool())
+                self._iterator = _Iterator(self, pool)
             else:
-                self._iterator._reset(self)
+                self._iterator._reset(self, pool)
             return self._iterator
         user = None if self._pool_user is None else self._pool_user()
         if user is None or user.finished:
-            it = _Iterator(self, self._own_pool())
+            it = _Iterator(self, self._pool_for_a_pass())
             self._pool_user = weakref.ref(it)
             return it
         # another iterator is live: this one has its own workers, as in torch
@@ -187,8 +222,14 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
         self._extra_pools.add(pool.shm)
         return _Iterator(self, pool, owned=True)
 
-    def _own_pool(self) -> _Pool:
-        self._shm_loader()
+    def _pool_for_a_pass(self) -> _Pool:
+        """The own ShmLoader, for a pass starting on it now: it takes the
+        samplers as they are (NOTE [ The samplers a pass takes ])."""
+        if self._pool is None:
+            self._pool = self._new_pool()
+        else:
+            self._follow_samplers()
+        self._loaded = None  # the pass takes it
         return self._pool
 
     def close(self) -> None:
@@ -216,7 +257,13 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        shm = self._shm_loader()
+        self._shm_loader()
+        self._load(state)
+        self._loaded = state
+
+    def _load(self, state: dict) -> None:
+        """load_state_dict() into the own ShmLoader as it is now."""
+        shm = self._pool.shm
         sampler_epoch = None
         if isinstance(state, dict) and "sampler_epoch" in state:
             state = dict(state)
@@ -242,13 +289,59 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
         return None if self._pool is None else self._pool.shm.stats()
 
 
+class _Sampling(NamedTuple):
+    """What a DataLoader's ShmLoader is made with from its samplers (see
+    DataLoader._sampling)."""
+    batch_size: int | None
+    drop_last: bool
+    by_batch: bool  # the order is a batch sampler's: its batches as they come
+    source: object  # what the order is drawn from (None: none to ship)
+
+    def shape(self) -> tuple:
+        """What a ShmLoader cannot change once made (NOTE [ The samplers a
+        pass takes ])."""
+        return self.batch_size, self.drop_last, self.by_batch, self.source is None
+
+    def loader_arguments(self, order: "TorchOrder | None") -> dict:
+        if self.by_batch:
+            return {"batch_sampler": order}
+        return {"batch_size": self.batch_size, "drop_last": self.drop_last, "sampler": order}
+
+
 class _Pool(NamedTuple):
     """A ShmLoader serving a DataLoader, and the order it ships (None: the
     default sequential order, computed by its workers); pipe: the wrapper
-    of an IterDataPipe dataset (NOTE [ IterDataPipes as torch runs them ])."""
+    of an IterDataPipe dataset (NOTE [ IterDataPipes as torch runs them ]);
+    sampling: what it was made with from the samplers."""
     shm: ShmLoader
     order: "TorchOrder | None"
-    pipe: "_PipeEpochs | None" = None
+    pipe: "_PipeEpochs | None"
+    sampling: _Sampling
+
+
+# NOTE [ The samplers a pass takes ]
+# ==================================
+#
+# torch's iterator takes the loader's index sampler as it starts (each
+# iter(), each _reset of a persistent one): iter(batch_sampler) reads the
+# BatchSampler's sampler, batch_size and drop_last then.  A DataLoader's
+# sampler and batch_sampler cannot be set once it is made, but what they
+# hold can change: accelerate's prepare() puts its SeedableRandomSampler
+# into the BatchSampler (DataLoaderShard.set_sampler) right after its
+# DataLoaderAdapter called state_dict(), which made this loader's
+# ShmLoader.  So the ShmLoader follows the samplers whenever no pass of
+# its own is in progress: as a pass starts (iter()), and at state_dict()
+# and load_state_dict() between passes.  A new source of the order goes to
+# its TorchOrder (follow()); a change of what the ShmLoader was made with
+# (_Sampling.shape(): a batch_size or drop_last set on the BatchSampler,
+# the default sequential order replaced) makes a new ShmLoader, which goes
+# on counting the epochs and keeps the base seed a persistent iterator drew
+# (continue_from), and a state load_state_dict() gave that no pass took
+# yet is loaded into it.  With persistent workers, that ShmLoader's
+# workers are new: seeded as at a new iterator, where torch's workers go
+# on with the random state they had (the order is torch's; random
+# augmentation in dataset[i] restarts).  A sampler replaced during a pass
+# orders the next one, as in torch.
 
 
 # NOTE [ IterDataPipes as torch runs them ]
@@ -323,6 +416,7 @@ class _Iterator:
         self._dataset, self._iterable = loader.dataset, loader._dataset_kind == _DatasetKind.Iterable
         self._num_workers = loader.num_workers
         self._batches = None
+        self._started_workers = []  # the processes this iterator's epoch started on
         self._pipe_group = None
         if pool.pipe is not None:
             import torch.distributed as dist
@@ -331,16 +425,21 @@ class _Iterator:
                 self._pipe_group = dist.new_group(backend="gloo")  # as torch's iterator makes
         self._reset(loader)
 
-    def _reset(self, loader: DataLoader) -> None:
-        """Start a new epoch (persistent workers: torch's _reset)."""
+    def _reset(self, loader: DataLoader, pool: _Pool | None = None) -> None:
+        """Start a new epoch (persistent workers: torch's _reset) on `pool`
+        (the loader's own ShmLoader may be a new one: NOTE [ The samplers a
+        pass takes ])."""
         if self._batches is not None:
             self._batches.close()
+        if pool is not None:
+            self._pool = pool
         self._IterableDataset_len_called = loader._IterableDataset_len_called
         if self._pool.pipe is not None:  # drawn before the base seed, as torch draws it
             self._pool.pipe.new_epoch(loader.generator, self._pipe_group)
         self._batches = iter(self._pool.shm)
         if self._num_workers:
             self._batches.start()  # torch's iterator prefetches as it is made
+            self._started_workers = worker_children(self._pool.shm)
         self._num_yielded = self._calls = 0
         self.finished = False
 
@@ -353,8 +452,20 @@ class _Iterator:
     @property
     def _workers(self) -> list:
         """The worker processes, as torch's iterator lists them (pid,
-        is_alive(), join(), exitcode)."""
-        return [_WorkerProcess(c) for c in worker_children(self._pool.shm)]
+        is_alive(), join(), exitcode), by worker id: those loading now, else
+        (the epoch over without persistent workers, or stopped) those its
+        epoch ran on, which torch's iterator keeps listing once they ended."""
+        live = worker_children(self._pool.shm)
+        return [_WorkerProcess(c) for c in (live or self._started_workers)]
+
+    def _shutdown_workers(self) -> None:
+        """Stop this iterator's workers now, as torch's iterator method of
+        this name does (tools call it, then set the loader's _iterator to
+        None): the loader's next iter() starts new ones."""
+        self.close()
+        if not self._owned:
+            stop_workers(self._pool.shm)
+        self.finished = True
 
     def __next__(self):
         if self.finished:

@@ -139,14 +139,21 @@ class TorchOrder:
     [ Drawing the order as torch does ]."""
 
     def __init__(self, source, index_sampler, generators: list, prefetched: int):
-        self.source, self.index_sampler = source, index_sampler
-        self.generators, self.prefetched = generators, prefetched
-        self.generator = getattr(source, "generator", None)  # ShmLoader's resume records it
+        self.prefetched = prefetched
+        self.follow(source, index_sampler, generators)
         self.resuming = False  # the next epoch is a resumed one: no mirror
         self.resume_epoch = None  # its sampler's epoch (NOTE [ The sampler's epoch in a state ])
         self.sampler_epoch = None  # the epoch the current order was drawn with
         self._mirror = None
         self.torch_pulls = 0   # pulls torch's iterator made that no mirror has replayed yet
+
+    def follow(self, source, index_sampler, generators: list) -> None:
+        """The samplers as the DataLoader has them now, for the epochs drawn
+        from now on: torch's iterator takes them as it starts, so a sampler
+        replaced inside a batch sampler (accelerate's set_sampler) orders the
+        next epoch (NOTE [ The samplers a pass takes ] in torch/dataloader.py)."""
+        self.source, self.index_sampler, self.generators = source, index_sampler, generators
+        self.generator = getattr(source, "generator", None)  # ShmLoader's resume records it
 
     def __len__(self) -> int:
         return len(self.source)

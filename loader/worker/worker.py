@@ -24,6 +24,7 @@ from loader.main.stats import WaitClock
 from loader.shared.table import SEQ
 from loader.shared.trace import LOAD, TracedWriter, now
 from loader.shared.optional import imported_torch
+from loader.datasets.own_state import CopyState, RunDataset
 
 # A sample's buffers (a decoded image, its arrays) are 0.1-10 MB each: over
 # glibc's default mmap threshold (128 KiB), each is mapped anew and its
@@ -152,6 +153,11 @@ class Worker:
         self.broken = False    # worker_init_fn raised: load nothing more
         self.seeder = None     # reproducible=True: made at the start (a thread's own generators)
         self.autoscaled = bool(cfg.max_workers)  # num_workers="auto" (see main/autoscale.py)
+        self.own = None  # NOTE [ Datasets that keep their own state ]: this worker's copy's
+        if cfg.own_state:
+            self.own = CopyState(cfg.dataset, worker_id, cfg.iterable, cfg.rows_per_batch,
+                                 self.channel.send,
+                                 lambda e, where, run: self.channel.failed(e, where, run=run))
         self.tracer = None
         if cfg.trace is not None:  # NOTE [ Trace records ]: the hot paths, wrapped only if traced
             self.tracer = cfg.trace.tracer(worker_id)
@@ -213,12 +219,22 @@ class Worker:
             return _protocol.NO_SHORT_BATCH, 0
         if not self.started:
             self._start(run)
+        carried = self.shared.read_snapshot(run) if self.control.read(run, _control.SNAPSHOT) \
+            else RunDataset(None, None)
+        if self.own is not None:  # before anything of the run is loaded, broken or not
+            self.own.begin(run, carried.states, usable=not self.broken)
         if self.broken:
             return _protocol.NO_SHORT_BATCH, 0
-        if self.control.read(run, _control.SNAPSHOT):  # the epoch's dataset view (FileDataset)
-            self.cfg.dataset.restore_snapshot(self.shared.read_snapshot(run))
+        if carried.snapshot is not None:  # the epoch's dataset view (FileDataset)
+            self.cfg.dataset.restore_snapshot(carried.snapshot)
+        ended = self._load_run(run, carried.states)
+        if self.own is not None:
+            self.own.end(run)
+        return ended
+
+    def _load_run(self, run: int, points: list | None) -> tuple[int, int]:
         if self.cfg.iterable:
-            return self._stream_run(run)
+            return self._stream_run(run, None if points is None else points[self.id % len(points)])
         epoch = self.control.read(run, _control.EPOCH)
         order, batches = self._order(run)
         if self.cfg.whole_batches or self.cfg.batched_fetch:
@@ -293,6 +309,8 @@ class Worker:
         counters, place, in_order = self.counters, self.writer.place, self.cfg.in_order
         units = self.control.read(run, _control.UNITS)
         while self._may_claim(run, units):
+            if self.own is not None:
+                self.own.loaded_a_unit(run, self.cfg.rows_per_batch)
             pos = counters.claim(run)
             if pos < 0 or pos >= units:  # a unit past the end is never waited for
                 return
@@ -327,6 +345,8 @@ class Worker:
         cfg, counters = self.cfg, self.counters
         units = self.control.read(run, _control.UNITS)
         while self._may_claim(run, units):
+            if self.own is not None:
+                self.own.loaded_a_unit(run)
             unit = counters.claim(run)
             if unit < 0 or unit >= units or not self._wait_to_load(run, unit):
                 return
@@ -368,6 +388,8 @@ class Worker:
         index_of = _order.index_getter(order)
         cfg = self.cfg
         for batch in self._next_batches(run, batches.count):
+            if self.own is not None:
+                self.own.loaded_a_unit(run)
             if not self._wait_to_load(run, batch):
                 return
             start, stop = batches.span(batch)
@@ -466,13 +488,14 @@ class Worker:
         self.sleeper.until(c.limit_bell, ready)
         return c.live(run) and not c.stopped
 
-    def _stream_run(self, run: int) -> tuple:
+    def _stream_run(self, run: int, point: dict | None) -> tuple:
         """This worker's own pass over an iterable dataset, into its own
         batches (see NOTE [ Runs ]).  Returns what Done says: (its short
         last batch, its rows) when rows fill in order, (NO_SHORT_BATCH, 0)
         when there is none or the run ended first; with a shuffle buffer,
         (HOLES_TO_CLOSE, 0): its last batches have holes the batcher
-        closes up."""
+        closes up.  point: where its copy of the dataset resumes from (NOTE
+        [ Datasets that keep their own state ])."""
         cfg, c, N, w = self.cfg, self.control, max(self.cfg.num_workers, 1), self.id
         epoch = c.read(run, _control.EPOCH)
         j0, done_below, done_past = 0, 0, set()   # a resumed epoch: what was delivered
@@ -485,17 +508,19 @@ class Worker:
             lambda j: self._wait_for_room(run, j))
         batches = _StreamBatches(j0)   # per_batch: this worker's batch j's samples so far
         ended = (_protocol.NO_SHORT_BATCH, 0)
-        try:
-            it = iter(cfg.dataset)
+        try:  # seq: the samples of the stream read before it
+            it, seq = (iter(cfg.dataset), 0) if self.own is None else \
+                self.own.open_stream(run, point)
         except Exception as e:
             self.channel.failed(e, f"in iter(dataset), in worker {w}",
                                 run=run, batch=j0 * N + w if cfg.in_order else None)
             return ended
-        seq = 0
         while True:
             try:
                 sample = self._next_of_stream(it, epoch, seq)
             except StopIteration:
+                if self.own is not None:
+                    self.own.stream_ended(run, it, seq)
                 break
             except Exception as e:  # the stream is over; its batches in progress are dropped
                 at = (batches.j if slots is None else slots.current) * N + w
@@ -503,6 +528,8 @@ class Worker:
                                     run=run, batch=at if cfg.in_order else None)
                 return ended
             seq += 1
+            if self.own is not None:  # before the sample can be in a batch main hands out
+                self.own.read(run, it, seq)
             if seq - 1 < done_below or seq - 1 in done_past:
                 continue  # read (and seeded) as before, so the stream goes on where it was
             placed = (self._add_to_stream_batch(run, batches, sample) if slots is None

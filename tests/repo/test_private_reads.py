@@ -22,6 +22,7 @@ THIRD_PARTY = {
     ("seeding.py", "np.random.mtrand._rand"),     # numpy's global RandomState
     ("ray.py", "mod._WrappedDataLoader"),           # Ray Train's device-moving wrapper class
     ("accelerate.py", "keeping._keeps_loader"),     # a marker this package sets on a function
+    ("accelerate.py", "watching._watches_rebuilds"),
     ("ray.py", "keeping._keeps_loader"),
 }
 # namedtuple's own API starts with an underscore so as not to clash with fields

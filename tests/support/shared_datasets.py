@@ -65,3 +65,40 @@ class Filled:
             while time.perf_counter() < end:
                 pass
         return np.full(self.shape, i, self.dtype)
+
+
+class CountsItsEpochs:
+    """An iterable dataset that counts its epochs itself, as MosaicML
+    Streaming's StreamingDataset does: a copy's pass is its epoch `epoch`,
+    ordered by a permutation seeded by it, each worker taking every
+    num_workers-th sample; once a pass ends, the next is the next epoch.
+    Sample: [index, epoch].  Keeps torchdata's Stateful protocol:
+    state_dict() says where it is (its epoch, the samples of it yielded),
+    and after load_state_dict() its next pass goes on from there, so that a
+    resumed loader gives the rest of the cut epoch, not of epoch 0 (NOTE
+    [ Datasets that keep their own state ]).  test_own_state.py, and
+    test_stateful_datasets.py on torch's classes."""
+
+    def __init__(self, n: int = 96):
+        self.n, self.epoch, self.yielded = n, 0, 0
+
+    def worker(self) -> tuple[int, int]:
+        """(this worker's id, the number of workers)."""
+        from loader import get_worker_info
+
+        info = get_worker_info()
+        return (info.id, info.num_workers) if info is not None else (0, 1)
+
+    def __iter__(self):
+        w, workers = self.worker()
+        share = np.random.default_rng(self.epoch).permutation(self.n)[w::workers]
+        for k in range(self.yielded, len(share)):
+            self.yielded = k + 1
+            yield np.array([share[k], self.epoch])
+        self.epoch, self.yielded = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "yielded": self.yielded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.yielded = state["epoch"], state["yielded"]

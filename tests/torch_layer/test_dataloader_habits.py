@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 import torch.utils.data as tud  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
-from loader import DataLoader  # noqa: E402
+from loader import DataLoader, StateError  # noqa: E402
 from torch_conformance_datasets import NamedTupleDataset  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120),
@@ -365,6 +365,59 @@ def test_iterator_workers_are_the_worker_processes():
     assert iter(DataLoader(TensorDataset(torch.arange(4)), num_workers=0))._workers == []
 
 
+class WhoLoads(tud.Dataset):
+    """Sample i: [the worker id, its pid] of the worker that loaded it."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        info = tud.get_worker_info()
+        return torch.tensor([info.id, os.getpid()])
+
+
+def test_iterator_workers_stay_listed_once_the_epoch_ended():
+    """Issue 29 item 4 (upstream test_get_worker_info): once the epoch ran
+    to its end without persistent workers, torch's iterator still lists its
+    workers, by worker id; the pid each row was loaded in is the listed
+    worker's of its id, and they have ended."""
+    loader = DataLoader(WhoLoads(), batch_size=2, num_workers=2)
+    it = iter(loader)
+    rows = torch.cat(list(it)).tolist()
+    workers = it._workers
+    assert len(workers) == 2 and {wid for wid, _ in rows} == {0, 1}
+    assert all(pid == workers[wid].pid for wid, pid in rows)
+    for w in workers:
+        w.join(30)
+        assert not w.is_alive() and w.exitcode == 0
+    loader.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_shutdown_workers_stops_them_and_the_next_iter_starts_new_ones(persistent):
+    """Issue 29 item 4 (upstream test_shuffler_iterdatapipe): tools call
+    `loader._iterator._shutdown_workers()` and set `loader._iterator = None`
+    (mid-epoch or after it); the workers are gone, and the next iter()
+    gives a whole epoch on new ones."""
+    loader = DataLoader(TensorDataset(torch.arange(40)), batch_size=4, num_workers=2,
+                        persistent_workers=persistent)
+    it = iter(loader)
+    next(it)
+    workers = it._workers
+    it._shutdown_workers()
+    for w in workers:
+        w.join(30)
+        assert not w.is_alive()
+    assert next(it, None) is None
+    loader._iterator = None
+    again = iter(loader)
+    assert torch.cat([b[0] for b in again]).tolist() == list(range(40))
+    assert not {w.pid for w in again._workers} & {w.pid for w in workers}
+    again._shutdown_workers()
+    loader._iterator = None
+    loader.close()
+
+
 def test_iterator_workers_terminate_as_processes_do():
     """Upstream's test_iterable_style_dataset (persistent workers) calls
     terminate() on every entry of _workers once they have exited: a no-op
@@ -418,3 +471,118 @@ def test_a_loader_pickles_and_copies_without_its_workers():
         other.close()
     assert torch.cat([b[0] for b in loader]).tolist() == list(range(12))
     loader.close()
+
+
+# --- samplers changed after the loader is made (issue 29, item 1) ----------------------
+# NOTE [ The samplers a pass takes ]: accelerate's prepare() calls state_dict()
+# (which makes the loader's ShmLoader), then puts its own sampler into the
+# BatchSampler; torch's next iter() takes it, and so must ours.
+
+class Reversed(tud.Sampler):
+    """n-1 .. 0: a sampler drawing from no generator (pulled a window ahead)."""
+
+    def __init__(self, n=N):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(range(self.n - 1, -1, -1))
+
+
+SAMPLER_CHANGES = {
+    # the source of the order changes: the loader's ShmLoader follows it
+    "RandomSampler of its own generator": lambda dl: setattr(
+        dl.batch_sampler, "sampler", tud.RandomSampler(range(N), generator=torch.Generator()
+                                                       .manual_seed(3))),
+    "RandomSampler of the loader's generator": lambda dl: setattr(
+        dl.batch_sampler, "sampler", tud.RandomSampler(range(N), generator=dl.generator)),
+    "RandomSampler of the global generator": lambda dl: setattr(
+        dl.batch_sampler, "sampler", tud.RandomSampler(range(N))),
+    "a sampler of the user's": lambda dl: setattr(dl.batch_sampler, "sampler", Reversed()),
+    # what the ShmLoader was made with changes: a new one
+    "batch_size": lambda dl: setattr(dl.batch_sampler, "batch_size", 7),
+    "drop_last": lambda dl: (setattr(dl.batch_sampler, "batch_size", 7),
+                             setattr(dl.batch_sampler, "drop_last", True)),
+}
+ORDERS_BEFORE = {"shuffle": dict(shuffle=True), "sequential": dict(shuffle=False)}
+WORKERS_AND_PERSISTENCE = [(0, False), (2, False), (2, True)]
+
+
+def state_if_any(loader):
+    if hasattr(loader, "state_dict"):  # torch's DataLoader has none
+        loader.state_dict()
+
+
+@pytest.mark.parametrize("workers,persistent", WORKERS_AND_PERSISTENCE,
+                         ids=["nw0", "nw2", "nw2-persistent"])
+@pytest.mark.parametrize("before", list(ORDERS_BEFORE))
+@pytest.mark.parametrize("change", list(SAMPLER_CHANGES))
+def test_a_sampler_changed_after_state_dict_orders_the_next_pass(change, before, workers,
+                                                                  persistent):
+    """repro_dl_accelerate_seedable_sampler.py (second part): state_dict()
+    made the loader's ShmLoader with the sampler of then; a sampler put into
+    the BatchSampler afterwards (or its batch_size, drop_last) orders every
+    pass after it, before the first and between two, as torch's: the same
+    batches and generator states."""
+    def scenario(loader):
+        state_if_any(loader)
+        SAMPLER_CHANGES[change](loader)
+        first = full_epochs(loader, 1)
+        state_if_any(loader)  # between passes
+        loader.batch_sampler.sampler = tud.RandomSampler(range(N), generator=loader.generator)
+        return first + full_epochs(loader)
+
+    both(scenario, batch_size=10, num_workers=workers, persistent_workers=persistent,
+         **ORDERS_BEFORE[before])
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["nw0", "nw2"])
+def test_a_sampler_changed_during_a_pass_orders_the_next_one(workers):
+    """As in torch, the pass in progress keeps the order it began with."""
+    def scenario(loader):
+        seen = []
+        for i, b in enumerate(loader):
+            seen.append(ids(b))
+            if i == 3:
+                state_if_any(loader)  # mid-pass: describes the pass, changes nothing
+                loader.batch_sampler.sampler = Reversed()
+        return [seen] + full_epochs(loader, 1)
+
+    out = both(scenario, batch_size=10, num_workers=workers, shuffle=True)
+    assert out[1] == [list(range(N - 1 - 10 * k, N - 11 - 10 * k, -1)) for k in range(10)]
+
+
+def test_a_loaded_state_goes_to_the_loader_the_changed_samplers_make():
+    """load_state_dict(), then a change that makes a new ShmLoader before
+    the resumed pass: the new one resumes the state (drop_last changes
+    nothing in 100 samples of 10); a change the state does not fit (the
+    batch size) is a StateError at iter(), and the loader goes on once the
+    samplers fit again."""
+    ds = TensorDataset(torch.arange(N))
+    whole = DataLoader(ds, batch_size=10, shuffle=True, num_workers=2,
+                       generator=torch.Generator().manual_seed(1))
+    it = iter(whole)
+    for _ in range(3):
+        next(it)
+    state = whole.state_dict()
+    rest = [ids(b) for b in it]
+    whole.close()
+
+    resumed = DataLoader(ds, batch_size=10, shuffle=True, num_workers=2,
+                         generator=torch.Generator().manual_seed(1))
+    resumed.load_state_dict(state)
+    resumed.batch_sampler.drop_last = True
+    assert [ids(b) for b in resumed] == rest
+    resumed.close()
+
+    refused = DataLoader(ds, batch_size=10, shuffle=True, num_workers=2,
+                         generator=torch.Generator().manual_seed(1))
+    refused.load_state_dict(state)
+    refused.batch_sampler.batch_size = 5
+    with pytest.raises(StateError, match="batch_size"):
+        iter(refused)
+    refused.batch_sampler.batch_size = 10
+    assert [ids(b) for b in refused] == rest
+    refused.close()

@@ -170,10 +170,18 @@ def test_a_class_made_in_a_worker_is_a_clear_error():
 
 # --- item 5: HF accelerate -------------------------------------------------------------
 
+# A LoaderReplacedWarning is an error in these programs.  By its text: a -W
+# option naming the class is ignored at start-up, before numpy can be imported,
+# and importing loader first would change the import order under test.
+_REPLACED_IS_AN_ERROR = """
+import warnings
+warnings.filterwarnings("error", message=r"(?s).*rebuilt a loader\\.DataLoader as")
+"""
+
+
 def _run(code: str, timeout: float = 90) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-W", "error::loader.torch.integrations.accelerate."
-                           "LoaderReplacedWarning", "-c", textwrap.dedent(code)],
+    return subprocess.run([sys.executable, "-c", _REPLACED_IS_AN_ERROR + textwrap.dedent(code)],
                           env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -265,6 +273,140 @@ def test_accelerate_path_that_cannot_keep_it_warns():
         out = adl.prepare_data_loader(torch.utils.data.DataLoader(TensorDataset(torch.arange(4))),
                                       num_processes=1, process_index=0)
     assert type(out.base_dataloader) is torch.utils.data.DataLoader
+
+
+# --- issue 29 item 1: accelerate's seedable sampler, Trainer's resume ------------------
+# (Trainer itself, whole runs cut and resumed: test_hf_trainer.py)
+
+def _seedable(cls, workers, persistent, epoch_order):
+    """accelerate's prepare as Trainer does it (use_seedable_sampler=True):
+    the sample order of each epoch set with set_epoch, the global generator
+    reseeded before each (as a resume restores it)."""
+    import accelerate.data_loader as adl
+
+    torch.manual_seed(42)
+    dl = cls(TensorDataset(torch.arange(40)), batch_size=4, shuffle=True, num_workers=workers,
+             persistent_workers=persistent)
+    prepared = adl.prepare_data_loader(dl, num_processes=1, process_index=0,
+                                       use_seedable_sampler=True)
+    out = []
+    for k, epoch in enumerate(epoch_order):
+        prepared.set_epoch(epoch)
+        torch.manual_seed(1000 + k)
+        out.append([i for (b,) in prepared for i in b.tolist()])
+    base = prepared.base_dataloader
+    if isinstance(base, DataLoader):
+        base.close()
+    return out, type(base)
+
+
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True)],
+                         ids=["nw0", "nw2", "nw2-persistent"])
+def test_accelerate_seedable_sampler_orders_every_epoch_as_torch(workers, persistent):
+    """repro_dl_accelerate_seedable_sampler.py: accelerate's DataLoaderAdapter
+    calls state_dict(), then puts its SeedableRandomSampler into the
+    BatchSampler; each epoch is drawn from it (set_epoch decides the order,
+    the global generator does not), as with torch's DataLoader."""
+    pytest.importorskip("accelerate")
+    from loader.torch.integrations.accelerate import install
+
+    install()
+    theirs, _ = _seedable(torch.utils.data.DataLoader, workers, persistent, [0, 1, 0])
+    ours, kind = _seedable(DataLoader, workers, persistent, [0, 1, 0])
+    assert kind is DataLoader
+    assert ours == theirs
+    assert ours[0] == ours[2] != ours[1]
+    assert all(sorted(e) == list(range(40)) for e in ours)
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_accelerate_resume_by_skipping_batches_gives_the_rest_of_the_cut_epoch(epoch):
+    """Trainer's resume: a new prepared loader, set_epoch(epoch),
+    skip_first_batches(k): the rest of that epoch, exactly, on ShmLoader's
+    workers."""
+    pytest.importorskip("accelerate")
+    import accelerate.data_loader as adl
+
+    from loader.torch.integrations.accelerate import install
+
+    install()
+    whole, _ = _seedable(DataLoader, 2, False, [0, 1])
+    torch.manual_seed(42)
+    prepared = adl.prepare_data_loader(
+        DataLoader(TensorDataset(torch.arange(40)), batch_size=4, shuffle=True, num_workers=2),
+        num_processes=1, process_index=0, use_seedable_sampler=True)
+    skipped = adl.skip_first_batches(prepared, 3)
+    skipped.set_epoch(epoch)
+    torch.manual_seed(7)  # another global state than the cut run had
+    rest = [i for (b,) in skipped for i in b.tolist()]
+    assert type(skipped.base_dataloader) is DataLoader
+    skipped.base_dataloader.close()
+    prepared.base_dataloader.close()
+    assert rest == whole[epoch][12:]
+
+
+_TRAINER_RESUME = """
+import warnings
+{first}
+{second}
+import torch
+from accelerate import Accelerator
+import transformers.trainer as hf_trainer
+ds = torch.utils.data.TensorDataset(torch.arange(24))
+prepared = Accelerator(cpu=True).prepare(DataLoader(ds, batch_size=4, shuffle=True, num_workers=2))
+resumed = hf_trainer.skip_first_batches(prepared, 2)  # what Trainer calls on resume_from_checkpoint
+assert type(resumed.base_dataloader) is DataLoader, type(resumed.base_dataloader)
+assert len([i for (b,) in resumed for i in b.tolist()]) == 16
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("trainer_first", [True, False], ids=["trainer-first", "loader-first"])
+def test_trainers_resume_keeps_the_loader_in_either_import_order(trainer_first):
+    """repro_dl_trainer_import_order.py: transformers.trainer took its own
+    reference to accelerate's skip_first_batches when it was imported; with
+    `from transformers import Trainer` first, Trainer's resume rebuilt the
+    loader as torch's class, silently.  Now the integration points that
+    reference at its wrapper, in either order (LoaderReplacedWarning is an
+    error here)."""
+    pytest.importorskip("transformers")
+    imports = ["from transformers import Trainer", "from loader import DataLoader"]
+    if not trainer_first:
+        imports.reverse()
+    r = _run(_TRAINER_RESUME.replace("{first}", imports[0]).replace("{second}", imports[1]))
+    assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout + r.stderr[-3000:]
+
+
+def test_a_rebuild_by_a_reference_no_module_holds_warns():
+    """A reference to accelerate's own skip_first_batches kept where no
+    module name holds it (here a list, taken before loader was imported)
+    still rebuilds as torch's class: the DataLoaderAdapter it makes says so."""
+    pytest.importorskip("accelerate")
+    r = _run("""
+        import warnings
+        import accelerate.data_loader as adl
+        kept = [adl.skip_first_batches]
+        import torch
+        from accelerate import Accelerator
+        from loader import DataLoader
+        from loader.torch.integrations import LoaderReplacedWarning
+        ds = torch.utils.data.TensorDataset(torch.arange(24))
+        prepared = Accelerator(cpu=True).prepare(DataLoader(ds, batch_size=4, num_workers=2))
+        warnings.simplefilter("default", LoaderReplacedWarning)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed = kept[0](prepared, 2)
+        assert type(resumed.base_dataloader) is torch.utils.data.DataLoader
+        assert [w.category for w in caught] == [LoaderReplacedWarning], caught
+        print(str(caught[0].message))
+        with warnings.catch_warnings(record=True) as caught:  # the wrapped one: no warning
+            warnings.simplefilter("always")
+            kept_now = adl.skip_first_batches(prepared, 2)
+        assert type(kept_now.base_dataloader) is DataLoader and not caught, caught
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "rebuilt a loader.DataLoader as torch.utils.data.dataloader.DataLoader" in r.stdout
+    assert "where no module name holds it" in r.stdout
 
 
 # --- the sampler's epoch in a state (found under Lightning DDP) ------------------------

@@ -29,6 +29,12 @@ a finder inserted ahead of it that finds the module itself hides the import
 from it, and then the loader made next installs the integration.  What no
 hook sees: a loader made before the framework is imported through such a
 finder, and handed to it without a loader made in between.
+
+A module that imported a patched function by name before the install
+(transformers.trainer's `from accelerate import skip_first_batches`, a
+training script's) holds the framework's own function: install() points
+every such module-level name at the integration's (rebind), and modules
+imported after it get the integration's by the same import.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from __future__ import annotations
 import importlib.abc
 import sys
 import threading
+import types
 
 
 class LoaderReplacedWarning(UserWarning):
@@ -113,3 +120,14 @@ def install_imported() -> None:
     if _pending:
         for module in [m for m in list(_pending) if _imported(m)]:
             _install(module)
+
+
+def rebind(wrapped) -> None:
+    """Point every module-level name that holds the function `wrapped`
+    wraps (its __wrapped__, under its own name) at `wrapped`: modules that
+    imported it by name before the integration was installed (NOTE
+    [ Installing the integrations ])."""
+    original, name = wrapped.__wrapped__, wrapped.__name__
+    for module in list(sys.modules.values()):
+        if isinstance(module, types.ModuleType) and module.__dict__.get(name) is original:
+            setattr(module, name, wrapped)
