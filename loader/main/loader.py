@@ -32,12 +32,7 @@ from loader.main.state import Expected, check_state
 from loader.main.stats import EpochClock, stall_advice, summary_line, warn_stalled
 from loader.shared.trace import ROLE_MAIN, TraceLog, tracer_of
 
-__all__ = ["ShmLoader", "WorkerError", "LoaderTimeout", "LoaderStartError"]
-
-# stats() keys under the batcher's former name ("the collator"), kept so that
-# code reading them goes on working: old name -> the key it repeats
-RENAMED_STATS = {"collator_busy_share": "batcher_busy_share",
-                 "samples_written_by_collator": "samples_written_by_batcher"}
+__all__ = ["ShmLoader"]
 
 _live_loaders: "weakref.WeakSet[ShmLoader]" = weakref.WeakSet()
 
@@ -208,9 +203,7 @@ class ShmLoader(FrozenState):
           it chose, and "worker_counts": the counts it went through).
 
         The busy shares include the next epoch's loading once it starts
-        early (persistent workers run ahead into it).  "collator_busy_share"
-        and "samples_written_by_collator", the batcher's figures under the
-        process's former name, are still given, with the same values."""
+        early (persistent workers run ahead into it)."""
         if self._stats is None:
             return None
         out = dict(self._stats)
@@ -218,8 +211,6 @@ class ShmLoader(FrozenState):
         out["kept_slabs_moved_out"], out["kept_bytes_moved_out"] = self._kept_moved_out()
         if self._autoscaler is not None:
             out["worker_counts"] = list(self._autoscaler.history)
-        for old, new in RENAMED_STATS.items():  # the batcher's figures, by their old names
-            out[old] = out[new]
         return out
 
     def _kept_moved_out(self) -> tuple[int, int]:
@@ -260,12 +251,6 @@ class ShmLoader(FrozenState):
             self._autoscaler = Autoscaler(self._session.shared.waited,
                                           lambda count: set_active()(count), self.num_workers,
                                           self.max_workers)
-
-    @property
-    def _procs(self) -> list:
-        """The loader's child processes now (pid, exitcode; none once
-        stopped): the name scripts written against earlier versions read."""
-        return self._session.procs if self._session is not None else []
 
     def _set_active_workers(self, active: int) -> None:
         """num_workers="auto": let `active` workers claim units (main/autoscale.py)."""
