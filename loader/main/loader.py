@@ -14,12 +14,11 @@ from loader.shared import messages as _protocol
 from loader.main.arguments import check_arguments, positive_int
 from loader.main.autoscale import Autoscaler
 from loader.main.epochs import MapEpoch, StreamEpoch
-from loader.errors import LoaderTimeout, WorkerError
 from loader.main.lookahead import FrozenState
 from loader.main.inline import InlineEpoch
 from loader.main.materialize import Materializer
 from loader.main.pinning import cuda_available
-from loader.main.procs import LoaderStartError, this_pid
+from loader.main.procs import this_pid
 from loader.torch.integrations import install_imported
 from loader.main.planner import EpochPlanner
 from loader.order.planning import Plan

@@ -93,13 +93,7 @@ import warnings
 from typing import NamedTuple
 
 import shmq
-
-
-class DataStallWarning(UserWarning):
-    """The training loop spent most of an epoch waiting for batches.  The
-    message says which part of the loader was the bottleneck and what to
-    change; ShmLoader.stats() has the figures.  Silence it with
-    warnings.filterwarnings("ignore", category=loader.DataStallWarning)."""
+from loader.errors import DataStallWarning
 
 
 STALL_SHARE = 0.5        # warn when the loop waited more than this share of an epoch ...

@@ -76,6 +76,8 @@ from libc.string cimport memcpy
 import warnings
 import weakref
 
+from loader.errors import KeptBatchesShared
+
 cdef extern from *:
     """
     #include <errno.h>
@@ -154,11 +156,6 @@ def _refuse_next_moves(long n):
 cdef long _fork_generation = 0
 cdef bint _own_fork = False          # the loader is forking one of its children
 _books = weakref.WeakSet()           # live LeaseBooks of this process
-
-
-class KeptBatchesShared(RuntimeWarning):
-    """A fork happened while batches were held and some could not be moved
-    out of the pool first: the child's views of them may change."""
 
 
 def forking_own_child(bint on):

@@ -45,7 +45,7 @@ import threading
 import time
 
 import shmq
-from loader.errors import TraceWriteError
+from loader.errors import ArgumentTypeError, TraceWriteError
 
 HEADER_WORDS = 8
 RECORD_WORDS = 8
@@ -80,8 +80,8 @@ def check_path(path) -> str:
     try:
         path = os.fspath(path)
     except TypeError:
-        raise TypeError(f"trace must be a path (str or os.PathLike) to write a JSON file to, "
-                        f"got {type(path).__name__}") from None
+        raise ArgumentTypeError(f"trace must be a path (str or os.PathLike) to write a JSON file "
+                                f"to, got {type(path).__name__}") from None
     if isinstance(path, bytes):
         path = os.fsdecode(path)
     folder = os.path.dirname(os.path.abspath(path))

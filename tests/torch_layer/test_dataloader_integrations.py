@@ -172,8 +172,8 @@ def test_a_class_made_in_a_worker_is_a_clear_error():
 
 def _run(code: str, timeout: float = 90) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-W", "error::loader.torch.integrations.accelerate."
-                           "LoaderReplacedWarning", "-c", textwrap.dedent(code)],
+    return subprocess.run([sys.executable, "-W", "error::loader.LoaderReplacedWarning", "-c",
+                           textwrap.dedent(code)],
                           env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -242,7 +242,8 @@ def test_accelerate_path_that_cannot_keep_it_warns():
     pytest.importorskip("accelerate")
     import accelerate.data_loader as adl
 
-    from loader.torch.integrations.accelerate import LoaderReplacedWarning, install
+    from loader import LoaderReplacedWarning
+    from loader.torch.integrations.accelerate import install
 
     install()
     dl = DataLoader(TensorDataset(torch.arange(16)), batch_size=4)

@@ -279,7 +279,7 @@ import types, warnings
 import torch
 import loader
 from loader import DataLoader
-from loader.torch.integrations import LoaderReplacedWarning
+from loader import LoaderReplacedWarning
 from loader.torch.integrations.ray import _keeping
 
 def rebuilds_as_torch(dl, add_dist_sampler, move_to_device, auto_transfer):

@@ -20,7 +20,7 @@ import numpy as np
 from loader.datasets.files import FileDataset, npy_array, open_regular, raw_array
 from loader.datasets.remote import board as B
 from loader.datasets.remote import fetcher as F
-from loader.datasets.remote.errors import KINDS, FetcherDied, RemoteError
+from loader.errors import REMOTE_ERRORS_BY_KIND as KINDS, FetcherDied, RemoteError
 from loader.datasets.remote.store import parse
 
 WAIT_SLICE_S = 0.25        # a worker's wait for an object, between checks of the fetcher

@@ -43,8 +43,8 @@ from typing import NamedTuple
 import numpy as np
 
 from loader.datasets.remote import board as B
-from loader.datasets.remote.cache import Entry, NoRoom, ObjectCache, Reservation, digest, extension
-from loader.datasets.remote.errors import RemoteError
+from loader.datasets.remote.cache import Entry, ObjectCache, Reservation, digest, extension
+from loader.errors import NoRoom, RemoteError
 
 
 # --- messages (both directions; pickled over the socketpair) ------------------------------

@@ -14,8 +14,8 @@ import re
 from typing import NamedTuple
 
 from loader.datasets.files import _closure, _step
-from loader.datasets.remote.errors import (AccessDenied, EndpointUnreachable, ObjectChanged, ObjectNotFound,
-                                  RemoteError, Throttled, TruncatedObject)
+from loader.errors import (AccessDenied, EndpointUnreachable, ObjectChanged, ObjectNotFound,
+                           RemoteError, Throttled, TruncatedObject)
 
 SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "http", "https")
 _WILD = re.compile(r"[*?\[]")

@@ -37,10 +37,7 @@ import importlib.abc
 import sys
 import threading
 
-
-class LoaderReplacedWarning(UserWarning):
-    """A framework rebuilt a loader.DataLoader as another class: its batches
-    do not come from ShmLoader's workers."""
+from loader.errors import LoaderReplacedWarning
 
 
 _pending: dict = {}            # module name -> install(), until it ran

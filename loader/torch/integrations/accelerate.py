@@ -27,10 +27,10 @@ import sys
 import threading
 import warnings
 
-from loader.torch.integrations import LoaderReplacedWarning
+from loader.errors import LoaderReplacedWarning
 from loader.torch.integrations import install_when_imported as _install_when_imported
 
-__all__ = ["install", "LoaderReplacedWarning"]
+__all__ = ["install"]
 
 
 _lock = threading.RLock()  # the module-global swap below is process-wide
