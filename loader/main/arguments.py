@@ -7,6 +7,8 @@ its attributes."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import secrets
 from typing import Any, NamedTuple
 
@@ -16,6 +18,30 @@ from loader.batcher.slabs import ram_bytes
 from loader.shared.optional import imported_torch
 
 DEFAULT_PREFETCH = 3
+
+
+def torch_positions(init):
+    """ShmLoader.__init__ with a call that passes more arguments by position
+    than its positional parameters (torch's first seven, in torch's order)
+    refused by an ArgumentTypeError that says what to do.  From the eighth
+    on the two signatures differ (torch's eighth is pin_memory, then
+    drop_last), so a positional call copied from torch must fail, never
+    bind to the wrong parameter; Python's own TypeError would not say why."""
+    params = list(inspect.signature(init).parameters.values())[1:]  # (not self)
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        if len(args) > len(positional):
+            raise ArgumentTypeError(
+                f"{type(self).__name__}() takes {len(positional)} arguments by position, "
+                f"torch's DataLoader's first ones in its order ({', '.join(positional)}), "
+                f"but {len(args)} were given: pass the others by keyword, as "
+                f"{keyword_only[0]}=... (every parameter after {positional[-1]} is "
+                f"keyword-only: {', '.join(keyword_only)})")
+        return init(self, *args, **kwargs)
+    return checked
 
 
 class Arguments(NamedTuple):

@@ -11,7 +11,7 @@ import weakref
 
 from loader.order import indices as _order
 from loader.shared import messages as _protocol
-from loader.main.arguments import check_arguments, positive_int
+from loader.main.arguments import check_arguments, positive_int, torch_positions
 from loader.main.autoscale import Autoscaler
 from loader.main.epochs import MapEpoch, StreamEpoch
 from loader.main.lookahead import FrozenState
@@ -82,18 +82,23 @@ class ShmLoader(FrozenState):
         waits in next(), epochs, the slab pool); open it in
         https://ui.perfetto.dev.
 
+    The first seven parameters are torch's DataLoader's, in its order, and
+    may be passed by position; every later one is keyword-only (from the
+    eighth on torch's order differs: its eighth is pin_memory).
+
     stats() says where the last epoch's time went; state_dict() and
     load_state_dict() resume mid-epoch; steps(n) runs n batches across
     epoch boundaries.  Close it (or use ``with``) to stop the workers at
     once; garbage collection and interpreter exit do it too.
     """
 
+    @torch_positions
     def __init__(self, dataset, batch_size=1, shuffle=False, sampler=None, batch_sampler=None,
-                 num_workers=2, collate_fn=None, drop_last=False, in_order=True, prefetch=None,
-                 persistent_workers=True, worker_init_fn=None, seed=None, generator=None,
-                 reproducible=None, timeout=None, output="numpy", pin_memory=False,
-                 memory_cap_bytes=None, distributed=False, shuffle_buffer=None,
-                 worker_mode="process", max_workers=None, trace=None):
+                 num_workers=2, collate_fn=None, *, drop_last=False, in_order=True,
+                 prefetch=None, persistent_workers=True, worker_init_fn=None, seed=None,
+                 generator=None, reproducible=None, timeout=None, output="numpy",
+                 pin_memory=False, memory_cap_bytes=None, distributed=False,
+                 shuffle_buffer=None, worker_mode="process", max_workers=None, trace=None):
         install_imported()  # NOTE [ Installing the integrations ]
         args = check_arguments(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,

@@ -132,6 +132,24 @@ def test_argument_mistakes_are_loader_errors_and_keep_their_standard_types():
         assert text in str(info.value)
 
 
+def test_a_positional_call_past_collate_fn_is_a_type_error_naming_what_to_do():
+    """torch's eighth positional parameter is pin_memory, ShmLoader's
+    would have been drop_last: refused, never bound."""
+    data = np.arange(64)
+    with pytest.raises(ArgumentTypeError) as info:
+        ShmLoader(data, 8, True, None, None, 4, None, True)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, LoaderError)
+    text = str(info.value)
+    assert text.startswith("ShmLoader() takes 7 arguments by position, torch's DataLoader's "
+                           "first ones in its order (dataset, batch_size, shuffle, sampler, "
+                           "batch_sampler, num_workers, collate_fn), but 8 were given: pass "
+                           "the others by keyword, as drop_last=...")
+    assert "keyword-only: drop_last, in_order, prefetch," in text and "pin_memory" in text
+    # the seven torch positions still bind as torch binds them
+    with ShmLoader(data, 8, False, None, None, 0, None, drop_last=True) as ld:
+        assert [b.tolist() for b in ld] == [list(range(k, k + 8)) for k in range(0, 64, 8)]
+
+
 class NeedsTwo(Exception):
     """An exception main cannot rebuild from a message alone."""
 
