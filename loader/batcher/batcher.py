@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import shmq
+from shmq import sync
 from loader.shared import control as _control
 from loader.shared import messages as _protocol
 from loader.batcher.runs import (
@@ -264,7 +265,7 @@ class Batcher:
             self.waiting.add(p.run, b.index, nbytes)
             # A level, not only the message: main may hand out the batch
             # that holds the memory only after it saw MemoryWait.
-            shmq.atomic_store(self.control.ctl, _control.MEMORY_WAIT, 1)
+            sync.atomic_store(self.control.ctl, _control.MEMORY_WAIT, 1)
             if not self.told_memory_wait:
                 self.told_memory_wait = True
                 self._send(_protocol.MemoryWait(self.slabs.held_bytes, self.slabs.capacity,
@@ -313,7 +314,7 @@ class Batcher:
             if p.open.get(index) is b:
                 self._finish_if_complete(p, b)  # its rows were all counted when it was parked
         if not self.waiting:
-            shmq.atomic_store(self.control.ctl, _control.MEMORY_WAIT, 0)
+            sync.atomic_store(self.control.ctl, _control.MEMORY_WAIT, 0)
 
     def _entry_free(self, p: BatcherRun, b: Batch) -> bool:
         entry = self.table.entry(p.run, b.index)
@@ -367,7 +368,7 @@ class Batcher:
             moved = True
         if moved:
             finished = _control.word(p.run, _control.FINISHED)
-            shmq.atomic_store(self.control.ctl, finished, p.lo)  # SYNC POINT
+            sync.atomic_store(self.control.ctl, finished, p.lo)  # SYNC POINT
             self.control.table_bell.ring()  # workers waiting for a batch given up
 
     def _lay_out(self, p: BatcherRun, b: Batch, sig) -> bool:

@@ -92,7 +92,7 @@ import time
 import warnings
 from typing import NamedTuple
 
-import shmq
+from shmq import sync
 from loader.errors import DataStallWarning
 
 
@@ -108,7 +108,7 @@ def waited_ns(words, index: int) -> int:
     """The total a wait clock holds now (see NOTE [ Wait clocks ]).  The
     time is read after the word, so that a wait's start is never later
     than `now`: readings never go back."""
-    word = shmq.atomic_load(words, index)
+    word = sync.atomic_load(words, index)
     return word if word >= 0 else time.perf_counter_ns() - (-word - 1)
 
 
@@ -117,7 +117,7 @@ def start_idle(words) -> None:
     grows later) is idle, not busy, until its own clock starts."""
     now = time.perf_counter_ns()
     for i in range(len(words)):
-        shmq.atomic_store(words, i, -now - 1)
+        sync.atomic_store(words, i, -now - 1)
 
 
 class WaitClock:
@@ -128,16 +128,16 @@ class WaitClock:
         self.words, self.index = words, index
         self.total = waited_ns(words, index)  # the time before it started counts as waited
         self.since = 0
-        shmq.atomic_store(words, index, self.total)  # busy from now until its first wait
+        sync.atomic_store(words, index, self.total)  # busy from now until its first wait
 
     def begin(self) -> None:
         self.since = time.perf_counter_ns()
         # SYNC POINT: release store; main's acquire load (waited_ns) pairs with it
-        shmq.atomic_store(self.words, self.index, -(self.since - self.total) - 1)
+        sync.atomic_store(self.words, self.index, -(self.since - self.total) - 1)
 
     def end(self) -> None:
         self.total += time.perf_counter_ns() - self.since
-        shmq.atomic_store(self.words, self.index, self.total)
+        sync.atomic_store(self.words, self.index, self.total)
 
 
 class Task(NamedTuple):

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 import shmq
+from shmq import sync
 from loader.shared import messages as _protocol
 from loader.shared.control import Control
 from loader._native import arena_array
@@ -154,12 +155,12 @@ class SharedState:
         except BaseException:
             os.close(self.arena_fd)
             raise
-        self.released = shmq.shared_array(MAX_LEASES, np.int64)
+        self.released = sync.shared_array(MAX_LEASES, np.int64)
         workers = max(cfg.num_workers, cfg.max_workers, 1)  # ids of workers added later too
-        self.hazards = shmq.shared_array(workers, np.int64)
+        self.hazards = sync.shared_array(workers, np.int64)
         # wait clocks, one per worker id and the batcher's last (NOTE [ Wait clocks ]
         # in main/stats.py): for stats() and num_workers="auto"
-        self.waited = shmq.shared_array(workers + 1, np.int64)
+        self.waited = sync.shared_array(workers + 1, np.int64)
         start_idle(self.waited)
         # Process mode: a spill region per worker id, and the batcher's last.
         self.spill = None if cfg.threads else SpillHeap(workers + 1)

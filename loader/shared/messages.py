@@ -15,7 +15,7 @@ NOTE [ ShmLoader processes and shutdown ]
 
 Main never sends anything: it starts runs, raises limits and stops the
 others by storing ctl words and ringing bells, so no state of the children
-can block it.  All shared memory is anonymous (shmq.shared_array, memfds,
+can block it.  All shared memory is anonymous (shmq.sync.shared_array, memfds,
 anonymous queues in memfds) and created before the fork: nothing has a
 name, so no crash of any process can leave anything in /dev/shm.  The
 rings carry small records only: a message larger than SPILL_BYTES travels

@@ -4,10 +4,11 @@ fixed-size records every process appends while it works.
 NOTE [ Trace records ]
 ~~~~~~~~~~~~~~~~~~~~~~
 Main maps one array of int64 words in anonymous shared memory before it
-forks anything (shmq.shared_array: no name, so nothing to leak; pages are
-taken only as records fill them).  Every process of the loader, and every
-process it forks later (a respawned pool, num_workers="auto" growing),
-inherits the mapping; worker threads share it.
+forks anything (shmq.sync.shared_array: no name, so nothing to leak;
+pages are taken only as records fill them).  Every process of the
+loader, and every process it forks later (a respawned pool,
+num_workers="auto" growing), inherits the mapping; worker threads share
+it.
 
     words[0]                   CLAIMED: records handed out in chunks so far
     words[1]                   DROPPED: records not written, the log being full
@@ -44,7 +45,7 @@ import struct
 import threading
 import time
 
-import shmq
+from shmq import sync
 from loader.errors import ArgumentTypeError, TraceWriteError
 
 HEADER_WORDS = 8
@@ -124,7 +125,7 @@ class TraceLog:
     def __init__(self, path, capacity: int = CAPACITY_RECORDS):
         self.path = check_path(path)
         self.capacity = capacity
-        self.words = shmq.shared_array(HEADER_WORDS + RECORD_WORDS * capacity, "int64")
+        self.words = sync.shared_array(HEADER_WORDS + RECORD_WORDS * capacity, "int64")
         self.origin = now()  # the JSON's time zero
         self.written = False
         self.failed = False  # the last attempt raised TraceWriteError
@@ -194,9 +195,9 @@ class Tracer:
                   kind)
 
     def _claim(self) -> int:
-        first = shmq.atomic_add(self.words, CLAIMED, CHUNK)
+        first = sync.atomic_add(self.words, CLAIMED, CHUNK)
         if first + CHUNK > self.capacity:
-            shmq.atomic_add(self.words, DROPPED, 1)
+            sync.atomic_add(self.words, DROPPED, 1)
             return -1
         self.next, self.end = first, first + CHUNK
         return first

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-import shmq
+from shmq import sync
 from loader.shared import control as _control
 from loader.worker import fetch as _fetch
 from loader.order import indices as _order
@@ -127,8 +127,8 @@ class Channel:
         finished = _control.word(run, _control.FINISHED)
 
         def ready():
-            return (not c.live(run) or c.stopped or shmq.atomic_load(words, base + SEQ) != seq_seen
-                    or shmq.atomic_load(c.ctl, finished) > batch)
+            return (not c.live(run) or c.stopped or sync.atomic_load(words, base + SEQ) != seq_seen
+                    or sync.atomic_load(c.ctl, finished) > batch)
 
         self.sleeper.until(c.table_bell, ready)
         return c.live(run) and not c.stopped
@@ -461,7 +461,7 @@ class Worker:
         i = (run % 2) * max(c.num_workers, 1) + self.id
 
         def ready():
-            return shmq.atomic_load(c.limits, i) > j or not c.live(run) or c.stopped
+            return sync.atomic_load(c.limits, i) > j or not c.live(run) or c.stopped
 
         self.sleeper.until(c.limit_bell, ready)
         return c.live(run) and not c.stopped

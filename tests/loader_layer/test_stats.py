@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import shmq
+from shmq import sync
 from loader import DataStallWarning, ShmLoader
 from loader.main import stats as _stats
 from loader.batcher.slabs import slab_bytes
@@ -177,7 +177,7 @@ def test_no_stall_advice_for_short_epochs_or_half_waits(over):
 
 
 def test_wait_clock_is_readable_mid_wait_and_never_goes_back():
-    words = shmq.shared_array(2, np.int64)
+    words = sync.shared_array(2, np.int64)
     clock = _stats.WaitClock(words, 1)
     assert _stats.waited_ns(words, 1) == 0
     clock.begin()
@@ -209,7 +209,7 @@ def test_stall_warning_points_at_the_training_loop(monkeypatch, num_workers, use
 
 def test_a_clock_not_started_yet_counts_as_waiting():
     """num_workers="auto": a worker forked late was idle, not busy, before."""
-    words = shmq.shared_array(3, np.int64)
+    words = sync.shared_array(3, np.int64)
     _stats.start_idle(words)
     time.sleep(0.02)
     assert _stats.waited_ns(words, 2) >= 20_000_000

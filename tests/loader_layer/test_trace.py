@@ -21,7 +21,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-import shmq
+from shmq import sync
 import loader
 from loader import ShmLoader, WorkerError
 
@@ -40,7 +40,7 @@ class Spin:
 
     def __init__(self, n, work_s=0.0, kill_at=None):
         self.n, self.work_s, self.kill_at = n, work_s, kill_at
-        self.log = shmq.shared_array(1 + 16 * n, np.int64)  # count, then a pid per load
+        self.log = sync.shared_array(1 + 16 * n, np.int64)  # count, then a pid per load
 
     def loads_by_pid(self) -> dict:
         pids, counts = np.unique(self.log[1:1 + self.log[0]], return_counts=True)
@@ -55,7 +55,7 @@ class Spin:
         end = time.perf_counter() + self.work_s
         while time.perf_counter() < end:
             pass
-        self.log[1 + shmq.atomic_add(self.log, 0, 1)] = os.getpid()
+        self.log[1 + sync.atomic_add(self.log, 0, 1)] = os.getpid()
         return np.full(64, i, np.float64)
 
 
