@@ -32,7 +32,7 @@ from loader.shared.memory import LoaderConfig, SharedState
 from loader.batcher.slabs import Slab, SlabAllocator, never_fits, slab_bytes
 from loader.main.stats import WaitClock
 from loader.shared.table import CONFIRMED, REFUSED, count_of
-from loader.shared.trace import POOL, ROLE_BATCHER, RUN, now, tracer_of
+from loader.shared.trace import ROLE_BATCHER, now, tracer_of
 from loader.batcher.warmup import ArenaWarmer
 from loader.worker.worker import exit_if_orphaned
 
@@ -153,7 +153,8 @@ class Batcher:
             p = self.passes[self.known_run] = BatcherRun(self.known_run, self.control, self.cfg,
                                                           self.shared)
             p.expected |= {w for w, first in self.joined.items() if first <= p.run}
-            self.tracer.record(RUN, now(), 0, p.run, self.control.read(p.run, _control.EPOCH))
+            self.tracer.run_started(now(), run=p.run,
+                                    epoch=self.control.read(p.run, _control.EPOCH))
             self._publish_ahead(p)
 
     def _pass(self, run: int) -> BatcherRun:
@@ -202,7 +203,8 @@ class Batcher:
         (unless drop_last), free what it will never fill, and tell main
         which of its batches there are."""
         mine = sorted(mine, key=lambda b: b.index)
-        if done.last_batch == _protocol.HOLES_TO_CLOSE:
+        end = done.stream_end
+        if end.holes_to_close:
             for b, rows in closed_up(self.arena, mine, self.cfg.drop_last):
                 if rows:
                     self._finish(p, b, rows)
@@ -211,7 +213,7 @@ class Batcher:
             mine = [b for b in mine if b.index in p.open]
         for b in mine:
             rows = count_of(self.table.filled_word(p.run, b.index)) if b.published else 0
-            if (b.index == done.last_batch and rows == done.last_rows and not self.cfg.drop_last
+            if (b.index == end.last_batch and rows == end.last_rows and not self.cfg.drop_last
                     and not b.refused and self._values_complete(b, rows)):
                 self._finish(p, b, rows)
             else:
@@ -294,7 +296,7 @@ class Batcher:
         if slab is not None:
             for p in self.passes.values():  # every run going on sees the pool's use
                 p.peak_slab_bytes = max(p.peak_slab_bytes, self.slabs.in_use)
-            self.tracer.record(POOL, now(), 0, self.slabs.in_use, self.slabs.capacity)
+            self.tracer.pool(now(), in_use=self.slabs.in_use, capacity=self.slabs.capacity)
             self.warmer.want(self.slabs.warm_target)
         return slab
 

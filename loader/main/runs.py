@@ -27,7 +27,6 @@ from loader.errors import raise_reported
 from loader.order.planning import Plan, offsets_word, order_of, settled_plan
 from loader.order.feed import BatchFeed
 from loader.main.stats import EpochClock
-from loader.shared.trace import EPOCH
 
 
 class Run(NamedTuple):
@@ -329,8 +328,8 @@ class EpochHost:
     def epoch_ended(self, epoch: int, msg: _protocol.RunEnded, clock: EpochClock) -> None:
         """The epoch ran to its end: its figures for stats() and the trace."""
         self._owner.record_stats(epoch, msg, clock)
-        self.tracer.record(EPOCH, clock.t0, time.perf_counter_ns(), epoch, msg.batches,
-                           msg.samples, 1)
+        self.tracer.epoch(clock.t0, time.perf_counter_ns(), epoch=epoch, batches=msg.batches,
+                          samples=msg.samples, complete=True)
 
     def epoch_closed(self, epoch: int, run: Run, *, finished: bool, pending) -> None:
         """The iterator is done (ran to its end, or dropped early): batches

@@ -124,19 +124,25 @@ class Joined(NamedTuple):
     first_run: int
 
 
-NO_SHORT_BATCH = -1   # Done.last_batch: the stream ended on a full batch (or the run first)
-HOLES_TO_CLOSE = -2   # Done.last_batch: its open batches have holes to close up (a shuffle
-                      # buffer's last batches)
+class StreamEnd(NamedTuple):
+    """How a worker's stream of an iterable run ended: its short last batch
+    and that batch's rows (None: it ended on a full batch, or the run ended
+    first), or holes_to_close: its open batches have holes for the batcher
+    to close up (a shuffle buffer's last batches)."""
+    last_batch: int | None = None
+    last_rows: int = 0
+    holes_to_close: bool = False
+
+
+NO_STREAM_END = StreamEnd()  # a map-style run's, or a stream's with nothing to send
 
 
 class Done(NamedTuple):
-    """The worker will not write into the run any more.  Iterable runs:
-    last_batch is its stream's short last batch and last_rows that batch's
-    rows, or NO_SHORT_BATCH, or HOLES_TO_CLOSE."""
+    """The worker will not write into the run any more (stream_end: how its
+    stream ended, for an iterable run)."""
     run: int
     worker: int
-    last_batch: int
-    last_rows: int
+    stream_end: StreamEnd = NO_STREAM_END
 
 
 # --- batcher -> main --------------------------------------------------------------
@@ -214,7 +220,7 @@ class Failed(NamedTuple):
     batch: int | None   # the batch it spoils, in in-order mode: main raises when it gets
                         # there; None: raise at once.  First-ready mode (raised at once):
                         # a batch given up (refused, or a sample that could not be placed),
-                        # which main counts as handed out; None or -1: no batch is lost
+                        # which main counts as handed out; None: no batch is lost
     pos: int | None     # position in the run's order; None when not about one sample
     index: int | None   # dataset index; None when not known
     worker: int | None  # None: the batcher

@@ -223,6 +223,35 @@ def test_dataloader_trace_with_getitems(tmp_path):
     assert len(named(events, "batch", "b")) == n // 12
 
 
+@pytest.mark.parametrize("mode", ["process", "thread"])
+@pytest.mark.parametrize("in_order", [True, False])
+def test_values_that_do_not_apply_are_left_out_never_minus_one(tmp_path, mode, in_order):
+    """A collate_fn's batch in first-ready mode (known only once placed)
+    and an epoch left early's sample count do not apply: the records say
+    None, the JSON leaves the key out; no arg is ever -1."""
+    n, rows = 96, 8
+    path = tmp_path / "t.json"
+    with ShmLoader(Spin(n), batch_size=rows, num_workers=2, worker_mode=mode,
+                   collate_fn=np.stack, in_order=in_order, trace=path) as ld:
+        for k, _ in enumerate(ld):
+            if k == 2:
+                break  # epoch 1 left early, after 3 batches
+        assert sum(len(b) for b in ld) == n  # epoch 2 whole
+        s = ld.stats()
+    _, events = load_trace(path)
+    assert all(v != -1 for e in events for v in e.get("args", {}).values()), events
+    collates = [e for e in named(events, "collate") if e["args"]["run"] == 2]
+    assert sum(e["args"]["samples"] for e in collates) == n and len(collates) == n // rows
+    if in_order:
+        assert sorted(e["args"]["batch"] for e in collates) == list(range(n // rows))
+    else:
+        assert all("batch" not in e["args"] for e in collates)
+    epochs = {e["args"]["epoch"]: e["args"] for e in named(events, "epoch")}
+    assert epochs[1] == {"epoch": 1, "batches": 3, "complete": False}
+    assert epochs[2] == {"epoch": 2, "batches": n // rows, "samples": s["samples"],
+                         "complete": True}
+
+
 def test_bad_trace_paths_fail_at_construction(tmp_path):
     missing = tmp_path / "no" / "such" / "dir" / "t.json"
     with pytest.raises(FileNotFoundError, match=str(missing.parent)):
