@@ -276,7 +276,7 @@ class Batcher:
 
     def _cannot_fit(self, p: BatcherRun, b: Batch, layout) -> bool:
         """Refuse a batch the pool can never hold in `layout`
-        (_slabs.never_fits): the batch, or the whole run (main raises it at
+        (slabs.never_fits): the batch, or the whole run (main raises it at
         once and at every next() of the run; its workers wait until main
         ends it)."""
         nbytes = slab_bytes(layout.nbytes)
@@ -534,7 +534,7 @@ class Batcher:
 
     def _mark_holes(self, b: Batch) -> None:
         """A fresh slab of a shuffle buffer's batch: every row's tag says
-        "not written" (-1), so that its holes can be found (_close_up)."""
+        "not written" (-1), so that its holes can be found (closed_up)."""
         if self.cfg.shuffle_batches:
             b.layout.tags(self.arena[b.slab.offset:b.slab.offset + b.layout.nbytes])[:] = -1
 

@@ -48,7 +48,7 @@ class WaitingBatches:
     a worker places its rows batch after batch, so no batch before a
     parked one needs a row from a worker waiting for it (except within a
     worker's shuffle window, whose batches are never parked for one
-    another: the pool must hold that window, _slabs.never_fits).  A batch
+    another: the pool must hold that window, slabs.never_fits).  A batch
     laid out again when memory is short gives its own slab back first (its
     rows parked, or none counted), so a batch never needs room for two:
     a pool that holds its largest batch never waits for ever, and a smaller

@@ -159,7 +159,7 @@ _books = weakref.WeakSet()           # live LeaseBooks of this process
 
 
 def forking_own_child(bint on):
-    """The loader's own forks (_procs._fork) set this: its children never
+    """The loader's own forks (procs._fork, main/procs.py) set this: its children never
     look at the batches main holds, so they need not move out first."""
     global _own_fork
     _own_fork = on

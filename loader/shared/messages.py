@@ -151,7 +151,7 @@ class Done(NamedTuple):
 class BatchReady(NamedTuple):
     run: int
     batch: int
-    slab: Any      # _slabs.Slab
+    slab: Any      # Slab (batcher/slabs.py)
     spec: Any      # the batch tree (_layout.spec)
     tags: int      # offset in the slab of the rows' tags (int64 each; see _layout.Layout)
     rows: int

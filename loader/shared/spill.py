@@ -15,8 +15,8 @@ record (region, pos, nbytes) travels in its place:
   * a row's values (SpillWriter.values_ref, sent inside a RowValues): the
     batcher does not open the block.  It keeps the record, puts it into
     the batch's spec, and main decodes it once, at receipt of the batch
-    (SpillHeap.resolve).  A batch the batcher drops frees its rows'
-    blocks unopened (SpillHeap.free).  One copy into the heap, one copy
+    (SpillHeap.values).  A batch the batcher drops frees its rows'
+    blocks unopened (SpillHeap.free_values).  One copy into the heap, one copy
     out, whatever the size: bytes and str leaves are stored raw (not
     pickled) and come back as a new bytes or str.
 
