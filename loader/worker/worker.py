@@ -32,8 +32,8 @@ from loader.shared.optional import imported_torch
 # worker keeps them: at most MALLOC_KEEP_BYTES freed at the top, buffers
 # up to half that from the heap.  (glibc's own dynamic thresholds get
 # there only after an early large free, which importing torch happens to
-# make: W11's decode ran 1.9 ms a sample in a worker forked before torch
-# was imported, 1.4 ms after, and 1.4 ms with these thresholds.)
+# make, so a worker forked before torch was imported paid for it: W11's
+# decode in docs/benchmarks.md.)
 MALLOC_KEEP_BYTES = 64 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (<malloc.h>)
 
