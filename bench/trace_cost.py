@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from loader import ShmLoader  # noqa: E402
-from loader.shared.trace import LOAD, TraceLog  # noqa: E402
+from loader.shared.trace import TraceLog  # noqa: E402
 from report import machine  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def record_us(repeats=200_000) -> float:
         tracer = log.tracer(0)
         t0 = time.perf_counter()
         for i in range(repeats):
-            tracer.record(LOAD, i, i, i, i, 1, 1)
+            tracer.load(i, i, index=i, position=i, samples=1, epoch=1)
         return (time.perf_counter() - t0) / repeats * 1e6
 
 

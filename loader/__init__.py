@@ -52,15 +52,11 @@ One word per thing, in code, comments, messages and docs:
   first iter() to its shutdown (main/session.py).
 """
 
-from loader.errors import TraceWriteError
+from loader import errors as _errors
+from loader.errors import *  # noqa: F401,F403  (every error and warning: errors.__all__)
 from loader.datasets.files import FileArray, FileDataset
-from loader.shared.layout import BatchMismatch, CollateError, UnsupportedLeaf
-from loader.errors import StateError
-from loader.main.loader import LoaderTimeout, ShmLoader, WorkerError
+from loader.main.loader import ShmLoader
 from loader.datasets.parquet import ParquetDataset
-from loader.main.procs import LoaderStartError
-from loader.main.stats import DataStallWarning
-from loader.datasets.own_state import InexactResumeWarning
 from loader.worker.seeding import WorkerInfo, get_worker_info
 from loader.torch.integrations import ray as _ray_integration
 
@@ -70,10 +66,7 @@ from loader.torch.integrations import ray as _ray_integration
 _ray_integration.install_when_imported()
 
 __all__ = ["ShmLoader", "DataLoader", "FileDataset", "FileArray", "ParquetDataset",
-           "get_worker_info", "WorkerInfo",
-           "WorkerError", "LoaderTimeout", "LoaderStartError", "CollateError", "BatchMismatch",
-           "UnsupportedLeaf", "StateError", "DataStallWarning", "InexactResumeWarning",
-           "TraceWriteError"]
+           "get_worker_info", "WorkerInfo", *_errors.__all__]
 
 
 def __getattr__(name):

@@ -6,34 +6,21 @@
     with q.get_view() as obj: ...               # zero-copy read
     with q.reserve(shape, dtype) as arr: ...    # zero-copy write
 
-    a = shmq.shared_array(16, "i8")             # anonymous shared memory for forked children
-    shmq.atomic_add(a, 0, 1)                    # atomic fetch-and-add on it
-    shmq.atomic_cas(a, 0, 1, 5)                 # compare-and-swap: True if a[0] was 1
-    shmq.atomic_store(a, 1, 7); shmq.atomic_load(a, 1)   # release store, acquire load
-    w = shmq.shared_array(1, "i4")
-    shmq.wait(w, 0, 0, timeout=1.0)             # sleep while w[0] == 0 (futex), bounded
-    shmq.atomic_add(w, 0, 1); shmq.wake(w, 0)   # in another process: change it, wake sleepers
+The top level is the queue and its errors.  Beside it: shmq.sync, the
+primitives under it (shared arrays, atomics, futex waits) for programs
+that coordinate processes through shared memory; shmq.segment and
+``python -m shmq [list|clean]``, the segments in /dev/shm.
 
 Linux only (POSIX shared memory in /dev/shm, futexes, /proc).
 """
 
 from shmq.errors import (Closed, Empty, Full, IncompatibleRing, MessageTooLarge, PeerLost,
                          ShmFull, ShmqError, UntrustedSegment)
-from shmq._core import (atomic_add, atomic_cas, atomic_load, atomic_store, discard_pages, prefault,
-                        shared_array, wait, wake)
 from shmq.queue import Queue
+from shmq import sync  # noqa: F401  (shmq.sync after import shmq; not in __all__)
 
 __all__ = [
     "Queue",
-    "shared_array",
-    "atomic_add",
-    "atomic_cas",
-    "atomic_load",
-    "atomic_store",
-    "wait",
-    "wake",
-    "prefault",
-    "discard_pages",
     "ShmqError",
     "Full",
     "Empty",

@@ -1,5 +1,7 @@
 # Stub for the compiled module shmq._core (shmq/_core.pyx).  Keep in step
-# with the .pyx: every public name there has a line here.
+# with the .pyx: every public name there has a line here.  shared_array,
+# the atomics, wait/wake, prefault and discard_pages are public as
+# shmq.sync's (shmq/sync.py), not at shmq's top level.
 from pickle import PickleBuffer
 from typing import Any
 

@@ -1,5 +1,5 @@
 # Included by _core.pyx: atomics and futex waits on words of shared arrays
-# (shmq.shared_array), for programs that coordinate processes through
+# (shmq.sync.shared_array), for programs that coordinate processes through
 # shared memory next to their queues.  shmq_sync.h holds the primitive and
 # the pattern ("eventcount") that makes waits lossless.
 #
@@ -154,7 +154,7 @@ cdef object _check_wait_timeout(object timeout):
 
 def discard_pages(cnp.ndarray arr not None):
     """Give the memory under the whole pages of a C-contiguous array of
-    shared memory (shmq.shared_array) back to the system, in every process
+    shared memory (shmq.sync.shared_array) back to the system, in every process
     that maps it: the pages read as zeros afterwards and are faulted in
     again on the next write.  Partial pages at either end are kept."""
     if not arr.flags.c_contiguous:

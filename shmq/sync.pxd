@@ -4,7 +4,9 @@
 #
 #     from shmq.sync cimport shmq_word_wait, shmq_word_wake
 #
-# (build with shmq's directory on the include path: shmq.get_include()).
+# (built with shmq's directory on the include path, as setup.py does).
+# It declares C only, so a cimport of it imports nothing at run time;
+# sync.py, of the same name, is the Python face of the same primitives.
 from libc.stdint cimport uint32_t, uint64_t
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import shmq
+from shmq import sync
 from loader.shared import control as _control
 from loader.shared import messages as _protocol
 from loader.batcher.runs import (
@@ -31,7 +32,7 @@ from loader.shared.memory import LoaderConfig, SharedState
 from loader.batcher.slabs import Slab, SlabAllocator, never_fits, slab_bytes
 from loader.main.stats import WaitClock
 from loader.shared.table import CONFIRMED, REFUSED, count_of
-from loader.shared.trace import POOL, ROLE_BATCHER, RUN, now, tracer_of
+from loader.shared.trace import ROLE_BATCHER, now, tracer_of
 from loader.batcher.warmup import ArenaWarmer
 from loader.worker.worker import exit_if_orphaned
 
@@ -152,7 +153,8 @@ class Batcher:
             p = self.passes[self.known_run] = BatcherRun(self.known_run, self.control, self.cfg,
                                                           self.shared)
             p.expected |= {w for w, first in self.joined.items() if first <= p.run}
-            self.tracer.record(RUN, now(), 0, p.run, self.control.read(p.run, _control.EPOCH))
+            self.tracer.run_started(now(), run=p.run,
+                                    epoch=self.control.read(p.run, _control.EPOCH))
             self._publish_ahead(p)
 
     def _pass(self, run: int) -> BatcherRun:
@@ -201,7 +203,8 @@ class Batcher:
         (unless drop_last), free what it will never fill, and tell main
         which of its batches there are."""
         mine = sorted(mine, key=lambda b: b.index)
-        if done.last_batch == _protocol.HOLES_TO_CLOSE:
+        end = done.stream_end
+        if end.holes_to_close:
             for b, rows in closed_up(self.arena, mine, self.cfg.drop_last):
                 if rows:
                     self._finish(p, b, rows)
@@ -210,7 +213,7 @@ class Batcher:
             mine = [b for b in mine if b.index in p.open]
         for b in mine:
             rows = count_of(self.table.filled_word(p.run, b.index)) if b.published else 0
-            if (b.index == done.last_batch and rows == done.last_rows and not self.cfg.drop_last
+            if (b.index == end.last_batch and rows == end.last_rows and not self.cfg.drop_last
                     and not b.refused and self._values_complete(b, rows)):
                 self._finish(p, b, rows)
             else:
@@ -264,7 +267,7 @@ class Batcher:
             self.waiting.add(p.run, b.index, nbytes)
             # A level, not only the message: main may hand out the batch
             # that holds the memory only after it saw MemoryWait.
-            shmq.atomic_store(self.control.ctl, _control.MEMORY_WAIT, 1)
+            sync.atomic_store(self.control.ctl, _control.MEMORY_WAIT, 1)
             if not self.told_memory_wait:
                 self.told_memory_wait = True
                 self._send(_protocol.MemoryWait(self.slabs.held_bytes, self.slabs.capacity,
@@ -273,7 +276,7 @@ class Batcher:
 
     def _cannot_fit(self, p: BatcherRun, b: Batch, layout) -> bool:
         """Refuse a batch the pool can never hold in `layout`
-        (_slabs.never_fits): the batch, or the whole run (main raises it at
+        (slabs.never_fits): the batch, or the whole run (main raises it at
         once and at every next() of the run; its workers wait until main
         ends it)."""
         nbytes = slab_bytes(layout.nbytes)
@@ -293,7 +296,7 @@ class Batcher:
         if slab is not None:
             for p in self.passes.values():  # every run going on sees the pool's use
                 p.peak_slab_bytes = max(p.peak_slab_bytes, self.slabs.in_use)
-            self.tracer.record(POOL, now(), 0, self.slabs.in_use, self.slabs.capacity)
+            self.tracer.pool(now(), in_use=self.slabs.in_use, capacity=self.slabs.capacity)
             self.warmer.want(self.slabs.warm_target)
         return slab
 
@@ -313,7 +316,7 @@ class Batcher:
             if p.open.get(index) is b:
                 self._finish_if_complete(p, b)  # its rows were all counted when it was parked
         if not self.waiting:
-            shmq.atomic_store(self.control.ctl, _control.MEMORY_WAIT, 0)
+            sync.atomic_store(self.control.ctl, _control.MEMORY_WAIT, 0)
 
     def _entry_free(self, p: BatcherRun, b: Batch) -> bool:
         entry = self.table.entry(p.run, b.index)
@@ -367,7 +370,7 @@ class Batcher:
             moved = True
         if moved:
             finished = _control.word(p.run, _control.FINISHED)
-            shmq.atomic_store(self.control.ctl, finished, p.lo)  # SYNC POINT
+            sync.atomic_store(self.control.ctl, finished, p.lo)  # SYNC POINT
             self.control.table_bell.ring()  # workers waiting for a batch given up
 
     def _lay_out(self, p: BatcherRun, b: Batch, sig) -> bool:
@@ -531,7 +534,7 @@ class Batcher:
 
     def _mark_holes(self, b: Batch) -> None:
         """A fresh slab of a shuffle buffer's batch: every row's tag says
-        "not written" (-1), so that its holes can be found (_close_up)."""
+        "not written" (-1), so that its holes can be found (closed_up)."""
         if self.cfg.shuffle_batches:
             b.layout.tags(self.arena[b.slab.offset:b.slab.offset + b.layout.nbytes])[:] = -1
 

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 import shmq
+from shmq import sync
 from loader.shared import control as _control
 from loader.order import indices as _order
 from loader.shared import messages as _protocol
@@ -47,7 +48,7 @@ class WaitingBatches:
     a worker places its rows batch after batch, so no batch before a
     parked one needs a row from a worker waiting for it (except within a
     worker's shuffle window, whose batches are never parked for one
-    another: the pool must hold that window, _slabs.never_fits).  A batch
+    another: the pool must hold that window, slabs.never_fits).  A batch
     laid out again when memory is short gives its own slab back first (its
     rows parked, or none counted), so a batch never needs room for two:
     a pool that holds its largest batch never waits for ever, and a smaller
@@ -259,7 +260,7 @@ class BatcherRun:
         0: a slab laid out ahead that no worker may fill would keep memory
         an older run waits for."""
         # SYNC POINT: acquire load; main's store of LIMIT (Control.set_limit) pairs with it.
-        limit = shmq.atomic_load(self.control.ctl, _control.word(self.run, _control.LIMIT))
+        limit = sync.atomic_load(self.control.ctl, _control.word(self.run, _control.LIMIT))
         if self.claims_batches or limit <= 0:
             return max(limit, 0)
         return self.batches.locate(min(limit, self.batches.kept) - 1)[0] + 1
@@ -332,7 +333,7 @@ class ToMain:
             except shmq.Full:
                 pass
         self.outbox.append(encoded)
-        shmq.atomic_store(self.control.ctl, _control.OUTBOX, 1)
+        sync.atomic_store(self.control.ctl, _control.OUTBOX, 1)
 
     def flush(self) -> bool:
         """Move what the ring takes; True if something moved."""
@@ -345,5 +346,5 @@ class ToMain:
             self.outbox.popleft()
             moved = True
         if moved:
-            shmq.atomic_store(self.control.ctl, _control.OUTBOX, 0)
+            sync.atomic_store(self.control.ctl, _control.OUTBOX, 0)
         return moved

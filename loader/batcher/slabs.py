@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-import shmq
+from shmq import sync
 
 MAX_LEASES = 1 << 16
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -177,7 +177,7 @@ class SlabAllocator:
         return freed
 
     def _reclaim(self) -> None:
-        load, released = shmq.atomic_load, self.released
+        load, released = sync.atomic_load, self.released
         # SYNC POINT: acquire loads; main's release store of the generation
         # (LeaseBook.release) pairs with them: its reads of the slab are over.
         done = [s for s in self.live.values() if load(released, s.lease) == s.generation]

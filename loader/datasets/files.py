@@ -27,10 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-
-class NotARegularFile(OSError):
-    """A dataset path is a FIFO, a device, a socket or a directory where a
-    regular file was listed (replaced after the epoch's list was made)."""
+from loader.errors import ArgumentTypeError, NotARegularFile
 
 
 def _kind(mode: int) -> str:
@@ -327,16 +324,16 @@ class FileDataset:
 
             return super().__new__(RemoteFiles if cls is FileDataset else cls)
         if remote:
-            raise TypeError(f"FileDataset({pattern!r}): {', '.join(sorted(remote))} "
-                            f"appl{'y' if len(remote) > 1 else 'ies'} to object-store URLs "
-                            f"(s3://, gs://, az://, http(s)://) only")
+            raise ArgumentTypeError(f"FileDataset({pattern!r}): {', '.join(sorted(remote))} "
+                                    f"appl{'y' if len(remote) > 1 else 'ies'} to object-store "
+                                    f"URLs (s3://, gs://, az://, http(s)://) only")
         return super().__new__(cls)
 
     def __init__(self, pattern: str, decode=None):
         if not isinstance(pattern, (str, os.PathLike)):
-            raise TypeError(f"pattern must be a glob string, got {type(pattern).__name__}")
+            raise ArgumentTypeError(f"pattern must be a glob string, got {type(pattern).__name__}")
         if decode is not None and not callable(decode):
-            raise TypeError(f"decode must be callable, got {type(decode).__name__}")
+            raise ArgumentTypeError(f"decode must be callable, got {type(decode).__name__}")
         self.pattern, self.decode = os.fspath(pattern), decode
         self.files = self._match()
 

@@ -60,15 +60,10 @@ import pickle
 import warnings
 from typing import NamedTuple
 
+from loader.errors import InexactResumeWarning
 from loader.shared.messages import DatasetState
 
 STARTED, CHANGED, ENDED, AT = "started", "changed", "ended", "at"   # DatasetState.when
-
-
-class InexactResumeWarning(UserWarning):
-    """load_state_dict() cannot resume a dataset's own state exactly: the
-    text names the dataset and says why (NOTE [ Datasets that keep their
-    own state ] in datasets/own_state.py)."""
 
 
 class RunDataset(NamedTuple):

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from loader.datasets.snapshot import EpochInfo
+from loader.errors import ParquetFileChanged, ParquetFileError
 from loader.datasets.files import match_files, open_regular
 
 
@@ -36,18 +37,6 @@ def _pyarrow():
         raise ImportError("ParquetDataset needs pyarrow: pip install 'shmq[parquet]' "
                           "(or pip install pyarrow)") from None
     return pyarrow
-
-
-class ParquetFileError(ValueError):
-    """A file cannot be read as Parquet (corrupt, truncated, empty); the
-    message names it."""
-
-
-class ParquetFileChanged(RuntimeError):
-    """A file was rewritten after the epoch's snapshot of its row groups
-    (other size or mtime, other schema, fewer row groups or rows): its rows
-    cannot be delivered as planned.  The message names the file, the row
-    group and both counts."""
 
 
 class FileIdentity(NamedTuple):

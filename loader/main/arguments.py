@@ -1,19 +1,47 @@
-"""ShmLoader's arguments, checked once: every mistake is a ValueError or
-TypeError that names the argument, what it got and what to pass instead,
-raised before anything is started.  `check_arguments` returns them
-normalised (defaults filled in, num_workers="auto" resolved) as one
-record, which ShmLoader stores as its attributes."""
+"""ShmLoader's arguments, checked once: every mistake is an ArgumentError
+(a ValueError) or ArgumentTypeError (a TypeError) that names the
+argument, what it got and what to pass instead, raised before anything
+is started.  `check_arguments` returns them normalised (defaults filled
+in, num_workers="auto" resolved) as one record, which ShmLoader stores as
+its attributes."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import secrets
 from typing import Any, NamedTuple
 
+from loader.errors import ArgumentError, ArgumentTypeError
 from loader.main.autoscale import cpu_count, default_max_workers
 from loader.batcher.slabs import ram_bytes
 from loader.shared.optional import imported_torch
 
 DEFAULT_PREFETCH = 3
+
+
+def torch_positions(init):
+    """ShmLoader.__init__ with a call that passes more arguments by position
+    than its positional parameters (torch's first seven, in torch's order)
+    refused by an ArgumentTypeError that says what to do.  From the eighth
+    on the two signatures differ (torch's eighth is pin_memory, then
+    drop_last), so a positional call copied from torch must fail, never
+    bind to the wrong parameter; Python's own TypeError would not say why."""
+    params = list(inspect.signature(init).parameters.values())[1:]  # (not self)
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    keyword_only = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        if len(args) > len(positional):
+            raise ArgumentTypeError(
+                f"{type(self).__name__}() takes {len(positional)} arguments by position, "
+                f"torch's DataLoader's first ones in its order ({', '.join(positional)}), "
+                f"but {len(args)} were given: pass the others by keyword, as "
+                f"{keyword_only[0]}=... (every parameter after {positional[-1]} is "
+                f"keyword-only: {', '.join(keyword_only)})")
+        return init(self, *args, **kwargs)
+    return checked
 
 
 class Arguments(NamedTuple):
@@ -49,7 +77,7 @@ class Arguments(NamedTuple):
 
 def positive_int(name: str, value, minimum: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise ArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def is_iterable_dataset(dataset) -> bool:
@@ -74,71 +102,71 @@ def _workers(num_workers, max_workers) -> tuple[int, bool, int]:
         positive_int("max_workers", max_workers)
         num_workers = min(cpu_count(), max_workers)  # where the pool starts (main/autoscale.py)
     elif max_workers is not None:
-        raise ValueError("max_workers caps num_workers='auto'; with a fixed num_workers, "
+        raise ArgumentError("max_workers caps num_workers='auto'; with a fixed num_workers, "
                          "leave it out")
     if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
-        raise ValueError(f"num_workers must be an int >= 0 (0 loads in the main process) or "
+        raise ArgumentError(f"num_workers must be an int >= 0 (0 loads in the main process) or "
                          f"'auto', got {num_workers!r}")
     return num_workers, auto, max_workers or 0
 
 
 def _check_modes(worker_mode, output, timeout, prefetch, memory_cap_bytes, collate_fn) -> None:
     if worker_mode not in ("process", "thread"):
-        raise ValueError(f"worker_mode must be 'process' or 'thread', got {worker_mode!r}")
+        raise ArgumentError(f"worker_mode must be 'process' or 'thread', got {worker_mode!r}")
     if output not in ("numpy", "torch", "keep"):
-        raise ValueError(f"output must be 'numpy', 'torch' or 'keep' (each leaf as the "
+        raise ArgumentError(f"output must be 'numpy', 'torch' or 'keep' (each leaf as the "
                          f"dataset or collate_fn gave it), got {output!r}")
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        raise ArgumentError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     if prefetch is not None:
         positive_int("prefetch", prefetch)
     if memory_cap_bytes is not None:
         positive_int("memory_cap_bytes", memory_cap_bytes, 4096)
     if collate_fn is not None and not callable(collate_fn):
-        raise TypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
+        raise ArgumentTypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
 
 
 def _check_order(batch_size, shuffle, sampler, batch_sampler, drop_last, generator) -> None:
     if sampler is not None and shuffle:
-        raise ValueError("sampler and shuffle=True are exclusive: shuffle inside the sampler")
+        raise ArgumentError("sampler and shuffle=True are exclusive: shuffle inside the sampler")
     if batch_sampler is not None and (batch_size != 1 or shuffle or sampler is not None
                                       or drop_last):
-        raise ValueError("batch_sampler makes the batches: it is exclusive with batch_size, "
+        raise ArgumentError("batch_sampler makes the batches: it is exclusive with batch_size, "
                          "shuffle, sampler and drop_last")
     if generator is not None:
         torch = imported_torch()
         if torch is None or not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator, got "
+            raise ArgumentTypeError(f"generator must be a torch.Generator, got "
                             f"{type(generator).__name__}")
 
 
 def _check_stream(iterable, auto, shuffle_buffer, collate_fn, batch_size) -> None:
     if auto and iterable:
-        raise ValueError("num_workers='auto' needs a map-style dataset: an iterable dataset "
+        raise ArgumentError("num_workers='auto' needs a map-style dataset: an iterable dataset "
                          "is split into one stream per worker, so its workers are fixed")
     if shuffle_buffer is not None:
         positive_int("shuffle_buffer", shuffle_buffer)
         if not iterable:
-            raise ValueError("shuffle_buffer shuffles a stream (an iterable dataset); a "
+            raise ArgumentError("shuffle_buffer shuffles a stream (an iterable dataset); a "
                              "map-style dataset is shuffled by shuffle=True")
         if collate_fn is not None or batch_size is None:
-            raise ValueError("shuffle_buffer places samples in random rows of pending "
+            raise ArgumentError("shuffle_buffer places samples in random rows of pending "
                              "batches: it needs the default collate and a batch_size")
 
 
 def _check_sharding(iterable, distributed, shuffle, sampler, batch_sampler) -> None:
     if iterable and (sampler is not None or batch_sampler is not None or shuffle):
-        raise ValueError("an iterable dataset orders its own samples: sampler, batch_sampler "
+        raise ArgumentError("an iterable dataset orders its own samples: sampler, batch_sampler "
                          "and shuffle apply to map-style datasets (with __getitem__) only")
     if not isinstance(distributed, bool):
         ok = (isinstance(distributed, tuple) and len(distributed) == 2
               and all(isinstance(v, int) for v in distributed)
               and 0 <= distributed[0] < distributed[1])
         if not ok:
-            raise ValueError(f"distributed must be True, False or (rank, world_size) with "
+            raise ArgumentError(f"distributed must be True, False or (rank, world_size) with "
                              f"0 <= rank < world_size, got {distributed!r}")
     if distributed and (sampler is not None or batch_sampler is not None):
-        raise ValueError("distributed=True shards the loader's own order across ranks; with "
+        raise ArgumentError("distributed=True shards the loader's own order across ranks; with "
                          "a sampler, shard in the sampler (torch's DistributedSampler)")
 
 

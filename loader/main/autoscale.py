@@ -24,7 +24,7 @@ the loop no longer waits.
 Workers are never killed: a worker whose id is not below the active count
 stops claiming units (see Worker._may_claim) and sleeps; a worker beyond
 those ever started is forked (or started, for thread workers) and joins
-the run in progress (P.Joined).
+the run in progress (a Joined message).
 """
 
 from __future__ import annotations

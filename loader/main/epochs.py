@@ -20,7 +20,6 @@ from loader.shared import messages as _protocol
 from loader.errors import WorkerError
 from loader.shared.layout import align
 from loader.main.stats import EpochClock
-from loader.shared.trace import EPOCH, WAIT
 
 
 class _Epoch:
@@ -54,7 +53,7 @@ class _Epoch:
             if self.clock is not None:
                 t1 = time.perf_counter_ns()
                 self.clock.loop_wait_ns += t1 - t0
-                self.host.tracer.record(WAIT, t0, t1, self.epoch)
+                self.host.tracer.wait(t0, t1, epoch=self.epoch)
 
     def start(self) -> None:
         """Start the run now, not at the first next(): loader.DataLoader
@@ -122,8 +121,9 @@ class _Epoch:
         if self.run is None:  # never started
             return
         if not self.finished:  # ended early (break, del): the trace shows where
-            self.host.tracer.record(EPOCH, self.clock.t0, time.perf_counter_ns(), self.epoch,
-                                    getattr(self, "yielded", -1), -1, 0)
+            self.host.tracer.epoch(self.clock.t0, time.perf_counter_ns(), epoch=self.epoch,
+                                   batches=getattr(self, "yielded", None), samples=None,
+                                   complete=False)
         pending = list(self.pending.values())
         self.pending.clear()
         self.host.epoch_closed(self.epoch, self.run, finished=self.finished, pending=pending)
@@ -178,7 +178,7 @@ class MapEpoch(_Epoch):
         when its turn comes; first-ready, it counts now (once, however
         many of its samples failed), else the workers would wait for a
         LIMIT that only the batches handed out raise."""
-        if msg.batch is None or msg.batch < 0 or msg.batch in self.failed:
+        if msg.batch is None or msg.batch in self.failed:
             return
         self.failed.add(msg.batch)
         if not self.in_order:
@@ -242,7 +242,7 @@ class StreamEpoch(_Epoch):
         """A batch a failure spoils counts as handed out (in order when its
         turn comes, first-ready at once): its worker may fill one more, else
         it would wait for a limit only the batches handed out raise."""
-        if batch is None or batch < 0 or batch in self.lost:
+        if batch is None or batch in self.lost:
             return
         self.lost.add(batch)
         self.control.raise_worker_limit(self.run.id, batch % self.workers)

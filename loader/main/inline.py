@@ -14,7 +14,6 @@ import numpy as np
 from loader.worker import fetch as _fetch
 from loader.order import indices as _order
 from loader.main.stats import EpochClock, Task
-from loader.shared.trace import EPOCH, WAIT
 from loader.shared.layout import LayoutCache, signature_and_leaves, stack
 from loader.main.materialize import materialize
 from loader.order.planning import order_of, settled_plan
@@ -117,16 +116,16 @@ class InlineEpoch:
             if clock is not None:  # the first StopIteration: the epoch's end
                 t1 = time.perf_counter_ns()
                 clock.loop_wait_ns += t1 - t0
-                self.tracer.record(WAIT, t0, t1, self.epoch)
+                self.tracer.wait(t0, t1, epoch=self.epoch)
                 self.owner.record_stats(self.epoch, None, clock, self.batches, self.samples)
-                self.tracer.record(EPOCH, clock.t0, t1, self.epoch, self.batches, self.samples,
-                                   1)
+                self.tracer.epoch(clock.t0, t1, epoch=self.epoch, batches=self.batches,
+                                  samples=self.samples, complete=True)
             raise
         finally:
             if self.clock is not None:
                 t1 = time.perf_counter_ns()
                 self.clock.loop_wait_ns += t1 - t0
-                self.tracer.record(WAIT, t0, t1, self.epoch)
+                self.tracer.wait(t0, t1, epoch=self.epoch)
 
     def _next(self):
         if self.loader.iterable:

@@ -11,15 +11,14 @@ import weakref
 
 from loader.order import indices as _order
 from loader.shared import messages as _protocol
-from loader.main.arguments import check_arguments, positive_int
+from loader.main.arguments import check_arguments, positive_int, torch_positions
 from loader.main.autoscale import Autoscaler
 from loader.main.epochs import MapEpoch, StreamEpoch
-from loader.errors import LoaderTimeout, WorkerError
 from loader.main.lookahead import FrozenState
 from loader.main.inline import InlineEpoch
 from loader.main.materialize import Materializer
 from loader.main.pinning import cuda_available
-from loader.main.procs import LoaderStartError, this_pid
+from loader.main.procs import this_pid
 from loader.torch.integrations import install_imported
 from loader.main.planner import EpochPlanner
 from loader.order.planning import Plan
@@ -33,12 +32,7 @@ from loader.main.stats import EpochClock, stall_advice, summary_line, warn_stall
 from loader.shared.trace import ROLE_MAIN, TraceLog, tracer_of
 from loader.datasets import own_state as _own_state
 
-__all__ = ["ShmLoader", "WorkerError", "LoaderTimeout", "LoaderStartError"]
-
-# stats() keys under the batcher's former name ("the collator"), kept so that
-# code reading them goes on working: old name -> the key it repeats
-RENAMED_STATS = {"collator_busy_share": "batcher_busy_share",
-                 "samples_written_by_collator": "samples_written_by_batcher"}
+__all__ = ["ShmLoader"]
 
 _live_loaders: "weakref.WeakSet[ShmLoader]" = weakref.WeakSet()
 
@@ -89,18 +83,23 @@ class ShmLoader(FrozenState):
         waits in next(), epochs, the slab pool); open it in
         https://ui.perfetto.dev.
 
+    The first seven parameters are torch's DataLoader's, in its order, and
+    may be passed by position; every later one is keyword-only (from the
+    eighth on torch's order differs: its eighth is pin_memory).
+
     stats() says where the last epoch's time went; state_dict() and
     load_state_dict() resume mid-epoch; steps(n) runs n batches across
     epoch boundaries.  Close it (or use ``with``) to stop the workers at
     once; garbage collection and interpreter exit do it too.
     """
 
+    @torch_positions
     def __init__(self, dataset, batch_size=1, shuffle=False, sampler=None, batch_sampler=None,
-                 num_workers=2, collate_fn=None, drop_last=False, in_order=True, prefetch=None,
-                 persistent_workers=True, worker_init_fn=None, seed=None, generator=None,
-                 reproducible=None, timeout=None, output="numpy", pin_memory=False,
-                 memory_cap_bytes=None, distributed=False, shuffle_buffer=None,
-                 worker_mode="process", max_workers=None, trace=None):
+                 num_workers=2, collate_fn=None, *, drop_last=False, in_order=True,
+                 prefetch=None, persistent_workers=True, worker_init_fn=None, seed=None,
+                 generator=None, reproducible=None, timeout=None, output="numpy",
+                 pin_memory=False, memory_cap_bytes=None, distributed=False,
+                 shuffle_buffer=None, worker_mode="process", max_workers=None, trace=None):
         install_imported()  # NOTE [ Installing the integrations ]
         args = check_arguments(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
@@ -209,9 +208,7 @@ class ShmLoader(FrozenState):
           it chose, and "worker_counts": the counts it went through).
 
         The busy shares include the next epoch's loading once it starts
-        early (persistent workers run ahead into it).  "collator_busy_share"
-        and "samples_written_by_collator", the batcher's figures under the
-        process's former name, are still given, with the same values."""
+        early (persistent workers run ahead into it)."""
         if self._stats is None:
             return None
         out = dict(self._stats)
@@ -222,8 +219,6 @@ class ShmLoader(FrozenState):
             out["remote"] = remote()
         if self._autoscaler is not None:
             out["worker_counts"] = list(self._autoscaler.history)
-        for old, new in RENAMED_STATS.items():  # the batcher's figures, by their old names
-            out[old] = out[new]
         return out
 
     def _kept_moved_out(self) -> tuple[int, int]:
@@ -265,12 +260,6 @@ class ShmLoader(FrozenState):
             self._autoscaler = Autoscaler(self._session.shared.waited,
                                           lambda count: set_active()(count), self.num_workers,
                                           self.max_workers)
-
-    @property
-    def _procs(self) -> list:
-        """The loader's child processes now (pid, exitcode; none once
-        stopped): the name scripts written against earlier versions read."""
-        return self._session.procs if self._session is not None else []
 
     def _set_active_workers(self, active: int) -> None:
         """num_workers="auto": let `active` workers claim units (main/autoscale.py)."""

@@ -17,10 +17,8 @@ returns the batch it already had:
                                   counts b1, which the loop never had:
                                   the resumed epoch skips it
 
-Lightning's fetcher resumes exactly because it looks ahead only for a
-loader without len() (pytorch_lightning/loops/fetchers.py: prefetching
-"is ignored when the length is available"); over an iterable dataset
-without len() it would skip a batch too.
+(Lightning looks ahead only for a loader without len(); there too a
+batch would be skipped.)
 
 The rule, for any wrapper: the state of a run is the loader's state as it
 was when the training loop received its last batch.  Neither the loader
@@ -34,8 +32,8 @@ load_state_dict() freezes the state it loads, by the same rule: until
 the resumed pass begins, the loop has received exactly what that state
 says (a checkpoint taken right after a restore keeps the position).  Ray's wrapper is replaced by one that does
 this (loader/torch/integrations/ray.py); a user's own prefetcher can do the
-same.  Cost: one state_dict() per batch, a few numbers (5-9 us measured:
-docs/benchmarks.md, RAY).
+same.  Cost: one state_dict() per batch, a few numbers (docs/benchmarks.md,
+RAY).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import numpy as np
 from loader.worker import fetch as _fetch
 from loader.datasets.snapshot import EpochInfo
 from loader.datasets.own_state import RunStates, keeps_state, why_state_cannot_be_taken
+from loader.errors import ArgumentError
 from loader._native import derived_seeds
 from loader.order.planning import Plan, PlanRules, plan_run, run_indices
 from loader.shared.optional import imported_torch
@@ -37,10 +38,10 @@ def distributed_rank() -> tuple[int, int]:
     try:
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError as e:
-        raise ValueError(f"distributed=True: RANK and WORLD_SIZE must be integers ({e})") from None
+        raise ArgumentError(f"distributed=True: RANK and WORLD_SIZE must be integers ({e})") from None
     if not 0 <= rank < world:
-        raise ValueError(f"distributed=True: RANK={rank} is not in 0..WORLD_SIZE-1 "
-                         f"(WORLD_SIZE={world})")
+        raise ArgumentError(f"distributed=True: RANK={rank} is not in 0..WORLD_SIZE-1 "
+                            f"(WORLD_SIZE={world})")
     return rank, world
 
 

@@ -20,17 +20,13 @@ import warnings
 from typing import NamedTuple
 
 from loader import _native
+from loader.errors import LoaderStartError
 
 # Caught in C by every child (_native.pyx): its parent thread or process
 # ended.  A real-time signal, so it is not one a dataset is likely to use.
 PARENT_DEATH_SIGNAL = signal.SIGRTMAX - 2
 _BLOCKED_AROUND_FORK = {signal.SIGINT, signal.SIGTERM}
 REAPED_ELSEWHERE = 1 << 16  # not an exit code: the status went to someone else
-
-
-class LoaderStartError(RuntimeError):
-    """The loader's processes could not be started (fork failed, no file
-    descriptors left...); nothing was left running."""
 
 
 class Role(NamedTuple):

@@ -136,12 +136,12 @@ class Runs:
         return run.batches.span(upto - 1)[1] if upto > 0 else 0
 
     def open_limit(self, run: Run, yielded: int) -> int:
-        """_limit(), once a streamed sampler has written the indices of
+        """limit(), once a streamed sampler has written the indices of
         every position below it (NOTE [ Streamed samplers ]), or below its
         failure (NOTE [ Int indices ]: the epoch raises it).  A run whose
         sampler (without len()) ended there is settled first: its final
         length is stored before the LIMIT that reaches it, and the run main
-        holds (_current, _ahead) is replaced by the settled one."""
+        holds (current, ahead) is replaced by the settled one."""
         settled, limit = self._fed_limit(run, yielded)
         if settled is not run:
             plan = settled.plan
@@ -153,14 +153,14 @@ class Runs:
         return limit
 
     def _fed_limit(self, run: Run, yielded: int) -> tuple[Run, int]:
-        """(the run, settled if its sampler just ended; its _limit()), the
+        """(the run, settled if its sampler just ended; its limit()), the
         indices below that limit written."""
         feed = run.plan.feed
         if feed is None or run.batches is None:
             return run, self.limit(run, yielded)
         # (needed=0: a failure is kept in the feed, not raised here: the epoch
         # that owns the run raises it at the batch it stopped (EpochHost))
-        if isinstance(feed, BatchFeed):  # its batches' offsets first: _limit reads them
+        if isinstance(feed, BatchFeed):  # its batches' offsets first: limit() reads them
             feed.feed_batches(max(min(yielded + self.loader.prefetch, run.plan.nbatches), 0),
                               needed=0)
         else:
@@ -181,7 +181,7 @@ class Runs:
     def start(self, epoch, resume: dict | None = None, snapshot=None,
                    yielded: int = 0) -> Run:
         """Start a pass over the data for `epoch` (see NOTE [ Runs ]);
-        yielded: see _limit."""
+        yielded: see limit()."""
         run_id = self.count + 1
         timeout = self.loader.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -370,8 +370,8 @@ class EpochHost:
     def epoch_ended(self, epoch: int, msg: _protocol.RunEnded, clock: EpochClock) -> None:
         """The epoch ran to its end: its figures for stats() and the trace."""
         self._owner.record_stats(epoch, msg, clock)
-        self.tracer.record(EPOCH, clock.t0, time.perf_counter_ns(), epoch, msg.batches,
-                           msg.samples, 1)
+        self.tracer.epoch(clock.t0, time.perf_counter_ns(), epoch=epoch, batches=msg.batches,
+                          samples=msg.samples, complete=True)
 
     def epoch_closed(self, epoch: int, run: Run, *, finished: bool, pending) -> None:
         """The iterator is done (ran to its end, or dropped early): batches

@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 import shmq
+from shmq import sync
 from loader.shared import control as _control
 from loader.shared import messages as _protocol
 from loader.batcher.batcher import batcher_main
@@ -181,7 +182,7 @@ class Session:
         copy_out_held() (NOTE [ Kept batch memory ])."""
         control = self.shared.control
         while True:
-            if shmq.atomic_load(control.ctl, _control.MEMORY_WAIT):
+            if sync.atomic_load(control.ctl, _control.MEMORY_WAIT):
                 try:
                     self.move_kept_out(partial_only=False)  # NOTE [ Kept batch memory ]
                 except MemoryError as e:
@@ -207,7 +208,7 @@ class Session:
                 continue
             except (shmq.PeerLost, shmq.Closed) as e:
                 self._report_dead_children(e)
-            if shmq.atomic_load(control.ctl, _control.OUTBOX):
+            if sync.atomic_load(control.ctl, _control.OUTBOX):
                 control.batcher_bell.ring()  # it has messages our full ring could not take
             now = time.monotonic()
             if now >= self.next_child_check:
@@ -220,7 +221,7 @@ class Session:
     def give_back(self, msg: _protocol.BatchReady) -> None:
         """A batch nobody will see: its slab is free at once."""
         if type(msg.slab) is not CopiedSlab:
-            shmq.atomic_store(self.shared.released, msg.slab.lease, msg.slab.generation)
+            sync.atomic_store(self.shared.released, msg.slab.lease, msg.slab.generation)
             self.shared.control.batcher_bell.ring()
 
     def copy_out(self, msg: _protocol.BatchReady) -> _protocol.BatchReady:

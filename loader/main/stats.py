@@ -30,9 +30,8 @@ process that works from one that wants a CPU and has none.  When other
 programs hold the CPUs, the loader's processes sit on a run queue: after
 a bell they are slow to wake (counted as waiting), and while loading
 they are slow to run (counted as busy), so the clocks show neither part
-saturated ("4 workers 53% busy") and the advice was to raise prefetch,
-which cannot help (issue 28, item 14: the README's first example failed
-the suite under -W error on a loaded machine).
+saturated ("4 workers 53% busy") and the advice would be to raise
+prefetch, which cannot help.
 
 So main also reads, at the epoch's start and end, the kernel's count of
 the time each task of the loading spent waiting on a run queue:
@@ -48,9 +47,7 @@ programs took.  Both at the epoch's ends only: a few dozen small reads.
   batcher's and the mean worker's (num_workers=0: the training thread's
   alone).  Added, because a batch passes the stages one after another:
   a starved main wakes late after each batch, then each worker wakes
-  late after LIMIT rises, and so on, each while the others sit idle
-  (measured under load: the training thread waited most, the workers
-  looked "31% busy").
+  late after LIMIT rises, and so on, each while the others sit idle.
 - other_programs_cpu_share: other programs' CPU time over (wall x CPUs);
   loader_cpu_share: the loader's own processes' (the training process's
   included).
@@ -65,19 +62,15 @@ would have waited at most STALL_SHARE of it (without_cpu_wait: the
 stages' waits come off the epoch and off the loop's wait; a worker's own
 wait off its busy time, the training thread's and the batcher's off the
 workers' idle time, as they waited for those).  Nothing in the loader
-would help; the summary line says what happened.  Measured with 4 busy
-programs on 2 CPUs: the README's first example took 8-22 s an epoch (its
-loop waiting 55-87%), 2-6 s less its most starved stage's wait, and its
-loop would have waited at most half; its thread-mode example 9-16 s
-(loop waiting 100%), 1-2 s less the wait.  Neither warns, however loaded
-the machine: a CPU-bound task's time less its run-queue wait is about
-its CPU time, which the load does not change.  A dataset that sleeps
-5-10 ms a sample (I/O) took 0.6-1.2 s an epoch where it takes 0.5 s
-alone, and its loop waited 97-100% with or without the wait for a CPU
-(a task that wakes is soon run, but its sleep cannot be run faster): a
-stall anyway.  Then the advice names what held the epoch up, judged on
-the shares without the wait, adds that other programs held the CPUs,
-and never falls back to raising prefetch.
+would help; the summary line says what happened.  A CPU-bound epoch so
+never warns, however loaded the machine: a CPU-bound task's time less
+its run-queue wait is about its CPU time, which the load does not
+change.  A dataset that sleeps (I/O) still stalls: a task that wakes is
+soon run, but its sleep cannot be run faster, so its loop waits with or
+without the wait for a CPU (the figures: docs/benchmarks.md, "Stalls
+when other programs hold the CPUs").  Then the advice names what held
+the epoch up, judged on the shares without the wait, adds that other
+programs held the CPUs, and never falls back to raising prefetch.
 
 Waiting for a CPU while the loader's own processes used CPU_BOUND of the
 CPUs (and other programs little) means they want more CPUs than there
@@ -92,14 +85,8 @@ import time
 import warnings
 from typing import NamedTuple
 
-import shmq
-
-
-class DataStallWarning(UserWarning):
-    """The training loop spent most of an epoch waiting for batches.  The
-    message says which part of the loader was the bottleneck and what to
-    change; ShmLoader.stats() has the figures.  Silence it with
-    warnings.filterwarnings("ignore", category=loader.DataStallWarning)."""
+from shmq import sync
+from loader.errors import DataStallWarning
 
 
 STALL_SHARE = 0.5        # warn when the loop waited more than this share of an epoch ...
@@ -114,7 +101,7 @@ def waited_ns(words, index: int) -> int:
     """The total a wait clock holds now (see NOTE [ Wait clocks ]).  The
     time is read after the word, so that a wait's start is never later
     than `now`: readings never go back."""
-    word = shmq.atomic_load(words, index)
+    word = sync.atomic_load(words, index)
     return word if word >= 0 else time.perf_counter_ns() - (-word - 1)
 
 
@@ -123,7 +110,7 @@ def start_idle(words) -> None:
     grows later) is idle, not busy, until its own clock starts."""
     now = time.perf_counter_ns()
     for i in range(len(words)):
-        shmq.atomic_store(words, i, -now - 1)
+        sync.atomic_store(words, i, -now - 1)
 
 
 class WaitClock:
@@ -134,16 +121,16 @@ class WaitClock:
         self.words, self.index = words, index
         self.total = waited_ns(words, index)  # the time before it started counts as waited
         self.since = 0
-        shmq.atomic_store(words, index, self.total)  # busy from now until its first wait
+        sync.atomic_store(words, index, self.total)  # busy from now until its first wait
 
     def begin(self) -> None:
         self.since = time.perf_counter_ns()
         # SYNC POINT: release store; main's acquire load (waited_ns) pairs with it
-        shmq.atomic_store(self.words, self.index, -(self.since - self.total) - 1)
+        sync.atomic_store(self.words, self.index, -(self.since - self.total) - 1)
 
     def end(self) -> None:
         self.total += time.perf_counter_ns() - self.since
-        shmq.atomic_store(self.words, self.index, self.total)
+        sync.atomic_store(self.words, self.index, self.total)
 
 
 class Task(NamedTuple):

@@ -55,7 +55,7 @@ class ThreadChild:
     """One worker or batcher thread, with the interface of a forked Child
     (main/procs.py): how it ended, what it left to say."""
 
-    def __init__(self, role, target, args):  # role: a _procs.Role
+    def __init__(self, role, target, args):  # role: a procs.Role
         self.role = role
         self._error = ""
         self._thread = threading.Thread(target=self._main, args=(target, args), daemon=True,

@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 import os
 
-from loader.shared.trace import (BATCH, COLLATE, EPOCH, LOAD, NAME, POOL, ROLE_BATCHER, ROLE_MAIN, RUN,
-                           WAIT, WRITE, create_beside)
+from loader.shared.trace import (BATCH, COLLATE, EPOCH, LOAD, NAME, NO_VALUE, POOL, ROLE_BATCHER,
+                                 ROLE_MAIN, RUN, WAIT, WRITE, create_beside)
 
 EPOCHS_TID_OFFSET = 1 << 30  # the synthetic "epochs" track of main's process
 
@@ -54,21 +54,18 @@ def trace_events(records, origin_ns: int) -> list[dict]:
         pid = whois.get(tid, (tid, 0))[0]
         at = {"pid": pid, "tid": tid, "ts": us(t0)}
         if kind == LOAD:
-            args = {"samples": c, "position": b, "epoch": d}
-            if a >= 0:
-                args["index"] = a
             events.append({"name": "load", "cat": "worker", "ph": "X", **at, "dur": us(t1) - us(t0),
-                           "args": args})
+                           "args": _given(samples=c, position=b, epoch=d, index=a)})
         elif kind == WRITE:
             events.append({"name": "write", "cat": "worker", "ph": "X", **at,
                            "dur": us(t1) - us(t0),
                            "args": {"position": a, "batch": b, "run": c, "rows": d}})
         elif kind == COLLATE:
             events.append({"name": "collate", "cat": "worker", "ph": "X", **at,
-                           "dur": us(t1) - us(t0), "args": {"batch": a, "samples": b, "run": c}})
+                           "dur": us(t1) - us(t0), "args": _given(batch=a, samples=b, run=c)})
         elif kind == BATCH:
             ident = f"{c}:{a}"
-            args = {"batch": a, "rows": b, "run": c, "epoch": epoch_of_run.get(c, -1)}
+            args = _given(batch=a, rows=b, run=c, epoch=epoch_of_run.get(c, NO_VALUE))
             events.append({"name": "batch", "cat": "batcher", "ph": "b", "id": ident, **at,
                            "args": args})
             events.append({"name": "batch", "cat": "batcher", "ph": "e", "id": ident,
@@ -86,12 +83,17 @@ def trace_events(records, origin_ns: int) -> list[dict]:
             track = {"pid": pid, "tid": EPOCHS_TID_OFFSET + tid}
             events.append({"name": "epoch", "cat": "main", "ph": "X", **track, "ts": us(t0),
                            "dur": us(t1) - us(t0),
-                           "args": {"epoch": a, "batches": b, "samples": c,
+                           "args": {**_given(epoch=a, batches=b, samples=c),
                                     "complete": bool(d)}})
             events.append({"name": f"epoch {a}", "cat": "main", "ph": "i", "s": "g", **track,
                            "ts": us(t0)})
     events.sort(key=lambda e: (e["ph"] != "M", e.get("ts", 0)))
     return events
+
+
+def _given(**values) -> dict:
+    """The values that apply: a word of NO_VALUE (None when recorded) is left out."""
+    return {k: v for k, v in values.items() if v != NO_VALUE}
 
 
 def _metadata(whois: dict) -> list[dict]:

@@ -76,6 +76,8 @@ from libc.string cimport memcpy
 import warnings
 import weakref
 
+from loader.errors import KeptBatchesShared
+
 cdef extern from *:
     """
     #include <errno.h>
@@ -156,13 +158,8 @@ cdef bint _own_fork = False          # the loader is forking one of its children
 _books = weakref.WeakSet()           # live LeaseBooks of this process
 
 
-class KeptBatchesShared(RuntimeWarning):
-    """A fork happened while batches were held and some could not be moved
-    out of the pool first: the child's views of them may change."""
-
-
 def forking_own_child(bint on):
-    """The loader's own forks (_procs._fork) set this: its children never
+    """The loader's own forks (procs._fork, main/procs.py) set this: its children never
     look at the batches main holds, so they need not move out first."""
     global _own_fork
     _own_fork = on

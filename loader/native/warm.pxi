@@ -7,13 +7,13 @@
 # NOTE [ Warming the arena ]
 # ==========================
 #
-# Fresh shared memory costs a page fault per 4 KiB on first touch: about
-# 1 GB/s, where a copy into touched memory runs at 5-20 GB/s.  And a page
-# is "touched" per process: each worker maps the arena itself, so a page
-# another process faulted in still costs this worker a (minor) fault.  A
-# new loader's first epochs used to pay both inside the workers' copies
-# (W1 epochs 1, 2, 3: 2.8, 10.3, 23.5 GB/s).  Now the work is done in bulk,
-# ahead of the copies, and only once per page per process:
+# Fresh shared memory costs a page fault per 4 KiB on first touch, many
+# times what a copy into touched memory costs.  And a page is "touched"
+# per process: each worker maps the arena itself, so a page another
+# process faulted in still costs this worker a (minor) fault.  A new
+# loader's first epochs used to pay both inside the workers' copies
+# (docs/benchmarks.md, W1: a new loader's first epochs).  Now the work is
+# done in bulk, ahead of the copies, and only once per page per process:
 #
 #   the batcher  a background thread (ArenaWarmer, batcher/warmup.py) allocates
 #                 the arena's pages with fallocate() on its memfd, from the

@@ -16,7 +16,7 @@ ShmLoader(batch_sampler=...) is pulled as the run's LIMIT moves (NOTE
         ─► [the sampler ended: settle_run stores the final KEPT, UNITS,
         NBATCHES] ─► store LIMIT (release)
   worker: claims a unit, loads it once below LIMIT (acquire) ─► reads its
-          index from the order file, mapped read-only (_shared.read_order)
+          index from the order file, mapped read-only (SharedState.read_order)
 
 - A sampler with a len(): the run's length is len(sampler) from the start
   (one that ends early is a ValueError naming both counts).

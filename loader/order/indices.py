@@ -27,8 +27,9 @@ native/permutation.pxi):
 - distributed=True: rank r takes every world-th position from r, wrapped
   round past n, exactly as torch's DistributedSampler cuts and pads
   (drop_last=False): shards disjoint but for the padding, and equal;
-- cost: O(1) to plan an epoch whatever n is, ~30-60 ns per index
-  (bench/scale.py), so a worker computes each index as it claims it.
+- cost: O(1) to plan an epoch whatever n is, and a few rounds of
+  arithmetic per index (docs/benchmarks.md, SCALE), so a worker computes
+  each index as it claims it.
 
 The order of a seed differs from the one before state format 2 (numpy's
 default_rng([seed, epoch]).permutation(n)), so a state of an epoch in

@@ -92,7 +92,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-import shmq
+from shmq import sync
 from loader._native import Bell  # an eventcount: see its docstring
 
 # --- ctl words (int64) ---------------------------------------------------------
@@ -165,10 +165,10 @@ class Control:
     as every process sees them."""
 
     def __init__(self, num_workers: int):
-        self.ctl = shmq.shared_array(CTL_WORDS, np.int64)
-        self.limits = shmq.shared_array(2 * max(num_workers, 1), np.int64)
+        self.ctl = sync.shared_array(CTL_WORDS, np.int64)
+        self.limits = sync.shared_array(2 * max(num_workers, 1), np.int64)
         self.num_workers = num_workers
-        self.bells = shmq.shared_array(BELL_WORDS, np.int32)
+        self.bells = sync.shared_array(BELL_WORDS, np.int32)
         self.run_bell = Bell(self.bells, RUN_BELL)
         self.limit_bell = Bell(self.bells, LIMIT_BELL)
         self.table_bell = Bell(self.bells, TABLE_BELL)
@@ -198,8 +198,8 @@ class Control:
         if per_worker:
             first = (run % 2) * max(self.num_workers, 1)
             self.limits[first:first + len(limit)] = limit
-        shmq.atomic_store(c, word(run, CURSOR), tagged(run))
-        shmq.atomic_store(c, LATEST_RUN, run)  # SYNC POINT: last; pairs with latest_run()
+        sync.atomic_store(c, word(run, CURSOR), tagged(run))
+        sync.atomic_store(c, LATEST_RUN, run)  # SYNC POINT: last; pairs with latest_run()
         self.run_bell.ring()
         self.batcher_bell.ring()
 
@@ -207,8 +207,8 @@ class Control:
         """Workers stop claiming units of the run.  A plain store is enough:
         a claim's compare-and-swap fails on any other value."""
         i = word(run, CURSOR)
-        if shmq.atomic_load(self.ctl, i) >> RUN_SHIFT == run:
-            shmq.atomic_store(self.ctl, i, 0)
+        if sync.atomic_load(self.ctl, i) >> RUN_SHIFT == run:
+            sync.atomic_store(self.ctl, i, 0)
         self.limit_bell.ring()   # workers waiting to load its units
         self.table_bell.ring()   # workers waiting for its layouts
 
@@ -216,56 +216,56 @@ class Control:
         """An OPEN run's final length, stored before the LIMIT that
         reaches it (set_limit's release store publishes these too)."""
         for which, value in ((SIZE, kept), (KEPT, kept), (NBATCHES, nbatches), (UNITS, units)):
-            shmq.atomic_store(self.ctl, word(run, which), value)
+            sync.atomic_store(self.ctl, word(run, which), value)
         self.limit_bell.ring()   # workers waiting for a unit now past the end
 
     def kept(self, run: int) -> int:
         """The run's KEPT as stored now (an OPEN run's may still change)."""
-        return shmq.atomic_load(self.ctl, word(run, KEPT))
+        return sync.atomic_load(self.ctl, word(run, KEPT))
 
     def nbatches(self, run: int) -> int:
-        return shmq.atomic_load(self.ctl, word(run, NBATCHES))
+        return sync.atomic_load(self.ctl, word(run, NBATCHES))
 
     def units(self, run: int) -> int:
-        return shmq.atomic_load(self.ctl, word(run, UNITS))
+        return sync.atomic_load(self.ctl, word(run, UNITS))
 
     def set_limit(self, run: int, limit: int) -> None:
-        shmq.atomic_store(self.ctl, word(run, LIMIT), limit)
+        sync.atomic_store(self.ctl, word(run, LIMIT), limit)
         self.limit_bell.ring()
 
     def raise_worker_limit(self, run: int, worker: int) -> None:
         """An iterable run: worker may fill one more batch."""
-        shmq.atomic_add(self.limits, (run % 2) * max(self.num_workers, 1) + worker, 1)
+        sync.atomic_add(self.limits, (run % 2) * max(self.num_workers, 1) + worker, 1)
         self.limit_bell.ring()
 
     def set_active(self, active: int) -> None:
         """num_workers="auto": how many workers may claim units now."""
-        shmq.atomic_store(self.ctl, ACTIVE, active)
+        sync.atomic_store(self.ctl, ACTIVE, active)
         self.run_bell.ring()   # waiting workers look again
 
     def active(self) -> int:
-        return shmq.atomic_load(self.ctl, ACTIVE)
+        return sync.atomic_load(self.ctl, ACTIVE)
 
     def stop(self) -> None:
-        shmq.atomic_store(self.ctl, STOP, 1)
+        sync.atomic_store(self.ctl, STOP, 1)
         self.ring_all()
 
     # --- everyone ------------------------------------------------------------
 
     @property
     def stopped(self) -> bool:
-        return shmq.atomic_load(self.ctl, STOP) != 0
+        return sync.atomic_load(self.ctl, STOP) != 0
 
     def latest_run(self) -> int:
-        return shmq.atomic_load(self.ctl, LATEST_RUN)
+        return sync.atomic_load(self.ctl, LATEST_RUN)
 
     def read(self, run: int, which: int) -> int:
         return int(self.ctl[word(run, which)])
 
     def live(self, run: int) -> bool:
-        return shmq.atomic_load(self.ctl, word(run, CURSOR)) >> RUN_SHIFT == run
+        return sync.atomic_load(self.ctl, word(run, CURSOR)) >> RUN_SHIFT == run
 
     def claimed(self, run: int) -> int:
         """Units of a live run claimed so far (-1 once it ended)."""
-        v = shmq.atomic_load(self.ctl, word(run, CURSOR))
+        v = sync.atomic_load(self.ctl, word(run, CURSOR))
         return v & ((1 << RUN_SHIFT) - 1) if v >> RUN_SHIFT == run else -1

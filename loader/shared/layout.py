@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from loader.errors import BatchMismatch, CollateError, UnsupportedLeaf
 from loader.shared.class_identity import found_by_name
 from loader.shared.optional import imported_torch
 
@@ -139,21 +140,6 @@ class Spec(NamedTuple):
     structure: object
     leaves: tuple
     rows_values: tuple | None = None  # rows' values by reference: see Layout.spec
-
-
-class CollateError(ValueError):
-    """Samples of a batch cannot be stacked into one layout."""
-
-
-class BatchMismatch(CollateError, RuntimeError):
-    """The samples of a batch differ in structure or shape (torch's
-    default_collate raises RuntimeError there, so this is one too)."""
-
-
-class UnsupportedLeaf(CollateError, TypeError):
-    """A leaf shared memory cannot hold as it is: an array of Python
-    objects, an ndarray subclass (torch's default_collate raises
-    TypeError there, so this is one too)."""
 
 
 # --- structure -------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 import shmq
+from shmq import sync
 from loader.shared import messages as _protocol
 from loader.shared.control import Control
 from loader._native import arena_array
@@ -27,8 +28,8 @@ from loader.main.threads import ThreadRing
 # writes ]), and a message over SPILL_BYTES (64 KiB) travels in the spill
 # heap (NOTE [ Spilled messages ]): the rings carry small records only.
 # Every page of a ring is in use once its positions have gone round it
-# (W12: all 12 MiB of 8 + 4 MiB rings after an epoch), so a ring is sized
-# for a burst of small records, not for its largest possible message.
+# (docs/benchmarks.md, "W12's memory"), so a ring is sized for a burst of
+# small records, not for its largest possible message.
 TO_BATCHER_BYTES = 1 << 20
 TO_MAIN_BYTES = 1 << 20
 
@@ -156,12 +157,12 @@ class SharedState:
         except BaseException:
             os.close(self.arena_fd)
             raise
-        self.released = shmq.shared_array(MAX_LEASES, np.int64)
+        self.released = sync.shared_array(MAX_LEASES, np.int64)
         workers = max(cfg.num_workers, cfg.max_workers, 1)  # ids of workers added later too
-        self.hazards = shmq.shared_array(workers, np.int64)
+        self.hazards = sync.shared_array(workers, np.int64)
         # wait clocks, one per worker id and the batcher's last (NOTE [ Wait clocks ]
         # in main/stats.py): for stats() and num_workers="auto"
-        self.waited = shmq.shared_array(workers + 1, np.int64)
+        self.waited = sync.shared_array(workers + 1, np.int64)
         start_idle(self.waited)
         # Process mode: a spill region per worker id, and the batcher's last.
         self.spill = None if cfg.threads else SpillHeap(workers + 1)
@@ -278,8 +279,9 @@ class SharedState:
 
 # A BatchReady as the batcher puts it into the to_main ring: plain tuples
 # and ints, no class.  Unpickling a class costs an import lookup and a call
-# of its Python __new__; the BatchReady of a W12 batch (5 named tuples)
-# took 4.4-7.5 us to unpickle in main, on every batch, its wire form 0.4 us.
+# of its Python __new__, for each of a BatchReady's named tuples, on every
+# batch: the wire form unpickles an order of magnitude faster (docs/
+# benchmarks.md, "W12: main's per-batch path").
 # Every message is whole in itself (no spec sent once and referred to), so
 # a message lost to a Ctrl-C leaves nothing behind it inconsistent.
 # No other message travels as a plain tuple: receive() tells them apart so.

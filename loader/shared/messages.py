@@ -15,7 +15,7 @@ NOTE [ ShmLoader processes and shutdown ]
 
 Main never sends anything: it starts runs, raises limits and stops the
 others by storing ctl words and ringing bells, so no state of the children
-can block it.  All shared memory is anonymous (shmq.shared_array, memfds,
+can block it.  All shared memory is anonymous (shmq.sync.shared_array, memfds,
 anonymous queues in memfds) and created before the fork: nothing has a
 name, so no crash of any process can leave anything in /dev/shm.  The
 rings carry small records only: a message larger than SPILL_BYTES travels
@@ -124,19 +124,25 @@ class Joined(NamedTuple):
     first_run: int
 
 
-NO_SHORT_BATCH = -1   # Done.last_batch: the stream ended on a full batch (or the run first)
-HOLES_TO_CLOSE = -2   # Done.last_batch: its open batches have holes to close up (a shuffle
-                      # buffer's last batches)
+class StreamEnd(NamedTuple):
+    """How a worker's stream of an iterable run ended: its short last batch
+    and that batch's rows (None: it ended on a full batch, or the run ended
+    first), or holes_to_close: its open batches have holes for the batcher
+    to close up (a shuffle buffer's last batches)."""
+    last_batch: int | None = None
+    last_rows: int = 0
+    holes_to_close: bool = False
+
+
+NO_STREAM_END = StreamEnd()  # a map-style run's, or a stream's with nothing to send
 
 
 class Done(NamedTuple):
-    """The worker will not write into the run any more.  Iterable runs:
-    last_batch is its stream's short last batch and last_rows that batch's
-    rows, or NO_SHORT_BATCH, or HOLES_TO_CLOSE."""
+    """The worker will not write into the run any more (stream_end: how its
+    stream ended, for an iterable run)."""
     run: int
     worker: int
-    last_batch: int
-    last_rows: int
+    stream_end: StreamEnd = NO_STREAM_END
 
 
 class DatasetState(NamedTuple):
@@ -162,7 +168,7 @@ class DatasetState(NamedTuple):
 class BatchReady(NamedTuple):
     run: int
     batch: int
-    slab: Any      # _slabs.Slab
+    slab: Any      # Slab (batcher/slabs.py)
     spec: Any      # the batch tree (_layout.spec)
     tags: int      # offset in the slab of the rows' tags (int64 each; see _layout.Layout)
     rows: int
@@ -231,7 +237,7 @@ class Failed(NamedTuple):
     batch: int | None   # the batch it spoils, in in-order mode: main raises when it gets
                         # there; None: raise at once.  First-ready mode (raised at once):
                         # a batch given up (refused, or a sample that could not be placed),
-                        # which main counts as handed out; None or -1: no batch is lost
+                        # which main counts as handed out; None: no batch is lost
     pos: int | None     # position in the run's order; None when not about one sample
     index: int | None   # dataset index; None when not known
     worker: int | None  # None: the batcher

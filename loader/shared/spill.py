@@ -15,8 +15,8 @@ record (region, pos, nbytes) travels in its place:
   * a row's values (SpillWriter.values_ref, sent inside a RowValues): the
     batcher does not open the block.  It keeps the record, puts it into
     the batch's spec, and main decodes it once, at receipt of the batch
-    (SpillHeap.resolve).  A batch the batcher drops frees its rows'
-    blocks unopened (SpillHeap.free).  One copy into the heap, one copy
+    (SpillHeap.values).  A batch the batcher drops frees its rows'
+    blocks unopened (SpillHeap.free_values).  One copy into the heap, one copy
     out, whatever the size: bytes and str leaves are stored raw (not
     pickled) and come back as a new bytes or str.
 
@@ -78,6 +78,7 @@ from typing import NamedTuple
 import numpy as np
 
 import shmq
+from shmq import sync
 from shmq.codec import encode
 
 from loader.shared.class_identity import forked_class_reduce
@@ -122,7 +123,7 @@ class SpillHeap:
         self.fd = os.memfd_create("shmloader-spill", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, regions * self.region_bytes)
-            self.words = shmq.shared_array(regions * _REGION_WORDS, np.int64)
+            self.words = sync.shared_array(regions * _REGION_WORDS, np.int64)
         except BaseException:
             os.close(self.fd)
             raise
@@ -176,7 +177,7 @@ class SpillHeap:
         """The block is read: its writer may reuse it."""
         # SYNC POINT: release store; the writer's acquire load of FREED
         # (SpillWriter._reclaim) pairs with it.
-        shmq.atomic_store(self.header(ref.region, ref.pos), FREED, 1)
+        sync.atomic_store(self.header(ref.region, ref.pos), FREED, 1)
 
     def receive(self, msg):
         """msg itself, or the message a Spilled record stands for (its block
@@ -228,7 +229,7 @@ class SpillWriter:
         self.touched = max((end for _, end in self.runs), default=0)
 
     def _word(self, name: int) -> int:
-        return shmq.atomic_load(self.heap.words, self.heap.word(self.region_id, name))
+        return sync.atomic_load(self.heap.words, self.heap.word(self.region_id, name))
 
     def put(self, ring, msg, timeout=None) -> None:
         """Send msg through ring (a shmq.Queue), spilled if its encoding is
@@ -314,9 +315,9 @@ class SpillWriter:
         if self.blocks:
             heap.header(self.region_id, self.blocks[-1][0])[NEXT] = pos
         self._track(pos, n)
-        shmq.atomic_store(heap.words, heap.word(self.region_id, LAST), pos)
+        sync.atomic_store(heap.words, heap.word(self.region_id, LAST), pos)
         if len(self.blocks) == 1:
-            shmq.atomic_store(heap.words, heap.word(self.region_id, FIRST), pos)
+            sync.atomic_store(heap.words, heap.word(self.region_id, FIRST), pos)
         self.touched = max(self.touched, pos + n)
         if pos == 0:
             self._give_back_beyond(window)
@@ -340,7 +341,7 @@ class SpillWriter:
         heap, region, moved = self.heap, self.region_id, False
         # SYNC POINT: acquire load; the reader's release store of FREED
         # (SpillHeap.free) pairs with it: the block's bytes are read.
-        while self.blocks and shmq.atomic_load(heap.header(region, self.blocks[0][0]), FREED):
+        while self.blocks and sync.atomic_load(heap.header(region, self.blocks[0][0]), FREED):
             _, n = self.blocks.popleft()
             self.live -= n
             run = self.runs[0]
@@ -350,7 +351,7 @@ class SpillWriter:
             moved = True
         if moved:
             first = self.blocks[0][0] if self.blocks else -1
-            shmq.atomic_store(heap.words, heap.word(region, FIRST), first)
+            sync.atomic_store(heap.words, heap.word(region, FIRST), first)
 
     def _give_back_beyond(self, window: int) -> None:
         """Pages past the window that a rare huge message touched go back to
@@ -359,7 +360,7 @@ class SpillWriter:
         if self.touched > top:
             start = whole_pages(top)
             if start < self.touched:
-                shmq.discard_pages(self.heap.span(self.region_id, start, self.touched))
+                sync.discard_pages(self.heap.span(self.region_id, start, self.touched))
             self.touched = top
 
 

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import shmq
+from shmq import sync
 
 STAMP, OFFSET, ROWS, DIGEST0, DIGEST1, FILLED, TOKEN, SEQ = range(8)
 WORDS = 8  # per entry: one 64-byte line, so entries never share a cache line
@@ -98,7 +98,7 @@ class BatchTable:
 
     def __init__(self, per_run: int):
         self.per_run = per_run
-        self.words = shmq.shared_array(2 * per_run * WORDS, np.int64)
+        self.words = sync.shared_array(2 * per_run * WORDS, np.int64)
 
     def entry(self, run: int, batch: int) -> int:
         return (run % 2) * self.per_run + batch % self.per_run
@@ -107,15 +107,15 @@ class BatchTable:
         return self.entry(run, batch) * WORDS
 
     def filled_word(self, run: int, batch: int) -> int:
-        return shmq.atomic_load(self.words, self.base(run, batch) + FILLED)
+        return sync.atomic_load(self.words, self.base(run, batch) + FILLED)
 
     # --- batcher side: every change inside a SEQ window -----------------------
 
     def _begin(self, base: int) -> None:
-        shmq.atomic_add(self.words, base + SEQ, 1)  # SYNC POINT: odd; seq_cst (hazards)
+        sync.atomic_add(self.words, base + SEQ, 1)  # SYNC POINT: odd; seq_cst (hazards)
 
     def _end(self, base: int) -> None:
-        shmq.atomic_add(self.words, base + SEQ, 1)  # even: a new snapshot
+        sync.atomic_add(self.words, base + SEQ, 1)  # even: a new snapshot
 
     def publish(self, run, batch, offset, token, layout, version, flags, count=0) -> None:
         w, base = self.words, self.base(run, batch)
@@ -124,8 +124,8 @@ class BatchTable:
         w[base + ROWS] = layout.rows
         w[base + DIGEST0], w[base + DIGEST1] = layout.digest
         w[base + TOKEN] = token
-        shmq.atomic_store(w, base + FILLED, ((flags | version) << 32) | count)
-        shmq.atomic_store(w, base + STAMP, stamp(run, batch))
+        sync.atomic_store(w, base + FILLED, ((flags | version) << 32) | count)
+        sync.atomic_store(w, base + STAMP, stamp(run, batch))
         self._end(base)
 
     def publish_refused(self, run: int, batch: int) -> None:
@@ -138,14 +138,14 @@ class BatchTable:
         w[base + ROWS] = 0
         w[base + DIGEST0], w[base + DIGEST1] = 0, 0
         w[base + TOKEN] = 0
-        shmq.atomic_store(w, base + FILLED, REFUSED << 32)
-        shmq.atomic_store(w, base + STAMP, stamp(run, batch))
+        sync.atomic_store(w, base + FILLED, REFUSED << 32)
+        sync.atomic_store(w, base + STAMP, stamp(run, batch))
         self._end(base)
 
     def unpublish(self, run: int, batch: int) -> None:
         base = self.base(run, batch)
         self._begin(base)
-        shmq.atomic_store(self.words, base + STAMP, 0)
+        sync.atomic_store(self.words, base + STAMP, 0)
         self._end(base)
 
     def _cas_filled(self, base: int, change) -> int:
@@ -153,8 +153,8 @@ class BatchTable:
         returns the value replaced."""
         w, i = self.words, base + FILLED
         while True:
-            old = shmq.atomic_load(w, i)
-            if shmq.atomic_cas(w, i, old, change(old)):
+            old = sync.atomic_load(w, i)
+            if sync.atomic_cas(w, i, old, change(old)):
                 return old
 
     def replace_if_uncounted(self, run: int, batch: int) -> bool:
@@ -171,7 +171,7 @@ class BatchTable:
 
         replaced = not count_of(self._cas_filled(base, change))
         if replaced:
-            shmq.atomic_store(self.words, base + STAMP, 0)
+            sync.atomic_store(self.words, base + STAMP, 0)
         self._end(base)
         return replaced
 
@@ -182,7 +182,7 @@ class BatchTable:
         self._begin(base)
         old = self._cas_filled(base, lambda old: (
             ((flags_of(old) | ((version_of(old) + 1) & VERSION_MASK)) << 32) | count_of(old)))
-        shmq.atomic_store(self.words, base + STAMP, 0)
+        sync.atomic_store(self.words, base + STAMP, 0)
         self._end(base)
         return count_of(old)
 
@@ -199,8 +199,8 @@ class BatchTable:
         the version changed (the row went into a replaced slab)."""
         w, i = self.words, self.base(run, batch) + FILLED
         while True:
-            old = shmq.atomic_load(w, i)
+            old = sync.atomic_load(w, i)
             if version_of(old) != version:
                 return -1
-            if shmq.atomic_cas(w, i, old, old + 1):
+            if sync.atomic_cas(w, i, old, old + 1):
                 return count_of(old) + 1

@@ -4,14 +4,22 @@ fixed-size records every process appends while it works.
 NOTE [ Trace records ]
 ~~~~~~~~~~~~~~~~~~~~~~
 Main maps one array of int64 words in anonymous shared memory before it
-forks anything (shmq.shared_array: no name, so nothing to leak; pages are
-taken only as records fill them).  Every process of the loader, and every
-process it forks later (a respawned pool, num_workers="auto" growing),
-inherits the mapping; worker threads share it.
+forks anything (shmq.sync.shared_array: no name, so nothing to leak;
+pages are taken only as records fill them).  Every process of the
+loader, and every process it forks later (a respawned pool,
+num_workers="auto" growing), inherits the mapping; worker threads share
+it.
 
     words[0]                   CLAIMED: records handed out in chunks so far
     words[1]                   DROPPED: records not written, the log being full
     words[8 + 8*i : 16 + 8*i]  record i: tid, t0, t1, a, b, c, d, kind
+
+A record is written by the Tracer's method of its kind, with keywords
+(Tracer.load(..., index=, position=, ...)): what a, b, c and d hold per
+kind is said there and beside the kinds below, and read back in one
+place (main/trace_json.py).  A value that does not apply (a batch's load
+has no single index; an epoch left early has no sample count) is None in
+Python and NO_VALUE (-1) in its word.
 
 A writer claims CHUNK records at a time with one atomic fetch-add on
 CLAIMED and fills them in order, each with one struct.pack_into, which
@@ -44,8 +52,8 @@ import struct
 import threading
 import time
 
-import shmq
-from loader.errors import TraceWriteError
+from shmq import sync
+from loader.errors import ArgumentTypeError, TraceWriteError
 
 HEADER_WORDS = 8
 RECORD_WORDS = 8
@@ -55,9 +63,9 @@ CHUNK = 64                   # records a writer claims at a time
 CAPACITY_RECORDS = 1 << 20   # 64 MiB at most, only as far as it fills
 _RECORD = struct.Struct("8q")
 
-# kinds (0: not written)
+# kinds (0: not written), and what a, b, c, d hold: the Tracer's method of each
 NAME = 1      # a tracer started: t0 = when; a = pid; b = role (ROLE_*, or a worker id >= 0)
-LOAD = 2      # dataset[i] / __getitems__: a = index (-1: a batch), b = position,
+LOAD = 2      # dataset[i] / __getitems__ / next(it): a = index, b = position,
               # c = samples, d = epoch
 WRITE = 3     # a worker's write into the slab: a = position, b = batch, c = run, d = rows
 COLLATE = 4   # a collate_fn in a worker: a = batch, b = samples, c = run
@@ -67,6 +75,8 @@ POOL = 7      # slab pool occupancy: a = bytes in use, b = capacity
 WAIT = 8      # the training loop in next(): a = epoch
 EPOCH = 9     # an epoch from its first next() to its end: a = epoch, b = batches,
               # c = samples, d = 1 if it ran to its end, else 0
+
+NO_VALUE = -1  # the word of a value that does not apply (None): see the NOTE
 
 ROLE_BATCHER = -1
 ROLE_MAIN = -2
@@ -80,8 +90,8 @@ def check_path(path) -> str:
     try:
         path = os.fspath(path)
     except TypeError:
-        raise TypeError(f"trace must be a path (str or os.PathLike) to write a JSON file to, "
-                        f"got {type(path).__name__}") from None
+        raise ArgumentTypeError(f"trace must be a path (str or os.PathLike) to write a JSON file "
+                                f"to, got {type(path).__name__}") from None
     if isinstance(path, bytes):
         path = os.fsdecode(path)
     folder = os.path.dirname(os.path.abspath(path))
@@ -124,7 +134,7 @@ class TraceLog:
     def __init__(self, path, capacity: int = CAPACITY_RECORDS):
         self.path = check_path(path)
         self.capacity = capacity
-        self.words = shmq.shared_array(HEADER_WORDS + RECORD_WORDS * capacity, "int64")
+        self.words = sync.shared_array(HEADER_WORDS + RECORD_WORDS * capacity, "int64")
         self.origin = now()  # the JSON's time zero
         self.written = False
         self.failed = False  # the last attempt raised TraceWriteError
@@ -133,7 +143,7 @@ class TraceLog:
         """This process's (or thread's) writer, announcing itself with a
         NAME record."""
         t = Tracer(self, role)
-        t.record(NAME, now(), 0, os.getpid(), role, 0, 0)
+        t.named(now(), pid=os.getpid(), role=role)
         return t
 
     def records(self):
@@ -181,8 +191,45 @@ class Tracer:
         self.role = role
         self.next = self.end = 0  # the chunk being filled: records [next, end)
 
-    def record(self, kind: int, t0: int, t1: int, a: int = 0, b: int = 0, c: int = 0,
-               d: int = 0) -> None:
+    # --- one method per kind of record (see the kinds above) -----------------------------
+
+    def named(self, t0: int, *, pid: int, role: int) -> None:
+        self._record(NAME, t0, 0, pid, role, 0, 0)
+
+    def load(self, t0: int, t1: int, *, index: int | None, position: int, samples: int,
+             epoch: int) -> None:
+        """dataset[index]; index None: a batch's __getitems__, or a stream's
+        next() (position: the sample's number in the stream)."""
+        self._record(LOAD, t0, t1, NO_VALUE if index is None else index, position, samples,
+                     epoch)
+
+    def write(self, t0: int, t1: int, *, position: int, batch: int, run: int,
+              rows: int) -> None:
+        self._record(WRITE, t0, t1, position, batch, run, rows)
+
+    def collate(self, t0: int, t1: int, *, batch: int | None, samples: int, run: int) -> None:
+        """batch None: first-ready, where the batch is known once placed."""
+        self._record(COLLATE, t0, t1, NO_VALUE if batch is None else batch, samples, run, 0)
+
+    def batch(self, t0: int, t1: int, *, batch: int, rows: int, run: int) -> None:
+        self._record(BATCH, t0, t1, batch, rows, run, 0)
+
+    def run_started(self, t0: int, *, run: int, epoch: int) -> None:
+        self._record(RUN, t0, 0, run, epoch, 0, 0)
+
+    def pool(self, t0: int, *, in_use: int, capacity: int) -> None:
+        self._record(POOL, t0, 0, in_use, capacity, 0, 0)
+
+    def wait(self, t0: int, t1: int, *, epoch: int) -> None:
+        self._record(WAIT, t0, t1, epoch, 0, 0, 0)
+
+    def epoch(self, t0: int, t1: int, *, epoch: int, batches: int | None, samples: int | None,
+              complete: bool) -> None:
+        """batches, samples: None when the epoch was left early, uncounted."""
+        self._record(EPOCH, t0, t1, epoch, NO_VALUE if batches is None else batches,
+                     NO_VALUE if samples is None else samples, int(complete))
+
+    def _record(self, kind: int, t0: int, t1: int, a: int, b: int, c: int, d: int) -> None:
         i = self.next
         if i == self.end:
             i = self._claim()
@@ -194,9 +241,9 @@ class Tracer:
                   kind)
 
     def _claim(self) -> int:
-        first = shmq.atomic_add(self.words, CLAIMED, CHUNK)
+        first = sync.atomic_add(self.words, CLAIMED, CHUNK)
         if first + CHUNK > self.capacity:
-            shmq.atomic_add(self.words, DROPPED, 1)
+            sync.atomic_add(self.words, DROPPED, 1)
             return -1
         self.next, self.end = first, first + CHUNK
         return first
@@ -204,24 +251,26 @@ class Tracer:
     # --- hooks: what each process records ------------------------------------------
 
     def traced_load(self, load):
-        """A worker's _load(epoch, index, pos), recording a LOAD."""
-        record = self.record
+        """A worker's _load(epoch, index, pos), recording a LOAD (a
+        sampler's index that is not an int is recorded without it)."""
+        record = self.load
 
         def traced(epoch, index, pos):
             t0 = now()
             sample = load(epoch, index, pos)
-            record(LOAD, t0, now(), index if type(index) is int else -1, pos, 1, epoch)
+            record(t0, now(), index=index if type(index) is int else None, position=pos,
+                   samples=1, epoch=epoch)
             return sample
         return traced
 
     def traced_collate(self, collate):
         """A worker's _collate(run, batch, samples), recording a COLLATE."""
-        record = self.record
+        record = self.collate
 
         def traced(run, batch, samples):
             t0 = now()
             out = collate(run, batch, samples)
-            record(COLLATE, t0, now(), batch, len(samples), run)
+            record(t0, now(), batch=batch, samples=len(samples), run=run)
             return out
         return traced
 
@@ -232,7 +281,7 @@ class Tracer:
 
     def batch_sent(self, run: int, batch: int, rows: int, when: dict) -> None:
         t1 = now()
-        self.record(BATCH, when.pop((run, batch), t1), t1, batch, rows, run)
+        self.batch(when.pop((run, batch), t1), t1, batch=batch, rows=rows, run=run)
 
     def run_ended(self, run: int, when: dict) -> None:
         """Forget the run's batches laid out and never sent (dropped)."""
@@ -244,14 +293,14 @@ class TracedWriter:
     """A worker's RowWriter whose place() records a WRITE."""
 
     def __init__(self, writer, tracer: Tracer):
-        self.writer, self.record = writer, tracer.record
+        self.writer, self.record = writer, tracer.write
 
     def place(self, run, batch, row, rows, pos, sample, batched=True):
         t0 = now()
         try:
             return self.writer.place(run, batch, row, rows, pos, sample, batched=batched)
         finally:
-            self.record(WRITE, t0, now(), pos, batch, run, rows)
+            self.record(t0, now(), position=pos, batch=batch, run=run, rows=rows)
 
     def __getattr__(self, name):
         return getattr(self.writer, name)
@@ -261,7 +310,16 @@ class NoTracer:
     """Trace off: every hook does nothing (the batcher's and main's few
     per-batch calls; the per-sample paths are not wrapped at all)."""
 
-    def record(self, *args) -> None:
+    def run_started(self, t0, **record) -> None:
+        pass
+
+    def pool(self, t0, **record) -> None:
+        pass
+
+    def wait(self, t0, t1, **record) -> None:
+        pass
+
+    def epoch(self, t0, t1, **record) -> None:
         pass
 
     def batch_laid_out(self, run, batch, when) -> None:

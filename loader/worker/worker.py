@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-import shmq
+from shmq import sync
 from loader.shared import control as _control
 from loader.worker import fetch as _fetch
 from loader.order import indices as _order
@@ -22,7 +22,7 @@ from loader.worker.seeding import (U64, Generators, SampleSeeder, WorkerInfo, se
 from loader.shared.memory import LoaderConfig, SharedState
 from loader.main.stats import WaitClock
 from loader.shared.table import SEQ
-from loader.shared.trace import LOAD, TracedWriter, now
+from loader.shared.trace import TracedWriter, now
 from loader.shared.optional import imported_torch
 from loader.datasets.own_state import CopyState, RunDataset
 
@@ -33,8 +33,8 @@ from loader.datasets.own_state import CopyState, RunDataset
 # worker keeps them: at most MALLOC_KEEP_BYTES freed at the top, buffers
 # up to half that from the heap.  (glibc's own dynamic thresholds get
 # there only after an early large free, which importing torch happens to
-# make: W11's decode ran 1.9 ms a sample in a worker forked before torch
-# was imported, 1.4 ms after, and 1.4 ms with these thresholds.)
+# make, so a worker forked before torch was imported paid for it: W11's
+# decode in docs/benchmarks.md.)
 MALLOC_KEEP_BYTES = 64 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (<malloc.h>)
 
@@ -117,9 +117,8 @@ class Channel:
         self.send(_protocol.Failed(run=run, batch=batch, pos=pos, index=index, worker=self.me,
                                    pid=self.pid, error=_protocol.ErrorReport.of(exc, where)))
 
-    def done(self, run, last_batch=_protocol.NO_SHORT_BATCH, last_rows=0):
-        self.send(_protocol.Done(run=run, worker=self.me, last_batch=last_batch,
-                                 last_rows=last_rows))
+    def done(self, run, stream_end: _protocol.StreamEnd):
+        self.send(_protocol.Done(run=run, worker=self.me, stream_end=stream_end))
 
     def wait_for_entry(self, run, batch, base, seq_seen) -> bool:
         """Until the table entry at `base` changes (its SEQ word), the batch
@@ -128,8 +127,8 @@ class Channel:
         finished = _control.word(run, _control.FINISHED)
 
         def ready():
-            return (not c.live(run) or c.stopped or shmq.atomic_load(words, base + SEQ) != seq_seen
-                    or shmq.atomic_load(c.ctl, finished) > batch)
+            return (not c.live(run) or c.stopped or sync.atomic_load(words, base + SEQ) != seq_seen
+                    or sync.atomic_load(c.ctl, finished) > batch)
 
         self.sleeper.until(c.table_bell, ready)
         return c.live(run) and not c.stopped
@@ -180,7 +179,7 @@ class Worker:
         while (latest := self._wait_for_run(seen)) is not None:
             for run in range(seen + 1, latest + 1):
                 ended = self._one_run(run)
-                self.channel.done(run, *ended)  # after this worker's last write into the run
+                self.channel.done(run, ended)  # after this worker's last write into the run
             seen = latest
 
     def _wait_for_run(self, seen: int) -> int | None:
@@ -212,11 +211,11 @@ class Worker:
                 self.broken = True
                 self.channel.failed(e, f"in worker_init_fn of worker {self.id}", run=run)
 
-    def _one_run(self, run: int) -> tuple[int, int]:
-        """Load this worker's part of the run.  Returns what Done says of an
-        iterable run's stream (see _stream_run), else (NO_SHORT_BATCH, 0)."""
+    def _one_run(self, run: int) -> _protocol.StreamEnd:
+        """Load this worker's part of the run.  Returns how an iterable run's
+        stream ended (see _stream_run), else NO_STREAM_END."""
         if not self.control.live(run):
-            return _protocol.NO_SHORT_BATCH, 0
+            return _protocol.NO_STREAM_END
         if not self.started:
             self._start(run)
         carried = self.shared.read_snapshot(run) if self.control.read(run, _control.SNAPSHOT) \
@@ -224,7 +223,7 @@ class Worker:
         if self.own is not None:  # before anything of the run is loaded, broken or not
             self.own.begin(run, carried.states, usable=not self.broken)
         if self.broken:
-            return _protocol.NO_SHORT_BATCH, 0
+            return _protocol.NO_STREAM_END
         if carried.snapshot is not None:  # the epoch's dataset view (FileDataset)
             self.cfg.dataset.restore_snapshot(carried.snapshot)
         ended = self._load_run(run, carried.states)
@@ -232,7 +231,7 @@ class Worker:
             self.own.end(run)
         return ended
 
-    def _load_run(self, run: int, points: list | None) -> tuple[int, int]:
+    def _load_run(self, run: int, points: list | None) -> _protocol.StreamEnd:
         if self.cfg.iterable:
             return self._stream_run(run, None if points is None else points[self.id % len(points)])
         epoch = self.control.read(run, _control.EPOCH)
@@ -243,7 +242,7 @@ class Worker:
             self._batch_run(run, epoch, order, batches)
         else:
             self._sample_run(run, epoch, order, batches)
-        return _protocol.NO_SHORT_BATCH, 0
+        return _protocol.NO_STREAM_END
 
     def _order(self, run: int) -> tuple[np.ndarray | None, _order.Batches]:
         """The run's dataset index per position (None: the position is the
@@ -320,7 +319,7 @@ class Worker:
             try:
                 sample = self._load(epoch, index, pos)
             except Exception as e:
-                batch = batches.locate(pos)[0] if in_order else -1
+                batch = batches.locate(pos)[0] if in_order else None  # first-ready: no slot yet
                 self.channel.failed(e, f"in worker {self.id}", run=run, batch=batch, pos=pos,
                                     index=index)
                 continue
@@ -350,7 +349,7 @@ class Worker:
             unit = counters.claim(run)
             if unit < 0 or unit >= units or not self._wait_to_load(run, unit):
                 return
-            batch = unit if cfg.in_order else -1
+            batch = unit if cfg.in_order else None  # first-ready: its slot is claimed once placed
             samples = []
             start, stop = batches.span(unit)
             for pos in range(start, stop):
@@ -439,7 +438,8 @@ class Worker:
                                 run=run, batch=batch)
             return True
         if self.tracer is not None:
-            self.tracer.record(LOAD, t0, now(), -1, start, len(samples), epoch)
+            self.tracer.load(t0, now(), index=None, position=start, samples=len(samples),
+                             epoch=epoch)
         if self.cfg.per_batch:
             output = self._collate(run, batch, samples)
             return output is _FAILED or self._place_output(run, batch, output, batch)
@@ -455,7 +455,7 @@ class Worker:
                 return True
         return True
 
-    def _collate(self, run: int, batch: int, samples: list):
+    def _collate(self, run: int, batch: int | None, samples: list):
         if self.cfg.collate_fn is None:  # batch_size=None: the sample is the batch
             return samples[0]
         try:
@@ -483,19 +483,19 @@ class Worker:
         i = (run % 2) * max(c.num_workers, 1) + self.id
 
         def ready():
-            return shmq.atomic_load(c.limits, i) > j or not c.live(run) or c.stopped
+            return sync.atomic_load(c.limits, i) > j or not c.live(run) or c.stopped
 
         self.sleeper.until(c.limit_bell, ready)
         return c.live(run) and not c.stopped
 
-    def _stream_run(self, run: int, point: dict | None) -> tuple:
+    def _stream_run(self, run: int, point: dict | None) -> _protocol.StreamEnd:
         """This worker's own pass over an iterable dataset, into its own
-        batches (see NOTE [ Runs ]).  Returns what Done says: (its short
-        last batch, its rows) when rows fill in order, (NO_SHORT_BATCH, 0)
-        when there is none or the run ended first; with a shuffle buffer,
-        (HOLES_TO_CLOSE, 0): its last batches have holes the batcher
-        closes up.  point: where its copy of the dataset resumes from (NOTE
-        [ Datasets that keep their own state ])."""
+        batches (see NOTE [ Runs ]).  Returns how it ended (StreamEnd): its
+        short last batch and its rows when rows fill in order, none when
+        there is none or the run ended first; with a shuffle buffer, holes
+        in its last batches for the batcher to close up.  point: where its
+        copy of the dataset resumes from (NOTE [ Datasets that keep their
+        own state ])."""
         cfg, c, N, w = self.cfg, self.control, max(self.cfg.num_workers, 1), self.id
         epoch = c.read(run, _control.EPOCH)
         j0, done_below, done_past = 0, 0, set()   # a resumed epoch: what was delivered
@@ -507,7 +507,7 @@ class Worker:
             derived_seeds(cfg.seed & U64, epoch, w + 1, 1 << 62)[0],
             lambda j: self._wait_for_room(run, j))
         batches = _StreamBatches(j0)   # per_batch: this worker's batch j's samples so far
-        ended = (_protocol.NO_SHORT_BATCH, 0)
+        ended = _protocol.NO_STREAM_END
         try:  # seq: the samples of the stream read before it
             it, seq = (iter(cfg.dataset), 0) if self.own is None else \
                 self.own.open_stream(run, point)
@@ -546,7 +546,7 @@ class Worker:
         t0 = now() if tracer is not None else 0
         sample = next(it)
         if tracer is not None:  # the stream's sample number as its position
-            tracer.record(LOAD, t0, now(), -1, seq, 1, epoch)
+            tracer.load(t0, now(), index=None, position=seq, samples=1, epoch=epoch)
         return sample
 
     def _add_to_stream_batch(self, run: int, batches: "_StreamBatches", sample) -> bool:
@@ -582,10 +582,10 @@ class Worker:
         return True
 
     def _stream_ended(self, run: int, slots: StreamSlots | None,
-                      batches: "_StreamBatches") -> tuple:
+                      batches: "_StreamBatches") -> _protocol.StreamEnd:
         """What Done says once the stream ended (see _stream_run)."""
         cfg, N, w = self.cfg, max(self.cfg.num_workers, 1), self.id
-        ended = (_protocol.NO_SHORT_BATCH, 0)
+        ended = _protocol.NO_STREAM_END
         if slots is None:
             if batches.pending and not cfg.drop_last:
                 if self._wait_for_room(run, batches.j):
@@ -595,8 +595,8 @@ class Worker:
         if not written:
             return ended
         if cfg.shuffle_batches:
-            return _protocol.HOLES_TO_CLOSE, 0            # the batcher closes up the holes
-        return slots.current * N + w, written     # the short last batch
+            return _protocol.StreamEnd(holes_to_close=True)  # the batcher closes them up
+        return _protocol.StreamEnd(last_batch=slots.current * N + w, last_rows=written)
 
     def _place_stream_batch(self, run: int, j: int, samples: list) -> bool:
         """Place this worker's j-th batch of a stream (collated here)."""

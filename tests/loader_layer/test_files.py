@@ -213,7 +213,7 @@ def test_a_path_replaced_by_a_fifo_or_device_mid_epoch_is_an_error_and_the_epoch
     The open never blocks; the fd's fstat refuses what is not a regular
     file; the error names the path and the sample, and the rest of the
     epoch arrives."""
-    from loader.datasets.files import NotARegularFile
+    from loader import NotARegularFile
     for i in range(64):
         write(tmp_path, i, (8,))
     with ShmLoader(FileDataset(str(tmp_path / "*.npy")), batch_size=4, num_workers=2,
@@ -241,7 +241,7 @@ def test_a_path_replaced_by_a_fifo_or_device_mid_epoch_is_an_error_and_the_epoch
 
 
 def test_dataset_getitem_refuses_a_fifo_without_blocking(tmp_path):
-    from loader.datasets.files import NotARegularFile
+    from loader import NotARegularFile
     write(tmp_path, 0, (2,))
     (tmp_path / "r.bin").write_bytes(b"abc")
     ds, raw = FileDataset(str(tmp_path / "*.npy")), FileDataset(str(tmp_path / "*.bin"))

@@ -25,7 +25,7 @@ import threading
 import numpy as np
 import pytest
 
-from loader import ShmLoader, _native
+from loader import KeptBatchesShared, ShmLoader, _native
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -546,7 +546,7 @@ def test_a_fork_whose_moves_are_refused_warns_and_the_parent_keeps_its_batches()
     with ShmLoader(Rows(640), batch_size=64, num_workers=2, timeout=30) as ld:
         held = list(ld)
         _native._refuse_next_moves(1)
-        with pytest.warns(_native.KeptBatchesShared, match="views of those batches may change"):
+        with pytest.warns(KeptBatchesShared, match="views of those batches may change"):
             pid = os.fork()
             if pid == 0:
                 os._exit(0)

@@ -16,7 +16,7 @@ import resource
 import numpy as np
 import pytest
 
-import shmq
+from shmq import sync
 from conftest import descendants, segment_pid, wait_until
 from loader import CollateError, LoaderTimeout, ShmLoader, WorkerError, get_worker_info
 from measure import record
@@ -249,11 +249,11 @@ class Counted(Numbers):
 
     def __init__(self, n, fail_after=None):
         super().__init__(n)
-        self.loads = shmq.shared_array(1, np.int64)
+        self.loads = sync.shared_array(1, np.int64)
         self.fail_after = fail_after
 
     def __getitem__(self, i):
-        if shmq.atomic_add(self.loads, 0, 1) + 1 > (self.fail_after or float("inf")):
+        if sync.atomic_add(self.loads, 0, 1) + 1 > (self.fail_after or float("inf")):
             raise ValueError(f"bad sample {i}")
         return super().__getitem__(i)
 
@@ -283,10 +283,10 @@ class FailsOnSecondLoad(Numbers):
 
     def __init__(self, n, bad):
         super().__init__(n)
-        self.bad, self.seen = bad, shmq.shared_array(1, np.int64)
+        self.bad, self.seen = bad, sync.shared_array(1, np.int64)
 
     def __getitem__(self, i):
-        if i == self.bad and shmq.atomic_add(self.seen, 0, 1) >= 1:
+        if i == self.bad and sync.atomic_add(self.seen, 0, 1) >= 1:
             raise ValueError(f"bad sample {i}")
         return super().__getitem__(i)
 

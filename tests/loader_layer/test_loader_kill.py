@@ -825,7 +825,7 @@ def test_ctrl_c_during_a_fork_leaves_no_child_behind():
     Expected: KeyboardInterrupt from iter(), the 2 children already started
     killed and reaped, and the one being forked too: no child left.
     Before the fix: one child left running (state S) for as long as the process
-    lives.  Cause: in _procs._fork the parent's `finally:
+    lives.  Cause: in procs._fork the parent's `finally:
     signal.pthread_sigmask(SIG_SETMASK, old_mask)` unblocks SIGINT, and
     CPython's pthread_sigmask runs the handler at once: KeyboardInterrupt
     leaves _fork before `Child(role, pid, ...)` exists, so fork_children's

@@ -19,15 +19,15 @@ from loader.shared import table as _table
 from loader._native import Bell, LeaseBook
 from loader.batcher.slabs import SlabAllocator
 
-import shmq
+from shmq import sync
 
 
 # --- slab allocator and leases ----------------------------------------------------------
 
 def allocator(nbytes=1 << 16, workers=2):
-    arena = shmq.shared_array(nbytes, np.uint8)
-    released = shmq.shared_array(1 << 16, np.int64)
-    hazards = shmq.shared_array(workers, np.int64)
+    arena = sync.shared_array(nbytes, np.uint8)
+    released = sync.shared_array(1 << 16, np.int64)
+    hazards = sync.shared_array(workers, np.int64)
     return SlabAllocator(arena, released, hazards, slabs_in_flight=4), released, hazards
 
 
@@ -71,7 +71,7 @@ def test_a_released_lease_is_reclaimed_only_for_its_own_generation():
     assert a.allocate(64) is None
     released[s.lease] = s.generation - 1     # a stale release of an earlier use
     assert a.allocate(64) is None
-    shmq.atomic_store(released, s.lease, s.generation)
+    sync.atomic_store(released, s.lease, s.generation)
     again = a.allocate(64)
     assert again is not None and again.offset == 0  # the lowest offset: warm pages first
     assert again.token != s.token                   # a new generation, a new hazard token
@@ -109,8 +109,8 @@ def test_leases_release_when_the_last_view_dies_and_discard_after_close():
     fd = os.memfd_create("test-arena")
     os.ftruncate(fd, 1 << 20)
     arena = np.frombuffer(mmap.mmap(fd, 1 << 20), np.uint8)  # the workers' mapping of it
-    released = shmq.shared_array(16, np.int64)
-    bells = shmq.shared_array(2, np.int32)
+    released = sync.shared_array(16, np.int64)
+    bells = sync.shared_array(2, np.int32)
     bell = Bell(bells, 0)
     bells[1] = 1                               # a sleeper: ring() bumps the sequence
     book = LeaseBook(fd, 1 << 20, released, bell)   # the book owns fd now
@@ -221,8 +221,8 @@ class Recorder:
 
 def writer(rows=2):
     t = _table.BatchTable(4)
-    arena = shmq.shared_array(1 << 16, np.uint8)
-    hazards = shmq.shared_array(2, np.int64)
+    arena = sync.shared_array(1 << 16, np.uint8)
+    hazards = sync.shared_array(2, np.int64)
     ch = Recorder()
     return t, arena, hazards, ch, _native.RowWriter(t, arena, hazards, 1, ch)
 
@@ -360,7 +360,7 @@ def test_a_claim_of_an_old_run_fails_once_its_block_is_reused():
 
 
 def test_a_bell_wakes_a_sleeper_and_never_loses_a_ring():
-    words = shmq.shared_array(2, np.int32)
+    words = sync.shared_array(2, np.int32)
     bell = _native.Bell(words, 0)
     flag = []
     assert bell.wait(lambda: True, 5.0) is True      # ready at once: no sleep
@@ -374,7 +374,7 @@ def test_a_bell_wakes_a_sleeper_and_never_loses_a_ring():
     assert bell.wait(lambda: bool(flag), 10.0) is True
     assert time.monotonic() - t0 < 5 and words[1] == 0   # woken, not timed out
     with pytest.raises(TypeError):
-        _native.Bell(shmq.shared_array(2, np.int64), 0)
+        _native.Bell(sync.shared_array(2, np.int64), 0)
     with pytest.raises(IndexError):
         _native.Bell(words, 1)
 

@@ -138,7 +138,7 @@ def labels(path, n, start=0, per_group=1000, dtype=np.int64):
 def test_a_file_rewritten_mid_epoch_with_fewer_rows_is_an_error_naming_both_counts(tmp_path):
     """repro_parquet_rewritten.py: the epoch delivered 5,030 of 8,000
     planned rows without a word."""
-    from loader.datasets.parquet import ParquetFileChanged
+    from loader import ParquetFileChanged
     labels(tmp_path / "a.parquet", 4000)
     labels(tmp_path / "b.parquet", 4000, 4000)
     b = str(tmp_path / "b.parquet")
@@ -160,7 +160,7 @@ def test_a_file_replaced_mid_epoch_names_the_row_group_and_both_counts(tmp_path)
     """Replaced atomically (written aside, then renamed over it, as tools
     that write safely do): every later read of a row group sees the new
     file whole, so the counts are exact."""
-    from loader.datasets.parquet import ParquetFileChanged
+    from loader import ParquetFileChanged
     labels(tmp_path / "a.parquet", 4000)
     labels(tmp_path / "b.parquet", 4000, 4000)
     b = str(tmp_path / "b.parquet")
@@ -180,7 +180,8 @@ def test_a_file_replaced_mid_epoch_names_the_row_group_and_both_counts(tmp_path)
 
 @pytest.mark.parametrize("change", ["schema", "identity", "rows"])
 def test_each_kind_of_rewrite_is_named(tmp_path, change):
-    from loader.datasets.parquet import ParquetFileChanged, RowGroup
+    from loader import ParquetFileChanged
+    from loader.datasets.parquet import RowGroup
     path = tmp_path / "a.parquet"
     labels(path, 30, per_group=10)
     ds = ParquetDataset(str(path), shuffle=False)
@@ -209,7 +210,7 @@ def test_each_kind_of_rewrite_is_named(tmp_path, change):
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "magic only"])
 def test_corrupt_truncated_or_empty_files_are_errors_naming_the_file(tmp_path, damage):
-    from loader.datasets.parquet import ParquetFileError
+    from loader import ParquetFileError
     labels(tmp_path / "a.parquet", 50, per_group=10)
     bad = tmp_path / "c.parquet"
     labels(bad, 50, per_group=10)
@@ -224,7 +225,7 @@ def test_corrupt_truncated_or_empty_files_are_errors_naming_the_file(tmp_path, d
 
 
 def test_a_fifo_among_the_parquet_files_is_an_error_not_a_hang(tmp_path):
-    from loader.datasets.files import NotARegularFile
+    from loader import NotARegularFile
     labels(tmp_path / "a.parquet", 20, per_group=10)
     ds = ParquetDataset(str(tmp_path / "a.parquet"), shuffle=False)
     ds.epoch_snapshot()

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import shmq
+from shmq import sync
 from loader import DataStallWarning, ShmLoader
 from loader.main import stats as _stats
 from loader.batcher.slabs import slab_bytes
@@ -62,9 +62,8 @@ def test_counts_bytes_and_pool_per_epoch():
         assert s["bytes_per_second"] == pytest.approx(s["bytes"] / s["seconds"])
         for share in ("workers_busy_share", "batcher_busy_share"):
             assert 0.0 <= s[share] <= 1.0, s
-        # the batcher's figures under the process's former name, for code that reads them
-        assert s["collator_busy_share"] == s["batcher_busy_share"]
-        assert s["samples_written_by_collator"] == s["samples_written_by_batcher"] == 0
+        assert s["samples_written_by_batcher"] == 0
+        assert "collator_busy_share" not in s and "samples_written_by_collator" not in s
         assert s["workers"] == 2
         assert s["summary"].startswith(f"epoch {epoch}: 200 batches, 20000 samples in ")
         assert "2 workers busy" in s["summary"] and "slab pool peak" in s["summary"]
@@ -178,7 +177,7 @@ def test_no_stall_advice_for_short_epochs_or_half_waits(over):
 
 
 def test_wait_clock_is_readable_mid_wait_and_never_goes_back():
-    words = shmq.shared_array(2, np.int64)
+    words = sync.shared_array(2, np.int64)
     clock = _stats.WaitClock(words, 1)
     assert _stats.waited_ns(words, 1) == 0
     clock.begin()
@@ -210,7 +209,7 @@ def test_stall_warning_points_at_the_training_loop(monkeypatch, num_workers, use
 
 def test_a_clock_not_started_yet_counts_as_waiting():
     """num_workers="auto": a worker forked late was idle, not busy, before."""
-    words = shmq.shared_array(3, np.int64)
+    words = sync.shared_array(3, np.int64)
     _stats.start_idle(words)
     time.sleep(0.02)
     assert _stats.waited_ns(words, 2) >= 20_000_000

@@ -21,7 +21,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-import shmq
+from shmq import sync
 import loader
 from loader import ShmLoader, WorkerError
 
@@ -40,7 +40,7 @@ class Spin:
 
     def __init__(self, n, work_s=0.0, kill_at=None):
         self.n, self.work_s, self.kill_at = n, work_s, kill_at
-        self.log = shmq.shared_array(1 + 16 * n, np.int64)  # count, then a pid per load
+        self.log = sync.shared_array(1 + 16 * n, np.int64)  # count, then a pid per load
 
     def loads_by_pid(self) -> dict:
         pids, counts = np.unique(self.log[1:1 + self.log[0]], return_counts=True)
@@ -55,7 +55,7 @@ class Spin:
         end = time.perf_counter() + self.work_s
         while time.perf_counter() < end:
             pass
-        self.log[1 + shmq.atomic_add(self.log, 0, 1)] = os.getpid()
+        self.log[1 + sync.atomic_add(self.log, 0, 1)] = os.getpid()
         return np.full(64, i, np.float64)
 
 
@@ -221,6 +221,35 @@ def test_dataloader_trace_with_getitems(tmp_path):
     assert sum(e["args"]["samples"] for e in loads) == n
     assert len(named(events, "write")) == n
     assert len(named(events, "batch", "b")) == n // 12
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+@pytest.mark.parametrize("in_order", [True, False])
+def test_values_that_do_not_apply_are_left_out_never_minus_one(tmp_path, mode, in_order):
+    """A collate_fn's batch in first-ready mode (known only once placed)
+    and an epoch left early's sample count do not apply: the records say
+    None, the JSON leaves the key out; no arg is ever -1."""
+    n, rows = 96, 8
+    path = tmp_path / "t.json"
+    with ShmLoader(Spin(n), batch_size=rows, num_workers=2, worker_mode=mode,
+                   collate_fn=np.stack, in_order=in_order, trace=path) as ld:
+        for k, _ in enumerate(ld):
+            if k == 2:
+                break  # epoch 1 left early, after 3 batches
+        assert sum(len(b) for b in ld) == n  # epoch 2 whole
+        s = ld.stats()
+    _, events = load_trace(path)
+    assert all(v != -1 for e in events for v in e.get("args", {}).values()), events
+    collates = [e for e in named(events, "collate") if e["args"]["run"] == 2]
+    assert sum(e["args"]["samples"] for e in collates) == n and len(collates) == n // rows
+    if in_order:
+        assert sorted(e["args"]["batch"] for e in collates) == list(range(n // rows))
+    else:
+        assert all("batch" not in e["args"] for e in collates)
+    epochs = {e["args"]["epoch"]: e["args"] for e in named(events, "epoch")}
+    assert epochs[1] == {"epoch": 1, "batches": 3, "complete": False}
+    assert epochs[2] == {"epoch": 2, "batches": n // rows, "samples": s["samples"],
+                         "complete": True}
 
 
 def test_bad_trace_paths_fail_at_construction(tmp_path):

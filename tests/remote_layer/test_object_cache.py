@@ -8,7 +8,8 @@ import signal
 
 import pytest
 
-from loader.datasets.remote.cache import COMPLETE, Entry, NoRoom, ObjectCache, Reservation, path_of
+from loader.datasets.remote.cache import COMPLETE, Entry, ObjectCache, Reservation, path_of
+from loader.errors import NoRoom
 
 pytestmark = pytest.mark.timeout(120)
 KiB = 1 << 10

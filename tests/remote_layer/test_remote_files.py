@@ -15,7 +15,7 @@ import pytest
 
 import loader
 from loader import FileDataset, ShmLoader
-from loader.datasets.remote.errors import (AccessDenied, EndpointUnreachable, FetcherDied,
+from loader.errors import (AccessDenied, EndpointUnreachable, FetcherDied,
                                            ObjectChanged, ObjectNotFound, RemoteError, Throttled,
                                            TruncatedObject)
 

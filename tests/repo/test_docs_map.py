@@ -123,3 +123,110 @@ def test_every_loader_module_is_on_the_map():
                and p.name != "__init__.py"}
     assert not modules - named, f"loader modules missing from docs/architecture.md: " \
                                 f"{sorted(modules - named)}"
+
+
+# --- identifiers named in comments and NOTEs ----------------------------------------
+# A comment of loader/ that names a function, a class, a module or an attribute
+# (`name` in backquotes, module.name, name(), or a private _name) names one that
+# exists: in the code of loader/ or shmq/, among Python's builtins, or in a module
+# that can be imported (torch.x, warnings.filterwarnings).  What remains are names
+# of other software, or examples, that the comments cite on purpose:
+NOT_OUR_NAMES = {
+    "Accelerator", "prepare", "skip_first_batches",       # HF accelerate's
+    "DataLoaderShard", "set_sampler",
+    "Dataset", "_BaseDataLoaderIter", "_MapDatasetFetcher", "_sharding_worker_init_fn",
+    "filterwarnings",                                     # warnings.filterwarnings()
+    "vm",                                                 # the sysctl vm.max_map_count
+    "targets",                                            # a training loop's list, in an example
+}
+FILE_SUFFIX = re.compile(r"\.(?:py|pyx|pxi|pxd|h|c|md|json|sqlite|so|txt|toml)$")
+BACKQUOTED = re.compile(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\(\))?`")
+DOTTED = re.compile(r"(?<![\w.`/-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?![\w/-])")
+CALLED = re.compile(r"(?<![\w.`/-])([A-Za-z_]\w*)\(\)")
+PRIVATE = re.compile(r"(?<![\w.`/-])(_[a-z]\w*)(?![\w(/-])")
+TRIPLE_QUOTED = re.compile(r'("""|\'\'\')(.*?)\1', re.S)
+C_VERBATIM = re.compile(r'cdef extern from \*:\s*\n\s*("""|\'\'\')(.*?)\1', re.S)
+
+
+def _python_parts(text: str) -> tuple[set[str], list[tuple[int, str]]]:
+    """(the names the code uses, [(line, comment or docstring)])."""
+    import ast
+    import io
+    import tokenize
+
+    names, prose = set(), []
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.NAME:
+            names.add(tok.string)
+        elif tok.type == tokenize.COMMENT:
+            prose.append((tok.start[0], tok.string))
+        elif tok.type == tokenize.STRING:  # getattr(obj, "name"), __all__ entries
+            names.update(re.findall(r"^[rbuRBU]?['\"]([A-Za-z_]\w*)['\"]$", tok.string))
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                prose.append((node.body[0].lineno, doc))
+    return names, prose
+
+
+def _cython_parts(text: str) -> tuple[set[str], list[tuple[int, str]]]:
+    """As _python_parts, for .pyx, .pxi, .pxd and .h: the C of a `cdef
+    extern from *` block is code, every other triple-quoted string prose."""
+    names = set()
+    for m in C_VERBATIM.finditer(text):
+        names.update(re.findall(r"[A-Za-z_]\w*", m.group(2)))
+    code = C_VERBATIM.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    prose = [(code.count("\n", 0, m.start()) + 1, m.group(2))
+             for m in TRIPLE_QUOTED.finditer(code)]
+    code = TRIPLE_QUOTED.sub(lambda m: "\n" * m.group(0).count("\n"), code)
+    for number, line in enumerate(code.splitlines(), 1):
+        cut = re.match(r"""^((?:[^#'"]|'[^']*'|"[^"]*")*)(#.*|//.*)?$""", line)
+        body, comment = (cut.group(1), cut.group(2)) if cut else (line, None)
+        names.update(re.findall(r"[A-Za-z_]\w*", body))
+        if comment:
+            prose.append((number, comment))
+    return names, prose
+
+
+def _named_in(text: str) -> set[str]:
+    found = {m.group(1) for pattern in (BACKQUOTED, DOTTED, CALLED, PRIVATE)
+             for m in pattern.finditer(text)}
+    return {name for name in found if not FILE_SUFFIX.search(name)}
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def test_every_identifier_named_in_a_comment_of_loader_exists():
+    """A comment or NOTE that names a function renamed or removed since
+    misleads the next reader: the name must still exist."""
+    import builtins
+
+    names, prose = set(vars(builtins)), []
+    for path in tracked_files():
+        top = path.relative_to(ROOT).parts[0]
+        if top not in ("loader", "shmq") or path.suffix not in {".py", ".pyx", ".pxi", ".pxd", ".h"}:
+            continue
+        parts = _python_parts if path.suffix == ".py" else _cython_parts
+        code_names, texts = parts(read(path))
+        names |= code_names
+        if top == "loader":
+            prose += [(path.relative_to(ROOT).as_posix(), line, text) for line, text in texts]
+    missing = []
+    for where, line, text in prose:
+        for named in sorted(_named_in(text)):
+            head, *rest = named.split(".")
+            if rest and head not in names and _importable(head):
+                continue  # another module's: warnings.filterwarnings, torch.Generator
+            unknown = [p for p in named.split(".") if p not in names | NOT_OUR_NAMES
+                       and not (p.startswith("__") and p.endswith("__"))]  # Python's
+            if unknown:
+                missing.append(f"{where}:{line}: {named} ({', '.join(unknown)} not found)")
+    assert not missing, "comments name identifiers that do not exist:\n" + "\n".join(missing)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import shmq
+from shmq import sync
 from shmq import segment
 from conftest import descendants, segment_pid
 
@@ -80,21 +81,21 @@ def test_its_memory_is_returned_when_the_last_handle_closes_even_where_still_map
     q = shmq.Queue(size, anonymous=True)
     mine = anonymous_mappings() - before
     assert mine and allocated_bytes(mine) >= size  # every page reserved up front
-    w = shmq.shared_array(2, "i4")  # [0] child closed its handle, [1] parent closed
+    w = sync.shared_array(2, "i4")  # [0] child closed its handle, [1] parent closed
 
     def child():
         q.close()  # this child never uses it, but still maps it
-        shmq.atomic_store(w, 0, 1)
-        shmq.wake(w, 0)
-        while shmq.atomic_load(w, 1) == 0:
-            shmq.wait(w, 1, 0, timeout=20)
+        sync.atomic_store(w, 0, 1)
+        sync.wake(w, 0)
+        while sync.atomic_load(w, 1) == 0:
+            sync.wait(w, 1, 0, timeout=20)
 
     procs.fork(child)
-    assert shmq.wait(w, 0, 0, timeout=20)
+    assert sync.wait(w, 0, 0, timeout=20)
     q.close()  # the last handle: both processes still map it
     assert allocated_bytes(mine) < size // 100
-    shmq.atomic_store(w, 1, 1)
-    shmq.wake(w, 1)
+    sync.atomic_store(w, 1, 1)
+    sync.wake(w, 1)
     assert procs.join_all() == []
 
 
@@ -103,27 +104,28 @@ def test_a_live_handle_elsewhere_keeps_its_memory(procs):
     before = anonymous_mappings()
     q = shmq.Queue(size, anonymous=True)
     mine = anonymous_mappings() - before
-    w = shmq.shared_array(2, "i4")
+    w = sync.shared_array(2, "i4")
 
     def child():  # keeps its handle open until told
-        shmq.atomic_store(w, 0, 1)
-        shmq.wake(w, 0)
-        while shmq.atomic_load(w, 1) == 0:
-            shmq.wait(w, 1, 0, timeout=20)
+        sync.atomic_store(w, 0, 1)
+        sync.wake(w, 0)
+        while sync.atomic_load(w, 1) == 0:
+            sync.wait(w, 1, 0, timeout=20)
         q.close()
 
     procs.fork(child)
-    assert shmq.wait(w, 0, 0, timeout=20)
+    assert sync.wait(w, 0, 0, timeout=20)
     q.close()
     assert allocated_bytes(mine) >= size
-    shmq.atomic_store(w, 1, 1)
-    shmq.wake(w, 1)
+    sync.atomic_store(w, 1, 1)
+    sync.wake(w, 1)
     assert procs.join_all() == []
     assert allocated_bytes(mine) < size // 100  # the child's close was the last
 
 
 CREATE_FOREVER = r'''
 import shmq
+from shmq import sync
 print("ready", flush=True)
 while True:
     shmq.Queue(32 << 20, anonymous=True).close()

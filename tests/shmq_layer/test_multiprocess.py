@@ -13,6 +13,7 @@ import pytest
 
 import payload
 import shmq
+from shmq import sync
 from conftest import wait_until
 from measure import record
 from shmq import _core
@@ -348,40 +349,40 @@ def test_ctrl_c_interrupts_a_blocking_call(procs, blocked_in):
 
 def add_many(counter, n):
     for _ in range(n):
-        shmq.atomic_add(counter, 0, 1)
+        sync.atomic_add(counter, 0, 1)
 
 
 def test_shared_array_and_atomic_add_across_forks(procs):
-    counter = shmq.shared_array(8, "i8")
-    data = shmq.shared_array((4, 3), np.float32)
+    counter = sync.shared_array(8, "i8")
+    data = sync.shared_array((4, 3), np.float32)
     assert counter.tolist() == [0] * 8 and data.shape == (4, 3) and not data.any()
     for _ in range(4):
         procs.fork(add_many, counter, 20_000)
     assert procs.join_all() == []
     assert counter[0] == 80_000  # no lost update
     with pytest.raises(TypeError):
-        shmq.atomic_add(data.reshape(-1), 0, 1)
+        sync.atomic_add(data.reshape(-1), 0, 1)
     with pytest.raises(IndexError):
-        shmq.atomic_add(counter, 8, 1)
+        sync.atomic_add(counter, 8, 1)
 
 
 def increment_by_cas(counter, n):
     done = 0
     while done < n:
         v = int(counter[0])
-        done += shmq.atomic_cas(counter, 0, v, v + 1)
+        done += sync.atomic_cas(counter, 0, v, v + 1)
 
 
 def test_atomic_cas_across_forks(procs):
-    counter = shmq.shared_array(2, "i8")
-    assert shmq.atomic_cas(counter, 1, 0, 7) is True and counter[1] == 7
-    assert shmq.atomic_cas(counter, 1, 0, 9) is False and counter[1] == 7  # unchanged
+    counter = sync.shared_array(2, "i8")
+    assert sync.atomic_cas(counter, 1, 0, 7) is True and counter[1] == 7
+    assert sync.atomic_cas(counter, 1, 0, 9) is False and counter[1] == 7  # unchanged
     for _ in range(4):
         procs.fork(increment_by_cas, counter, 20_000)
     assert procs.join_all() == []
     assert counter[0] == 80_000  # every successful swap was exclusive
     with pytest.raises(TypeError):
-        shmq.atomic_cas(np.zeros(2, np.float64), 0, 0, 1)
+        sync.atomic_cas(np.zeros(2, np.float64), 0, 0, 1)
 
 
 def test_fork_hooks_run_no_python_code_so_ctrl_c_cannot_be_lost_in_them():

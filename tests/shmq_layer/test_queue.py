@@ -2,13 +2,14 @@
 
 import gc
 import queue as stdlib_queue
+import threading
 import warnings
 
 import numpy as np
 import pytest
 
 import shmq
-from shmq import _core
+from shmq import _core, sync
 
 DTYPES = ["?", "i1", "u1", "<i2", ">i2", "<u4", "<i8", ">u8", "<f2", "<f4", ">f8", "<c8",
           "<c16", "<M8[ns]", "<m8[s]", "S7", "<U3", "V5"]
@@ -557,14 +558,48 @@ def test_repr_and_properties(q):
     assert repr(q).startswith(f"<shmq.Queue {q.name!r} single-producer {q.capacity_bytes}")
 
 
+SYNC_NAMES = ["shared_array", "atomic_add", "atomic_cas", "atomic_load", "atomic_store", "wait",
+              "wake", "prefault", "discard_pages"]
+
+
 def test_public_surface():
+    """The top level is the queue and its errors; the primitives under it
+    are shmq.sync's, and only there."""
     errors = ["ShmqError", "Full", "Empty", "Closed", "PeerLost", "IncompatibleRing",
               "MessageTooLarge", "ShmFull", "UntrustedSegment"]
-    assert sorted(shmq.__all__) == sorted(
-        ["Queue", "shared_array", "atomic_add", "atomic_cas", "atomic_load", "atomic_store", "wait",
-         "wake", "prefault", "discard_pages"] + errors)
+    assert sorted(shmq.__all__) == sorted(["Queue"] + errors)
     for name in errors:
         assert issubclass(getattr(shmq, name), shmq.ShmqError)
+    assert sorted(sync.__all__) == sorted(SYNC_NAMES)
+    for name in SYNC_NAMES:
+        assert not hasattr(shmq, name), name
+        assert getattr(sync, name) is getattr(_core, name), name
+    assert shmq.sync is sync  # import shmq is enough to reach it
+
+
+def test_sync_py_beside_sync_pxd_keeps_the_cimport_working():
+    """shmq/sync.py (the Python face) sits beside shmq/sync.pxd (the C
+    declarations other Cython modules cimport): the loader's compiled
+    module, built with `from shmq.sync cimport ...`, still waits and
+    wakes through it, and the cimport imports nothing at run time."""
+    import pathlib
+
+    from loader import _native
+
+    here = pathlib.Path(shmq.__file__).parent
+    assert (here / "sync.pxd").is_file() and (here / "sync.py").is_file()
+    assert "from shmq.sync cimport" in (here.parent / "loader" / "_native.pyx").read_text()
+    words = sync.shared_array(4, "i4")
+    bell = _native.Bell(words, 0)
+    assert bell.wait(lambda: False, 0.01) is False  # a futex wait of 10 ms, bounded
+    woke = []
+    sleeper = threading.Thread(
+        target=lambda: woke.append(bell.wait(lambda: sync.atomic_load(words, 2) == 1, 60)))
+    sleeper.start()
+    sync.atomic_store(words, 2, 1)
+    bell.ring()
+    sleeper.join(30)
+    assert not sleeper.is_alive() and woke == [True]
 
 
 def test_dropped_ring_handle_closes_its_slot():
@@ -604,10 +639,10 @@ def test_closed_consumer_slot_is_not_reused_by_a_later_attach():
 
 
 def test_prefault_keeps_contents_and_checks_its_argument():
-    a = shmq.shared_array(3 * 4096 + 5, np.uint8)
+    a = sync.shared_array(3 * 4096 + 5, np.uint8)
     a[::7] = 9
     before = a.copy()
-    shmq.prefault(a[1:])
+    sync.prefault(a[1:])
     np.testing.assert_array_equal(a, before)
     with pytest.raises(ValueError, match="writable C-contiguous"):
-        shmq.prefault(a[::2])
+        sync.prefault(a[::2])

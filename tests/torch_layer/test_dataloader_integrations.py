@@ -250,7 +250,8 @@ def test_accelerate_path_that_cannot_keep_it_warns():
     pytest.importorskip("accelerate")
     import accelerate.data_loader as adl
 
-    from loader.torch.integrations.accelerate import LoaderReplacedWarning, install
+    from loader import LoaderReplacedWarning
+    from loader.torch.integrations.accelerate import install
 
     install()
     dl = DataLoader(TensorDataset(torch.arange(16)), batch_size=4)

@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import DistributedSampler  # noqa: E402
 
 from loader import ShmLoader  # noqa: E402
-from loader.main import procs as _procs  # noqa: E402
+from loader.main import procs as loader_procs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)  # the first test pays for the cluster's runs
 
@@ -229,11 +229,11 @@ def test_the_fork_advice_leaves_out_a_ray_workers_own_threads(monkeypatch):
     outside a Ray worker."""
     worker = types.SimpleNamespace(WORKER_MODE=1, global_worker=types.SimpleNamespace(mode=1))
     monkeypatch.setitem(sys.modules, "ray._private.worker", worker)
-    monkeypatch.setattr(_procs, "_advised_threads", False)
+    monkeypatch.setattr(loader_procs, "_advised_threads", False)
     assert _fork_advice(_rays_own) == []
     advice = _fork_advice(_waits)
     assert len(advice) == 1 and "before starting threads" in advice[0]
-    monkeypatch.setattr(_procs, "_advised_threads", False)
+    monkeypatch.setattr(loader_procs, "_advised_threads", False)
     worker.global_worker.mode = 0  # the driver: every other thread is the user's
     assert len(_fork_advice(_rays_own)) == 1
 
@@ -279,7 +279,7 @@ import types, warnings
 import torch
 import loader
 from loader import DataLoader
-from loader.torch.integrations import LoaderReplacedWarning
+from loader import LoaderReplacedWarning
 from loader.torch.integrations.ray import _keeping
 
 def rebuilds_as_torch(dl, add_dist_sampler, move_to_device, auto_transfer):

@@ -37,6 +37,6 @@ its start, the workers inherit them at the fork):
   the cache     cache_dir on the local disk, shared by every loader, rank and
                 job of the node: NOTE [ The object cache ] in cache.py.
 
-Errors are RemoteError's subclasses (errors.py), raised by the worker that
+Errors are RemoteError's subclasses (loader/errors.py), raised by the worker that
 needed the object, so next() raises them on the batch that needs it.
 """

@@ -30,7 +30,7 @@ import os
 
 import numpy as np
 
-import shmq
+from shmq import sync
 from loader._native import Bell, arena_array
 
 MAGIC = 0x53484D51_52454D31   # "SHMQREM1"
@@ -89,13 +89,13 @@ class Board:
     # --- counters -------------------------------------------------------------------------
 
     def get(self, word: int) -> int:
-        return shmq.atomic_load(self.words, word)
+        return sync.atomic_load(self.words, word)
 
     def set(self, word: int, value: int) -> None:
-        shmq.atomic_store(self.words, word, value)
+        sync.atomic_store(self.words, word, value)
 
     def add(self, word: int, n: int = 1) -> None:
-        shmq.atomic_add(self.words, word, n)
+        sync.atomic_add(self.words, word, n)
 
     # --- slots ----------------------------------------------------------------------------
 
@@ -151,7 +151,7 @@ class Board:
         return kind, (None if status == "-1" else int(status)), url, text
 
     def add_and_get(self, word: int) -> int:
-        return shmq.atomic_add(self.words, word, 1)
+        return sync.atomic_add(self.words, word, 1)
 
 
 class Slot:
@@ -170,21 +170,21 @@ class Slot:
         self.state = region[at:at + 4 * count].view(np.int32)
 
     def status(self, i: int) -> int:
-        return shmq.atomic_load(self.state, i)
+        return sync.atomic_load(self.state, i)
 
     def mark(self, i: int, flags: int) -> int:
         """Set flags on object i (atomic); its state before."""
         while True:
-            old = shmq.atomic_load(self.state, i)
-            if old & flags == flags or shmq.atomic_cas(self.state, i, old, old | flags):
+            old = sync.atomic_load(self.state, i)
+            if old & flags == flags or sync.atomic_cas(self.state, i, old, old | flags):
                 return old
 
     def settle(self, i: int, status: int, error: int = 0) -> None:
         """The fetcher: object i's status (its flags kept)."""
         while True:
-            old = shmq.atomic_load(self.state, i)
+            old = sync.atomic_load(self.state, i)
             new = (old & (WANTED | TRAINED)) | status | (error << ERROR_SHIFT)
-            if shmq.atomic_cas(self.state, i, old, new):
+            if sync.atomic_cas(self.state, i, old, new):
                 return
 
     def name(self, i: int) -> str:
@@ -202,10 +202,10 @@ class Doorbell:
         self.bell = Bell(words, index + 1)          # words[index + 1, + 2]: seq, sleepers
 
     def changes(self) -> int:
-        return shmq.atomic_load(self.words, self.index)
+        return sync.atomic_load(self.words, self.index)
 
     def ring(self) -> None:
-        shmq.atomic_add(self.words, self.index, 1)
+        sync.atomic_add(self.words, self.index, 1)
         self.bell.ring()
 
     def wait(self, ready, timeout: float) -> bool:

@@ -60,6 +60,7 @@ from typing import NamedTuple
 import numpy as np
 
 from loader.datasets.remote.board import Doorbell
+from loader.errors import NoRoom
 
 SCHEMA_VERSION = 2
 FETCHING, COMPLETE = 0, 1
@@ -91,21 +92,6 @@ CREATE TABLE IF NOT EXISTS pins (
     PRIMARY KEY (job, slot, object)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS pins_by_object ON pins (object);
 """
-
-
-class CacheError(OSError):
-    """The cache directory cannot be used (not writable, a corrupt index
-    that cannot be rebuilt, no room at all)."""
-
-
-class NoRoom(Exception):
-    """Nothing more fits now: every byte of the cache is pinned by live jobs
-    (or being fetched), and this job has its overflow object already."""
-
-    def __init__(self, needed: int, used: int, limit: int):
-        super().__init__(f"{needed} bytes do not fit: {used} of {limit} bytes are in use by "
-                         f"objects live jobs still need")
-        self.needed, self.used, self.limit = needed, used, limit
 
 
 class Entry(NamedTuple):

@@ -21,7 +21,7 @@ import numpy as np
 from loader.datasets.files import FileDataset, npy_array, open_regular, raw_array
 from loader.datasets.remote import board as B
 from loader.datasets.remote import fetcher as F
-from loader.datasets.remote.errors import KINDS, FetcherDied, RemoteError
+from loader.errors import REMOTE_ERRORS_BY_KIND as KINDS, FetcherDied, RemoteError
 from loader.datasets.remote.store import endpoint_of, parse
 
 _pidfds: dict[int, int] = {}   # the fetchers' pidfds, per process (_fetcher_alive)

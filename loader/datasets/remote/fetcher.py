@@ -47,9 +47,8 @@ from typing import NamedTuple
 import numpy as np
 
 from loader.datasets.remote import board as B
-from loader.datasets.remote.cache import (Entry, NoRoom, ObjectCache, Reservation, digest,
-                                          extension)
-from loader.datasets.remote.errors import CacheFull, RemoteError
+from loader.datasets.remote.cache import Entry, ObjectCache, Reservation, digest, extension
+from loader.errors import CacheFull, NoRoom, RemoteError
 
 WAIT_SLICE_S = 1.0      # the scheduler's bounded wait (it is notified of every event)
 COUNT_EVERY_S = 0.1     # trained objects are counted at most this often, unless parked

@@ -13,8 +13,8 @@ import re
 from typing import NamedTuple
 
 from loader.datasets.files import _closure, _step
-from loader.datasets.remote.errors import (AccessDenied, EndpointUnreachable, ObjectChanged, ObjectNotFound,
-                                  RemoteError, Throttled, TruncatedObject)
+from loader.errors import (AccessDenied, EndpointUnreachable, ObjectChanged, ObjectNotFound,
+                           RemoteError, Throttled, TruncatedObject)
 
 SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "http", "https")
 _WILD = re.compile(r"[*?\[]")
@@ -151,22 +151,24 @@ def download(store, key: str, etag: str, size: int, path: str, url: str, endpoin
     import obstore
 
     for attempt in range(attempts):
-        got = 0
+        got, disk_error = 0, None   # disk_error: the cache's disk (ENOSPC...), not the store's
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             result = obstore.get(store, key, options={"if_match": etag})
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                for chunk in result.stream(min_chunk_size=4 << 20):
-                    got += _write_all(fd, memoryview(chunk))
-            finally:
-                os.close(fd)
-        except _LocalWriteError as e:
-            raise e.cause   # the cache's disk (ENOSPC...): the fetcher's to handle, not the store's
+            for chunk in result.stream(min_chunk_size=4 << 20):
+                disk_error = _write_all(fd, memoryview(chunk))
+                if disk_error is not None:
+                    break
+                got += len(chunk)
         except Exception as e:
             err = classify(e, url, endpoint, "download")
             if isinstance(err, TruncatedObject) and attempt + 1 < attempts:
                 continue
             raise err from e
+        finally:
+            os.close(fd)
+        if disk_error is not None:
+            raise disk_error   # the fetcher's to handle (it evicts, or lowers the limit)
         if got == size:
             return
         if got > size:
@@ -177,20 +179,14 @@ def download(store, key: str, etag: str, size: int, path: str, url: str, endpoin
                                   f"{attempts} times", url=url, endpoint=endpoint)
 
 
-class _LocalWriteError(Exception):
-    def __init__(self, cause: OSError):
-        super().__init__(str(cause))
-        self.cause = cause
-
-
-def _write_all(fd: int, view: memoryview) -> int:
-    total = len(view)
+def _write_all(fd: int, view: memoryview) -> OSError | None:
+    """Write all of view; the OSError of the disk if it failed."""
     try:
         while view:
             view = view[os.write(fd, view):]
     except OSError as e:
-        raise _LocalWriteError(e) from e
-    return total
+        return e
+    return None
 
 
 _STATUS = re.compile(r"status code: (\d{3})")

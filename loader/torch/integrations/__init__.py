@@ -44,10 +44,7 @@ import sys
 import threading
 import types
 
-
-class LoaderReplacedWarning(UserWarning):
-    """A framework rebuilt a loader.DataLoader as another class: its batches
-    do not come from ShmLoader's workers."""
+from loader.errors import LoaderReplacedWarning
 
 
 _pending: dict = {}            # module name -> install(), until it ran

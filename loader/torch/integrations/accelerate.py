@@ -34,11 +34,11 @@ import threading
 import warnings
 import weakref
 
-from loader.torch.integrations import LoaderReplacedWarning
+from loader.errors import LoaderReplacedWarning
 from loader.torch.integrations import install_when_imported as _install_when_imported
 from loader.torch.integrations import rebind
 
-__all__ = ["install", "LoaderReplacedWarning"]
+__all__ = ["install"]
 
 
 _lock = threading.RLock()  # the module-global swap below is process-wide

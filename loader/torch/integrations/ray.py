@@ -39,10 +39,10 @@ import sys
 import threading
 import warnings
 
-from loader.torch.integrations import LoaderReplacedWarning
+from loader.errors import ArgumentError, LoaderReplacedWarning
 from loader.torch.integrations import install_when_imported as _install_when_imported
 
-__all__ = ["prepare_data_loader", "install", "LoaderReplacedWarning"]
+__all__ = ["prepare_data_loader", "install"]
 
 # Ray's modules that define prepare_data_loader over module globals
 # `DataLoader` and `_WrappedDataLoader` (V1; V2, which ray.train.torch exports
@@ -142,7 +142,7 @@ def _prepare_shm(shm, add_dist_sampler: bool, move_to_device: bool, auto_transfe
     world = ray.train.get_context().get_world_size()
     if world > 1 and add_dist_sampler and not shm.distributed and not shm.iterable and not (
             _is_distributed_sampler(shm.sampler)):
-        raise ValueError(
+        raise ArgumentError(
             f"prepare_data_loader: this ShmLoader is not sharded (distributed=False) and Ray "
             f"Train runs {world} workers, so every rank would load the whole dataset; Ray "
             f"cannot rebuild a ShmLoader with a DistributedSampler: create it with "
