@@ -140,6 +140,7 @@ class MapEpoch(_Epoch):
         super().__init__(host, epoch, resume)
         self.yielded = 0                    # batches handed out or raised
         self.failed: set = set()            # batches an error was reported for
+        self.rowless = 0                    # first-ready: samples failed before taking a row
 
     def _started(self) -> None:
         self.total = self.run.plan.nbatches
@@ -170,6 +171,8 @@ class MapEpoch(_Epoch):
                         f"state was changed from outside (another process writing into this "
                         f"process's memory?)")
                 self._run_ended(msg)
+                if not self.in_order:  # fewer batches than planned came: _left() is exact now
+                    self.run = self.host.advance(self.run, self.yielded, self._left())
             else:
                 self.pending[msg.batch] = msg
 
@@ -177,8 +180,16 @@ class MapEpoch(_Epoch):
         """A batch the failure spoils will never come.  In order, it counts
         when its turn comes; first-ready, it counts now (once, however
         many of its samples failed), else the workers would wait for a
-        LIMIT that only the batches handed out raise."""
-        if msg.batch is None or msg.batch in self.failed:
+        LIMIT that only the batches handed out raise.  First-ready, a
+        worker's sample that failed before it took a row spoils no batch:
+        one more position may load instead (EpochHost.sample_took_no_row)."""
+        if msg.batch is None:
+            if not self.in_order and msg.worker is not None and msg.pos is not None \
+                    and not self.run.plan.claims_batches:
+                self.rowless += 1
+                self.run = self.host.sample_took_no_row(self.run, self.yielded, self._left())
+            return
+        if msg.batch in self.failed:
             return
         self.failed.add(msg.batch)
         if not self.in_order:
@@ -191,8 +202,15 @@ class MapEpoch(_Epoch):
             self.host.run_ahead(self.run, self.epoch + 1, self._left())
 
     def _left(self) -> int:
-        """Minus the batches of this run still to be handed out."""
-        return self.yielded - self.run.plan.nbatches
+        """Minus the batches of this run still to be handed out (the run
+        started ahead may load that many fewer: Runs.limit())."""
+        if self.ended:  # every batch of the run came: those here are all that is left
+            return -(len(self.pending) + len(self.errors))
+        batches = self.run.batches
+        # first-ready, rows fill in arrival order: each batch's worth of
+        # samples that failed before taking a row is a batch that never comes
+        never = self.rowless // batches.size if batches.offsets is None else 0
+        return self.yielded - self.run.plan.nbatches + never
 
     def _advance(self) -> None:
         self.yielded += 1

@@ -55,6 +55,8 @@ class Runs:
         self.session = None      # the loader's Session while it runs
         self.own_books: dict = {}  # run -> RunStates of the latest runs (NOTE [ Datasets that
                                    # keep their own state ])
+        self.rowless: collections.Counter = collections.Counter()  # run -> its first-ready
+        # samples that failed before taking a row: each widens the run's LIMIT (limit())
 
     def stopped(self) -> None:
         """The session stopped: no run is live any more."""
@@ -133,7 +135,13 @@ class Runs:
             upto = min(upto, feed.whole_batches(run.batches))
         if run.plan.claims_batches:  # workers claim whole batches
             return upto
-        return run.batches.span(upto - 1)[1] if upto > 0 else 0
+        if upto <= 0:
+            return 0
+        # First-ready, rows fill in arrival order: a position whose sample
+        # failed took no row, so the positions that fill the next `prefetch`
+        # batches reach one further for each (else, once as many failed as a
+        # batch has rows, no batch could fill and the workers would wait).
+        return run.batches.span(upto - 1)[1] + self.rowless[run.id]
 
     def open_limit(self, run: Run, yielded: int) -> int:
         """limit(), once a streamed sampler has written the indices of
@@ -237,6 +245,7 @@ class Runs:
         if run is None:
             return
         self.session.shared.control.end_run(run.id)
+        self.rowless.pop(run.id, None)
         for msg in self.inboxes.pop(run.id, ()):
             if type(msg) is _protocol.BatchReady:
                 self.session.give_back(msg)
@@ -360,6 +369,12 @@ class EpochHost:
             self.control.set_limit(runs.ahead.id, runs.open_limit(runs.ahead, left))
         return run
 
+    def sample_took_no_row(self, run: Run, yielded: int, left: int) -> Run:
+        """First-ready: a sample of run failed before it took a row, so one
+        more position may load (Runs.limit()); as advance()."""
+        self._runs.rowless[run.id] += 1
+        return self.advance(run, yielded, left)
+
     def run_ahead(self, run: Run, next_epoch: int, left: int) -> None:
         """Every unit of run is claimed: start the next epoch's run now, if
         the loader runs ahead and none is started (NOTE [ Runs ])."""
@@ -387,4 +402,5 @@ class EpochHost:
                 runs.current = None
             else:
                 runs.inboxes.pop(run.id, None)
+                runs.rowless.pop(run.id, None)
         self._owner.epoch_closed(epoch)
