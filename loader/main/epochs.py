@@ -21,6 +21,10 @@ from loader.errors import WorkerError
 from loader.shared.layout import align
 from loader.main.stats import EpochClock
 
+# _next_ready()'s "the next batch is not here yet": never None, which is a
+# batch too (a sample of None with batch_size=None, a collate_fn's output)
+NOT_READY = object()
+
 
 class _Epoch:
     """What the map-style and stream epochs share: their run, the checks
@@ -149,7 +153,7 @@ class MapEpoch(_Epoch):
         self._resumed()
         while True:
             batch = self._next_ready()
-            if batch is not None:
+            if batch is not NOT_READY:
                 return batch
             if self.ended:
                 if not self.in_order or self.yielded == self.total:
@@ -218,8 +222,8 @@ class MapEpoch(_Epoch):
         self.total = self.run.plan.nbatches  # a run settled once its sampler ended
 
     def _next_ready(self):
-        """The next batch to hand out, if it is here (or raise its error:
-        the next call goes on with the following batch)."""
+        """The next batch to hand out, if it is here, else NOT_READY (or
+        raise its error: the next call goes on with the following batch)."""
         if self.in_order:
             failed = self.errors.pop(self.yielded, None)
             if failed is not None:
@@ -229,7 +233,7 @@ class MapEpoch(_Epoch):
         else:
             key = next(iter(self.pending), None)
         if key is None:
-            return None
+            return NOT_READY
         msg = self.pending.pop(key)
         batch = self._hand_out(msg)
         if self.in_order:
@@ -277,7 +281,7 @@ class StreamEpoch(_Epoch):
         self._resumed()
         while True:
             batch = self._next_ready()
-            if batch is not None:
+            if batch is not NOT_READY:
                 return batch
             if self.ended and not self.pending:
                 if self.errors:
@@ -313,7 +317,7 @@ class StreamEpoch(_Epoch):
         else:
             key = next(iter(self.pending), None)
         if key is None:
-            return None
+            return NOT_READY
         msg = self.pending.pop(key)
         batch = self._hand_out(msg)
         if self.in_order:
