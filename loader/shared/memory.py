@@ -150,27 +150,24 @@ class SharedState:
         # again after moving kept batches out of it (NOTE [ Kept batch memory ]).
         self.arena_fd = os.memfd_create("shmloader-arena", os.MFD_CLOEXEC)
         self.warm_fd = -1  # the batcher's, to allocate pages ahead (NOTE [ Warming the arena ])
-        try:
-            os.ftruncate(self.arena_fd, cfg.memory_cap_bytes)
-            self.arena = arena_array(self.arena_fd, cfg.memory_cap_bytes)
-            self.warm_fd = os.dup(self.arena_fd)
-        except BaseException:
-            os.close(self.arena_fd)
-            raise
-        self.released = sync.shared_array(MAX_LEASES, np.int64)
-        workers = max(cfg.num_workers, cfg.max_workers, 1)  # ids of workers added later too
-        self.hazards = sync.shared_array(workers, np.int64)
-        # wait clocks, one per worker id and the batcher's last (NOTE [ Wait clocks ]
-        # in main/stats.py): for stats() and num_workers="auto"
-        self.waited = sync.shared_array(workers + 1, np.int64)
-        start_idle(self.waited)
-        # Process mode: a spill region per worker id, and the batcher's last.
-        self.spill = None if cfg.threads else SpillHeap(workers + 1)
-        self.batcher_region = workers
+        self.spill = None
         self.order_fds: list[int] = []
         self.snapshot_fds: list[int] = []
         self.rings: list[shmq.Queue] = []
-        try:
+        try:  # (whatever fails, close() closes what was made: at a low `ulimit -n` any may)
+            os.ftruncate(self.arena_fd, cfg.memory_cap_bytes)
+            self.arena = arena_array(self.arena_fd, cfg.memory_cap_bytes)
+            self.warm_fd = os.dup(self.arena_fd)
+            self.released = sync.shared_array(MAX_LEASES, np.int64)
+            workers = max(cfg.num_workers, cfg.max_workers, 1)  # ids of workers added later too
+            self.hazards = sync.shared_array(workers, np.int64)
+            # wait clocks, one per worker id and the batcher's last (NOTE [ Wait clocks ]
+            # in main/stats.py): for stats() and num_workers="auto"
+            self.waited = sync.shared_array(workers + 1, np.int64)
+            start_idle(self.waited)
+            # Process mode: a spill region per worker id, and the batcher's last.
+            self.spill = None if cfg.threads else SpillHeap(workers + 1)
+            self.batcher_region = workers
             # Per run parity (NOTE [ Runs ]): the order shipped to the
             # workers, and the dataset's snapshot of the epoch.
             for _ in range(2):
