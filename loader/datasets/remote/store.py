@@ -142,6 +142,9 @@ def list_objects(store, pattern: StorePattern, endpoint: str) -> Listed:
     return Listed([k for k, _, _ in found], [s for _, s, _ in found], [t for _, _, t in found])
 
 
+CHUNK_BYTES = 4 << 20   # what a fetcher thread holds of an object's body at most
+
+
 def download(store, key: str, etag: str, size: int, path: str, url: str, endpoint: str,
              attempts: int = 3) -> None:
     """Write object `key` (exactly `size` bytes of version `etag`) to the new
@@ -155,7 +158,12 @@ def download(store, key: str, etag: str, size: int, path: str, url: str, endpoin
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             result = obstore.get(store, key, options={"if_match": etag})
-            for chunk in result.stream(min_chunk_size=4 << 20):
+            # An object of one chunk is read whole: streaming it cost twice
+            # the time of bytes() (bench/remote.md); larger ones are streamed so
+            # that each thread holds at most a chunk
+            chunks = [result.bytes()] if size <= CHUNK_BYTES else \
+                result.stream(min_chunk_size=CHUNK_BYTES)
+            for chunk in chunks:
                 disk_error = _write_all(fd, memoryview(chunk))
                 if disk_error is not None:
                     break
