@@ -213,7 +213,7 @@ class MapEpoch(_Epoch):
         batches = self.run.batches
         # first-ready, rows fill in arrival order: each batch's worth of
         # samples that failed before taking a row is a batch that never comes
-        never = self.rowless // batches.size if batches.offsets is None else 0
+        never = self.rowless // batches.size if self.rowless and batches.offsets is None else 0
         return self.yielded - self.run.plan.nbatches + never
 
     def _advance(self) -> None:
