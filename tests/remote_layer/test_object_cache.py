@@ -139,3 +139,28 @@ def test_a_lost_or_corrupt_index_is_rebuilt_from_the_files(tmp_path, damage):
         assert not stray.exists()
     finally:
         again.close()
+
+
+def test_a_job_id_is_never_reused_so_a_late_temp_file_is_not_taken_for_ours(tmp_path):
+    """A fetcher whose program died closes its cache while a download
+    thread may still write a temp file (named by its job id).  The next
+    job got that id back (SQLite reuses the largest rowid once deleted),
+    took the file for its own and never removed it: 8 kill -9 runs in a
+    row left `8.<digest>.part` for good.  Ids now only grow."""
+    ids, late = [], []
+    for _ in range(5):
+        cache = ObjectCache(str(tmp_path), 1 << 20)
+        res = cache.reserve(f"s3://b/{len(ids)}.npy", "e1", 10)
+        ids.append(cache.job)
+        cache.close()            # the job's row and its temp files go...
+        with open(res.tmp, "wb") as f:   # ...and a thread still downloading writes one
+            f.write(b"x" * 10)
+        late.append(os.path.basename(res.tmp))
+    assert ids == sorted(set(ids)) and len(ids) == 5
+    cache = ObjectCache(str(tmp_path), 1 << 20)
+    try:
+        assert cache.job > ids[-1]
+        cache.recover()
+        assert os.listdir(tmp_path / "tmp") == []
+    finally:
+        cache.close()

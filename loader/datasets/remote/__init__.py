@@ -37,6 +37,17 @@ its start, the workers inherit them at the fork):
   the cache     cache_dir on the local disk, shared by every loader, rank and
                 job of the node: NOTE [ The object cache ] in cache.py.
 
+How far the fetcher reads ahead: with train_on="all" every object in the
+cache is trained again each epoch, so room made for an object further ahead
+by evicting one the epoch has still to train is a miss later.  The fetcher
+makes such room only for objects at most `requests_in_flight` places past
+what the workers have trained (or one a worker asks for); further ahead it
+waits for the room that objects trained free, and an epoch's objects still
+to be trained are never evicted for the next epoch's.  An epoch so loses
+about `requests_in_flight` hits, whatever the cache's size (a cache of a
+fraction f of the data serves 0.95 f or more once it holds some 20 times
+that many objects: tests/remote_layer/test_remote_files.py).
+
 Errors are RemoteError's subclasses (loader/errors.py), raised by the worker that
 needed the object, so next() raises them on the batch that needs it.
 """

@@ -82,7 +82,7 @@ CREATE TABLE IF NOT EXISTS objects (
     UNIQUE (url, etag));
 CREATE INDEX IF NOT EXISTS objects_evictable ON objects (state, trained DESC, fetched_at);
 CREATE TABLE IF NOT EXISTS jobs (
-    id INTEGER PRIMARY KEY,
+    id INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused: temp files are named by it
     label TEXT NOT NULL,
     started REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS pins (

@@ -448,7 +448,7 @@ class Fetcher:
                 with self.lock:
                     self.cache.abort(res)
                 raise
-            return self._disk_full(res, url, e)
+            return self._disk_full(res, url, e, slot, index)
         except BaseException:
             with self.lock:
                 self.cache.abort(res)
@@ -458,19 +458,23 @@ class Fetcher:
         self.board.set(B.W_EVICTED, self.cache.evicted)
         return entry
 
-    def _disk_full(self, res: Reservation, url: str, err: OSError):
+    def _disk_full(self, res: Reservation, url: str, err: OSError, s: int, i: int):
         """The disk filled up before cache_limit_bytes (a disk shared with
         other programs, or smaller than the limit): the limit comes down
         below what the cache holds now, and this object waits for the room
-        that eviction makes (parked).  If the limit was lowered already and
-        the disk is still full, a CacheFull for the object."""
+        that eviction makes (parked).  If the limit was lowered already, the
+        disk is still full and no object is needed later than this one, a
+        CacheFull for the object."""
         with self.lock:
             try:
                 self.cache.abort(res)
             except OSError as e:   # (not even its room could be recorded: the next job's recover)
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-            if self._lower_limit(res.size, err.strerror or str(err)):
+            # (room may also come from objects needed later than this one:
+            # the next reserve() evicts them down to the lower limit)
+            if self._lower_limit(res.size, err.strerror or str(err)) or \
+                    (s in self.active and self._needed_later(s, i, res.size)):
                 return None
         self.board.add(B.W_ERRORS)
         return CacheFull(f"the disk of cache_dir {self.cache.dir} is full ({err.strerror}) with "
@@ -498,10 +502,7 @@ class Fetcher:
         lock).  The next epoch's objects come after every one of this
         epoch's; within an epoch, by their place in its order.  Never one
         a worker has asked for, is reading, or trained."""
-        ages = self._by_age()
-        here = next(k for k, (slot, _) in enumerate(ages) if slot == s)
-        mine = _place(self.active[s], i)
-        ahead = mine - self.active[s].trained
+        ahead = _place(self.active[s], i) - self.active[s].trained
         if not self.cached_mode and ahead > self.in_flight_max and \
                 not self.active[s].slot.state[i] & B.WANTED:
             # Every object of the cache is trained again this epoch: reading
@@ -509,6 +510,13 @@ class Fetcher:
             # epoch still trains (a miss later) for one it needs no sooner.
             # Beyond that, room comes from objects trained (NOTE [ Remote data ]).
             return []
+        return self._needed_later(s, i, nbytes)
+
+    def _needed_later(self, s: int, i: int, nbytes: int) -> list[int]:
+        """_spare() however far ahead object i is."""
+        ages = self._by_age()
+        here = next(k for k, (slot, _) in enumerate(ages) if slot == s)
+        mine = _place(self.active[s], i)
         out, total = [], 0
         for k in range(len(ages) - 1, here - 1, -1):
             slot, active = ages[k]
