@@ -40,9 +40,9 @@ resumed loader its own back before it loads anything:
 What cannot be exact is said, never silent: load_state_dict() gives an
 InexactResumeWarning naming the dataset's class when
 - its state_dict() takes arguments, so the loader cannot take the state
-  (MosaicML Streaming's StreamingDataset: state_dict(num_samples,
-  from_beginning); its own StreamingDataLoader's state, which works over
-  loader.DataLoader, resumes it);
+  (but MosaicML Streaming's state_dict(num_samples, from_beginning) is
+  taken as its StreamingDataLoader takes it: NOTE [ Datasets that resume
+  themselves ], below);
 - its state moved while the cut pass loaded (map-style, above), or a
   copy's state is unknown (its state_dict() raised, and main raised that);
 - worker threads share one copy of an iterable one (each iterating it);
@@ -380,3 +380,120 @@ class CopyState:
         else:
             point = {"dataset": state, "iterator": None} if known else None
         self._report(run, AT, point, known, position)
+
+
+# NOTE [ Datasets that resume themselves ]
+# ========================================
+#
+# MosaicML Streaming's StreamingDataset keeps its state another way than
+# the Stateful protocol above, and per-copy states cannot describe it:
+# - its epoch counter and a loaded state live in shared memory that main's
+#   copy and every worker's share (by name: a new process starts at epoch 0);
+#   each pass (its __iter__ in the workers, all at once behind a barrier)
+#   takes the loaded state if it is not older than the counter, else the
+#   counter's epoch from its start, and moves the counter on;
+# - one order per epoch over all workers: the remaining samples (after
+#   sample_in_epoch) in batches of its batch_size, batch j to worker j mod W,
+#   so that a loader handing batches out round-robin gives that order;
+# - state_dict(num_samples, from_beginning), called in main with the samples
+#   the loader delivered of the epoch (its StreamingDataLoader passes those
+#   of the current pass with from_beginning=False: the dataset adds where a
+#   resumed pass began), returns {"epoch", "sample_in_epoch", ...};
+#   load_state_dict() writes it to the shared memory for the next pass.
+# So the loader does what Mosaic's StreamingDataLoader does: main takes the
+# dataset's state with the samples of the pass delivered (times the ranks,
+# over its replication), and a resumed loader gives it back to main's copy
+# and reads each stream from its start (the dataset drops what was
+# delivered).  Where the counter cannot be read it is not trusted: a state
+# with nothing of the pass delivered yet (the workers may not have begun it)
+# holds the state the run's pass began with, taken as the run was planned
+# (before any worker began it: the loaded state, or the epoch after the one
+# the counter says); a state between passes, the next epoch from its start.
+# Exact only when the delivered samples are the first of the dataset's
+# order, else an InexactResumeWarning at load_state_dict() says why: batches
+# handed out first-ready not round-robin, a shuffle buffer, a loader
+# batch_size other than the dataset's, one copy shared by worker threads.
+
+_PASS_KEYS = ("epoch", "sample_in_epoch")
+
+
+def resumes_itself(dataset) -> bool:
+    """Does it keep MosaicML Streaming's protocol (state_dict(num_samples,
+    from_beginning) and load_state_dict(state))?"""
+    if not keeps_state(dataset):
+        return False
+    try:
+        names = list(inspect.signature(dataset.state_dict).parameters)
+    except (TypeError, ValueError):
+        return False
+    return names[:2] == ["num_samples", "from_beginning"]
+
+
+def _at(state, epoch: int, sample: int):
+    """state, moved to sample `sample` of epoch `epoch` (None: it has not
+    the keys of one)."""
+    if not isinstance(state, dict) or any(k not in state for k in _PASS_KEYS):
+        return None
+    return {**state, "epoch": epoch, "sample_in_epoch": sample}
+
+
+def next_pass(dataset):
+    """The dataset's state as its next pass begins, when nothing is loaded
+    (main, before the run's workers begin it): the epoch after the one its
+    counter says, from its start (None: not known)."""
+    now = dataset.state_dict(0, True)
+    return _at(now, now.get("epoch", 0) + 1, 0) if isinstance(now, dict) else None
+
+
+def pass_entry(dataset, pass_start, progress, *, world: int, in_order: bool,
+               batch_size: int | None, shared_by: int) -> dict:
+    """The state's "dataset" entry of a dataset that resumes itself (NOTE
+    [ Datasets that resume themselves ]); progress None: no run yet."""
+    if progress is None:
+        return entry(dataset, None, None)
+    if progress.complete:
+        now = dataset.state_dict(0, True)  # the pass ended, none began since: its epoch
+        state = _at(now, now.get("epoch", -1) + 1, 0) if isinstance(now, dict) else None
+    elif sum(progress.prefix) + sum(len(e) for e in progress.extra) == 0:
+        state = pass_start
+    else:
+        state = dataset.state_dict(_samples_of_pass(dataset, progress, world), False)
+    why = _why_not_a_prefix(dataset, progress, in_order, batch_size, shared_by)
+    if state is None:
+        why = (f"its state has no {' and '.join(_PASS_KEYS)}, so the loader cannot tell the "
+               f"pass that begins: it resumes from the state it is made with")
+    return entry(dataset, None if state is None else [state], why)
+
+
+def _samples_of_pass(dataset, progress, world: int) -> int:
+    """What Mosaic's StreamingDataLoader counts: the samples of the pass
+    delivered, over all ranks, once per replica."""
+    n = (sum(progress.prefix) + sum(len(e) for e in progress.extra)) * world
+    replication = getattr(dataset, "replication", None)
+    return n // replication if isinstance(replication, int) and replication > 1 else n
+
+
+def _why_not_a_prefix(dataset, progress, in_order: bool, batch_size, shared_by: int):
+    """Why the samples delivered may not be the first of the dataset's
+    order (None: they are)."""
+    if shared_by > 1:
+        return (f"its one copy is shared by {shared_by} worker threads, each iterating it, so "
+                f"what was delivered is not a count of its order")
+    if progress.complete:
+        return None
+    streams = len(progress.prefix)
+    own_batch = getattr(dataset, "batch_size", None)
+    if streams > 1 and isinstance(own_batch, int) and own_batch != batch_size:
+        return (f"its batch_size ({own_batch}) is not the loader's ({batch_size}), so the "
+                f"batches of its order are not the ones handed out round-robin")
+    if any(progress.extra) or any(p != b * progress.rows for p, b in
+                                  zip(progress.prefix, progress.batches)):
+        return ("the samples delivered were not each stream's first (a shuffle buffer), so "
+                "they are not the first of its order: some may repeat, others be missed")
+    total = sum(progress.batches)
+    round_robin = [total // streams + (w < total % streams) for w in range(streams)]
+    if streams > 1 and not in_order and progress.batches != round_robin:
+        return (f"batches were handed out as they were ready (in_order=False), not "
+                f"round-robin (per worker {progress.batches}), so the samples delivered are "
+                f"not the first of its order: some may repeat, others be missed")
+    return None

@@ -480,6 +480,13 @@ class ShmLoader(FrozenState):
         dataset = self.dataset
         if not _own_state.keeps_state(dataset):
             return
+        if self._planner.resumes_itself():
+            progress = self._progress if self._progress_plan is not None else None
+            state["dataset"] = _own_state.pass_entry(
+                dataset, self._progress_plan.pass_start if progress is not None else None,
+                progress, world=self._planner.world, in_order=self.in_order,
+                batch_size=self.batch_size, shared_by=self._planner.dataset_copies()[2])
+            return
         if not self._planner.takes_own_state():
             state["dataset"] = _own_state.without_state(dataset)
             return
@@ -513,6 +520,10 @@ class ShmLoader(FrozenState):
         self.seed = state["seed"]
         if state["complete"]:
             self._epoch, self._resume = state["epoch"], None
+        elif self._planner.resumes_itself():
+            # the dataset drops what was delivered itself: the streams begin anew
+            self._resume = {**state, "stream": [dict(s, batches=0, prefix=0, extra=[])
+                                                for s in state["stream"]]}
         else:
             self._resume = state
         self._progress = None
@@ -524,6 +535,11 @@ class ShmLoader(FrozenState):
         dataset = self.dataset
         if not _own_state.keeps_state(dataset):
             return None
+        if self._planner.resumes_itself():
+            states = _own_state.states_to_load(dataset, state.get("dataset"), 1)
+            if states is not None:  # (its shared memory: every copy's next pass takes it)
+                dataset.load_state_dict(states[0])
+            return states
         states = _own_state.states_to_load(dataset, state.get("dataset"),
                                            self._planner.dataset_copies()[0])
         return states if self._planner.takes_own_state() else None

@@ -20,7 +20,8 @@ import numpy as np
 
 from loader.worker import fetch as _fetch
 from loader.datasets.snapshot import EpochInfo
-from loader.datasets.own_state import RunStates, keeps_state, why_state_cannot_be_taken
+from loader.datasets.own_state import (RunStates, keeps_state, next_pass, resumes_itself,
+                                       why_state_cannot_be_taken)
 from loader.errors import ArgumentError
 from loader._native import derived_seeds
 from loader.order.planning import Plan, PlanRules, plan_run, run_indices
@@ -219,6 +220,11 @@ class EpochPlanner:
         dataset = self.loader.dataset
         return keeps_state(dataset) and why_state_cannot_be_taken(dataset) is None
 
+    def resumes_itself(self) -> bool:
+        """An iterable dataset keeping MosaicML Streaming's protocol (NOTE
+        [ Datasets that resume themselves ])."""
+        return self.loader.iterable and resumes_itself(self.loader.dataset)
+
     def workers_report_own_state(self) -> bool:
         """Do the workers report their copies' states (not main)?"""
         _, in_main, shared_by, _ = self.dataset_copies()
@@ -226,6 +232,9 @@ class EpochPlanner:
 
     def _own_states(self, progress) -> dict:
         """A run's book of its dataset copies' states, and what they load first."""
+        if self.resumes_itself():
+            load, self.own_load = self.own_load, None
+            return {"pass_start": load[0] if load else next_pass(self.loader.dataset)}
         if not self.takes_own_state():
             return {}
         load, self.own_load = self.own_load, None

@@ -71,6 +71,8 @@ class Plan(NamedTuple):
     own: Any = None            # RunStates: a dataset that keeps its own state, its copies'
                                # states (NOTE [ Datasets that keep their own state ])
     own_load: list | None = None  # the states its copies load before the run
+    pass_start: Any = None     # a dataset that resumes itself: its state as the run's pass
+                               # begins (NOTE [ Datasets that resume themselves ])
 
 
 class _Order(NamedTuple):

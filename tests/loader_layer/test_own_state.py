@@ -236,11 +236,11 @@ def test_worker_threads_sharing_an_iterable_copy_are_said_inexact():
 
 
 class NeedsArguments(CountsItsEpochs):
-    """A state_dict() that takes arguments, as StreamingDataset's
-    state_dict(num_samples, from_beginning)."""
+    """A state_dict() that takes arguments, not Streaming's (those:
+    test_resumes_itself.py)."""
 
-    def state_dict(self, num_samples, from_beginning):
-        return {"epoch": self.epoch, "sample_in_epoch": num_samples}
+    def state_dict(self, step, rank):
+        return {"epoch": self.epoch, "step": step}
 
 
 def test_a_state_the_loader_cannot_take_is_said_so_at_resume():
@@ -250,8 +250,7 @@ def test_a_state_the_loader_cannot_take_is_said_so_at_resume():
     assert state["dataset"]["states"] is None and not state["dataset"]["exact"]
     resumed = make(NeedsArguments(N), "processes")
     with pytest.warns(InexactResumeWarning, match=r"test_own_state\.NeedsArguments cannot "
-                      r"resume exactly: its state_dict\(\) takes arguments \(num_samples, "
-                      r"from_beginning\)"):
+                      r"resume exactly: its state_dict\(\) takes arguments \(step, rank\)"):
         resumed.load_state_dict(state)
     resumed.close()
 

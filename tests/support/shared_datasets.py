@@ -67,6 +67,75 @@ class Filled:
         return np.full(self.shape, i, self.dtype)
 
 
+class ResumesItself:
+    """An iterable dataset that keeps its state as MosaicML Streaming's
+    StreamingDataset does (NOTE [ Datasets that resume themselves ] in
+    loader/datasets/own_state.py), the behaviour a per-copy state cannot
+    describe: its epoch counter and a loaded state are in memory that main's
+    copy and every worker's share (a new dataset: a new process, at epoch
+    0); the first copy to begin a pass decides its epoch (the loaded state
+    if not older than the counter, else the counter's) and moves the
+    counter on, as Streaming's leader does behind its barrier; one order
+    per epoch (seeded by it, or 0..n-1 without shuffle) over all workers,
+    after sample_in_epoch of it, in batches of batch_size, batch j to
+    worker j mod W; state_dict(num_samples, from_beginning), in main, and
+    load_state_dict() into the shared memory.  Sample: [index, epoch].
+    Made before the loader's processes fork (its lock is inherited)."""
+
+    NEXT, ARRIVED, EPOCH, START, LOADED, LOADED_EPOCH, LOADED_SAMPLE = range(7)
+
+    def __init__(self, n: int = 96, batch_size: int = 8, shuffle: bool = True):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")
+        self.n, self.batch_size, self.shuffle = n, batch_size, shuffle
+        self.lock, self.shared = ctx.Lock(), ctx.RawArray("q", 7)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The epoch's order, over all workers."""
+        if not self.shuffle:
+            return np.arange(self.n)
+        return np.random.default_rng(epoch).permutation(self.n)
+
+    def _loaded(self, epoch: int):
+        """(epoch, its first sample): the loaded state's, if not older."""
+        s = self.shared
+        if s[self.LOADED] and s[self.LOADED_EPOCH] >= epoch:
+            return s[self.LOADED_EPOCH], s[self.LOADED_SAMPLE]
+        return epoch, 0
+
+    def _begin_pass(self, workers: int) -> tuple[int, int]:
+        s = self.shared
+        with self.lock:
+            if s[self.ARRIVED] % workers == 0:  # the pass's first copy decides it
+                s[self.EPOCH], s[self.START] = self._loaded(s[self.NEXT])
+                s[self.NEXT] = s[self.EPOCH] + 1
+            s[self.ARRIVED] += 1
+            return s[self.EPOCH], s[self.START]
+
+    def __iter__(self):
+        from loader import get_worker_info
+
+        info = get_worker_info()
+        w, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        epoch, start = self._begin_pass(workers)
+        rest = self.order(epoch)[start:]
+        bs = self.batch_size
+        for j in range(w, -(-len(rest) // bs), workers):
+            for i in rest[j * bs:(j + 1) * bs]:
+                yield np.array([i, epoch])
+
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict:
+        epoch, offset = self._loaded(self.shared[self.NEXT] - 1)
+        return {"epoch": int(epoch),
+                "sample_in_epoch": int(num_samples if from_beginning else offset + num_samples)}
+
+    def load_state_dict(self, state: dict) -> None:
+        s = self.shared
+        s[self.LOADED_EPOCH], s[self.LOADED_SAMPLE] = state["epoch"], state["sample_in_epoch"]
+        s[self.LOADED] = 1
+
+
 class CountsItsEpochs:
     """An iterable dataset that counts its epochs itself, as MosaicML
     Streaming's StreamingDataset does: a copy's pass is its epoch `epoch`,
