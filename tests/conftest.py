@@ -256,3 +256,41 @@ def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
 # and `s3_bucket` (a fresh bucket per test). See tests/support/s3server.py,
 # also for why the module-scoped server does not trip no_leftover_processes.
 from s3server import s3_bucket, s3_server  # noqa: E402,F401
+
+
+# The long tier: cases the default run leaves to `-m stress` (README, "Tests"),
+# each beside a shorter case of the same behaviour that stays in the default run,
+# so that the default run keeps to about ten minutes on two cores.  By node id
+# (a parameter's id included); a whole module by its path.
+LONG_TIER = {
+    "tests/torch_layer/test_ray.py",  # a Ray cluster's start alone is a minute and a half
+    "tests/loader_layer/test_hostile_limits.py::test_a_3_gib_single_sample_arrives_whole",
+    "tests/loader_layer/test_warmup.py::test_pages_are_resident_ahead_of_the_writers",
+    "tests/torch_layer/test_frameworks.py::test_lightning_mid_epoch_checkpoint_resumes_every_sample_once[ddp-mid-epoch0]",
+    "tests/torch_layer/test_frameworks.py::test_lightning_mid_epoch_checkpoint_resumes_every_sample_once[ddp-mid-epoch1]",
+    "tests/torch_layer/test_frameworks.py::test_lightning_mid_epoch_checkpoint_resumes_every_sample_once[1dev-mid-epoch0]",
+    "tests/torch_layer/test_frameworks.py::test_lightning_trains_on_the_loader_with_exact_shards[2]",
+    "tests/loader_layer/test_scale.py::test_a_10m_epoch_resumes_from_a_few_hundred_bytes_exactly[False]",
+    "tests/loader_layer/test_scale.py::test_the_loader_gives_the_order_whatever_the_workers_and_mode",
+    "tests/loader_layer/test_scale.py::test_a_billion_index_sampler_starts_at_once_and_resumes[True-0]",
+    "tests/loader_layer/test_scale.py::test_the_order_near_2_31_and_2_33_is_injective_on_large_samples[8589934599]",
+    "tests/loader_layer/test_scale.py::test_the_order_near_2_31_and_2_33_is_injective_on_large_samples[2147483648]",
+    "tests/loader_layer/test_scale.py::test_the_order_near_2_31_and_2_33_is_injective_on_large_samples[8589934587]",
+    "tests/remote_layer/test_remote_files.py::test_kill_9_at_random_moments_leaves_a_cache_that_serves_exactly[fetcher]",
+    "tests/remote_layer/test_remote_files.py::test_two_thousand_objects_three_shuffled_epochs[thread-True]",
+    "tests/remote_layer/test_remote_files.py::test_two_thousand_objects_three_shuffled_epochs[process-False]",
+    "tests/loader_layer/test_kept_batches.py::test_keeping_every_label_of_200000_samples_under_a_64_mib_cap[thread]",
+    "tests/loader_layer/test_stats.py::test_the_readme_example_under_other_programs_gives_no_stall_advice",
+    "tests/loader_layer/test_stream_samplers.py::test_a_hundred_million_keys_start_at_once_in_bounded_memory",
+    "tests/loader_layer/test_loader_control.py::test_300k_samples_over_several_epochs_with_a_slow_step[True]",
+    "tests/loader_layer/test_first_ready_failures.py::test_every_good_sample_once_and_every_failure_raised_once[threads-stretch]",
+    "tests/loader_layer/test_first_ready_failures.py::test_every_good_sample_once_and_every_failure_raised_once[threads-most]",
+    "tests/repo/test_s3_infrastructure.py::test_proxy_passes_1000_objects_through_byte_exact_on_reused_connections",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m 'not stress'` deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in LONG_TIER or item.nodeid.split("::")[0] in LONG_TIER:
+            item.add_marker(pytest.mark.stress)
