@@ -463,8 +463,8 @@ class Fetcher:
         other programs, or smaller than the limit): the limit comes down
         below what the cache holds now, and this object waits for the room
         that eviction makes (parked).  If the limit was lowered already, the
-        disk is still full and no object is needed later than this one, a
-        CacheFull for the object."""
+        disk is still full, no object is needed later than this one and none
+        this job cached is still to be trained, a CacheFull for the object."""
         with self.lock:
             try:
                 self.cache.abort(res)
@@ -474,12 +474,23 @@ class Fetcher:
             # (room may also come from objects needed later than this one:
             # the next reserve() evicts them down to the lower limit)
             if self._lower_limit(res.size, err.strerror or str(err)) or \
-                    (s in self.active and self._needed_later(s, i, res.size)):
+                    (s in self.active and self._needed_later(s, i, res.size)) or \
+                    self._holds_untrained():
                 return None
         self.board.add(B.W_ERRORS)
         return CacheFull(f"the disk of cache_dir {self.cache.dir} is full ({err.strerror}) with "
                          f"{self.cache.used_bytes()} bytes cached, all still needed",
                          url=url, endpoint=self.endpoint)
+
+    def _holds_untrained(self) -> bool:
+        """(Under the lock.)  Whether an object this job has cached is still
+        to be trained: once it is, its room is free (so waiting ends)."""
+        for active in self.active.values():
+            state = active.slot.state
+            if np.any(((state & B.STATUS_MASK) == B.COMPLETE) & ((state & B.TRAINED) == 0)
+                      & (active.ids >= 0)):
+                return True
+        return False
 
     def _lower_limit(self, nbytes: int, why: str) -> bool:
         """(Under the lock.)  The cache's limit lowered to what it holds less
