@@ -261,6 +261,13 @@ class ShmLoader(FrozenState):
                                           lambda count: set_active()(count), self.num_workers,
                                           self.max_workers)
 
+    @property
+    def _procs(self) -> list:
+        """The loader's child processes now (pid, exitcode; none once
+        stopped), under the name the kept reproductions of fixed failures
+        (shared/repros/fixed/) read: they must keep passing."""
+        return self._session.procs if self._session is not None else []
+
     def _set_active_workers(self, active: int) -> None:
         """num_workers="auto": let `active` workers claim units (main/autoscale.py)."""
         runs = self._runs
