@@ -50,8 +50,9 @@ def all_but_a_few(i: int) -> bool:
     return i % 1000 != 7
 
 
-def epoch(loader) -> tuple[list[int], int, int]:
-    """(every sample id delivered, the batches, the failures raised)."""
+def epoch(loader, batch_type=None) -> tuple[list[int], int, int]:
+    """(every sample id delivered, the batches, the failures raised);
+    batch_type: the class every batch must be."""
     got, batches, failures = [], 0, 0
     it = iter(loader)
     while True:
@@ -62,6 +63,7 @@ def epoch(loader) -> tuple[list[int], int, int]:
         except SampleFailed:
             failures += 1
             continue
+        assert batch_type is None or isinstance(batch, batch_type)
         batch = np.asarray(batch)
         assert (batch[:, 0] == batch[:, 1]).all()
         got.extend(batch[:, 0].tolist())
@@ -129,19 +131,7 @@ def test_torch_dataloader_first_ready_with_failing_samples():
     good = [i for i in range(N) if not bad(i)]
     dl = DataLoader(Failing(N, bad), batch_size=64, num_workers=2, in_order=False,
                     prefetch_factor=1, timeout=60)
-    got, batches, failures = [], 0, 0
-    it = iter(dl)
-    while True:
-        try:
-            batch = next(it)
-        except StopIteration:
-            break
-        except SampleFailed:
-            failures += 1
-            continue
-        assert isinstance(batch, torch.Tensor)
-        got.extend(batch[:, 0].tolist())
-        batches += 1
+    got, batches, failures = epoch(dl, torch.Tensor)
     # torch's DataLoader loads a batch at once: a failure spoils its batch
     spoiled = {i // 64 for i in range(N) if bad(i)}
     assert failures == len(spoiled)
