@@ -290,11 +290,12 @@ def test_an_object_replaced_after_its_listing_is_object_changed(store):
     ds = None
     with FaultProxy(store.server.endpoint_url) as proxy:
         store.through(proxy)
-        stalled = proxy.stall(method="GET", path=f"/{store.bucket}/sims/00005.npy")
+        # its GET waits, unanswered, until the new version is in place
+        held = proxy.hold(method="GET", path=f"/{store.bucket}/sims/00005.npy")
         try:
             ds = store.dataset(cache_limit_bytes=1 << 30)
             store.server.put(store.bucket, "sims/00005.npy", npy(500))  # after the listing
-            proxy.remove(stalled)
+            proxy.remove(held)
             with ShmLoader(ds, batch_size=8, num_workers=1, timeout=60) as ld:
                 it = iter(ld)
                 with pytest.raises(Exception) as info:

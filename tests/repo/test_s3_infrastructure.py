@@ -358,6 +358,28 @@ def test_stall_holds_the_response_until_the_client_deadline(s3_server, s3_bucket
     assert proxy.count(action="stall") == 2
 
 
+def test_hold_answers_after_the_rule_is_removed(s3_server, s3_bucket, proxy):
+    """A held GET waits for the test's next step (a new version put), then
+    is forwarded and answered with what the server has at that moment."""
+    s3_server.put(s3_bucket, "k", b"old")
+    client = s3_server.client(endpoint_url=proxy.url, read_timeout=30)
+    held = proxy.hold(method="GET", path=f"/{s3_bucket}/k")
+    answered: list[bytes] = []
+    getter = threading.Thread(target=lambda: answered.append(
+        client.get_object(Bucket=s3_bucket, Key="k")["Body"].read()))
+    getter.start()
+    try:
+        assert wait_until(lambda: proxy.count(method="GET", action="hold") == 1, 20)
+        s3_server.put(s3_bucket, "k", b"new")
+        getter.join(0.5)
+        assert answered == []                          # still held after the put
+        proxy.remove(held)
+    finally:
+        getter.join(30)
+    assert answered == [b"new"]
+    assert client.get_object(Bucket=s3_bucket, Key="k")["Body"].read() == b"new"   # not held
+
+
 def test_reset_closes_with_rst(s3_server, s3_bucket, proxy):
     data = payload(5, 200_000)
     s3_server.put(s3_bucket, "k", data)

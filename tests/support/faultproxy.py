@@ -24,6 +24,9 @@ faults are emulated here, per request:
                             bytes and close the connection
     stall(after_bytes=None) send nothing more (None: not even the head) until
                             the client gives up and closes
+    hold()                  forward nothing until the rule is removed, then
+                            forward the request as if no rule had matched
+                            (a request that must wait for the test's next step)
     reset(after_bytes=None) close with a TCP reset (RST) instead of answering
                             (or after the head and that many body bytes)
 - counts: `seen` lists every request (method, path, what was done), and
@@ -57,7 +60,7 @@ START_TIMEOUT_S = 10.0
 CHUNK_BYTES = 256 * 1024
 STREAM_LIMIT_BYTES = 1 << 20     # the longest head accepted, and the read buffer
 QUEUED_CHUNKS = 16               # per direction and connection: then the reader waits
-ACTIONS = ("respond", "truncate", "stall", "reset")
+ACTIONS = ("respond", "truncate", "stall", "reset", "hold")
 
 S3_ERROR_CODES = {403: "AccessDenied", 404: "NoSuchKey", 412: "PreconditionFailed",
                   500: "InternalError", 503: "SlowDown"}
@@ -92,6 +95,8 @@ class Rule:
     seed: int = 0
     hits: int = 0
     _rng: random.Random = field(init=False, repr=False)
+    # hold: the requests waiting for remove(), each an asyncio.Event of the proxy's loop
+    _held: list = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self):
         if self.action not in ACTIONS:
@@ -373,6 +378,9 @@ class _Connection:
         rule = self.shared.rule_for(method, path)
         self.shared.record(Seen(method, path, split.query, rule.action if rule else "pass",
                                 rule.status if rule else None))
+        if rule is not None and rule.action == "hold":
+            await self._hold(rule)
+            return await self._forward(head, method, None)
         if rule is None or rule.after_bytes is not None:
             return await self._forward(head, method, rule)
         await self._arrive(head)
@@ -401,6 +409,15 @@ class _Connection:
         await self.to_client.send(_error_response(status, method, path, close))
         await self.to_client.flush()
         return not close
+
+    async def _hold(self, rule: Rule) -> None:
+        """Until the test removes the rule (or the proxy stops: cancelled)."""
+        released = asyncio.Event()
+        with self.shared.lock:
+            if rule not in self.shared.rules:
+                return   # removed while this request was being matched
+            rule._held.append(released)
+        await released.wait()
 
     async def _stall(self) -> None:
         """Until the client closes (its deadline) or the proxy stops."""
@@ -573,9 +590,17 @@ class FaultProxy:
         `after_bytes` of the body."""
         return self._add(Rule("reset", after_bytes=after_bytes, **match))
 
+    def hold(self, **match) -> Rule:
+        """Keep matching requests waiting, unanswered, until `remove(rule)`;
+        then forward them (the client's own deadline still applies)."""
+        return self._add(Rule("hold", **match))
+
     def remove(self, rule: Rule) -> None:
         with self._shared.lock:
             self._shared.rules.remove(rule)
+            held, rule._held = rule._held, []
+        for released in held:
+            self._loop.call_soon_threadsafe(released.set)
 
     def clear(self) -> None:
         """Removes every rule (the link's delay and bandwidth stay)."""
