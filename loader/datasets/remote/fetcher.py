@@ -169,6 +169,8 @@ class Fetcher:
         self.pool = concurrent.futures.ThreadPoolExecutor(cfg["in_flight"], "fetch")
         self.in_flight_max = cfg["in_flight"]
         self.lock = threading.Condition()   # guards everything below, and the cache
+        self.to_commit: list = []           # (Reservation, _Done): downloads to commit,
+        self.to_commit_lock = threading.Lock()   # guarded by this lock alone
         self.listings: dict[int, Listing] = {}
         self.latest: Listing | None = None
         self.active: dict[int, Active] = {}              # slot -> what it needs
@@ -436,8 +438,7 @@ class Fetcher:
         res: Reservation = got
         try:
             S.download(self.store, key, etag, size, res.tmp, url, self.endpoint)
-            with self.lock:
-                entry = self.cache.commit(res)
+            entry = self._commit(res)
         except RemoteError as e:
             with self.lock:
                 self.cache.abort(res)
@@ -457,6 +458,33 @@ class Fetcher:
         self.board.add(B.W_FETCHED_BYTES, size)
         self.board.set(B.W_EVICTED, self.cache.evicted)
         return entry
+
+    def _commit(self, res: Reservation) -> Entry:
+        """cache.commit(res), combined: downloads that finish while another
+        thread holds the lock queue up, and whoever takes the lock next
+        commits all of them in one transaction (the index's cost is per
+        transaction)."""
+        mine = _Done()
+        with self.to_commit_lock:
+            self.to_commit.append((res, mine))
+        with self.lock:
+            with self.to_commit_lock:
+                batch, self.to_commit = self.to_commit, []
+            if batch:
+                try:
+                    for (_, done), entry in zip(batch, self.cache.commit_many([r for r, _ in batch])):
+                        done.set(entry)
+                except BaseException as e:
+                    for _, done in batch:
+                        done.set(e)
+        # Set by now: queued before this thread took the lock, so committed
+        # by it or by a thread that held the lock before it.
+        got = mine.value
+        if isinstance(got, OSError):
+            raise OSError(got.errno, got.strerror)   # (each thread its own)
+        if isinstance(got, BaseException):
+            raise got
+        return got
 
     def _disk_full(self, res: Reservation, url: str, err: OSError, s: int, i: int):
         """The disk filled up before cache_limit_bytes (a disk shared with
@@ -631,7 +659,8 @@ class Fetcher:
 
 
 class _Done:
-    """One fetch's result, for another thread that wants the same object."""
+    """A result one thread sets for another: a fetch's, for a thread that
+    wants the same object; a commit's, for the thread that queued it."""
 
     def __init__(self):
         self.event, self.value = threading.Event(), None
