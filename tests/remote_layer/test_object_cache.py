@@ -42,6 +42,35 @@ def test_objects_are_named_by_url_and_etag_and_complete_files_only(tmp_path):
         cache.close()
 
 
+def test_downloads_committed_together_are_each_complete_and_named(tmp_path):
+    """commit_many: what the fetcher does with downloads that finish while
+    another thread holds its lock; every one complete, under its own name,
+    its bytes its own, nothing left in tmp/, and a second job sees them."""
+    cache = ObjectCache(str(tmp_path), 1 << 20)
+    try:
+        reserved = [cache.reserve(f"s3://b/{i}.npy", f"e{i}", 100 + i) for i in range(6)]
+        for i, res in enumerate(reserved):
+            with open(res.tmp, "wb") as f:
+                f.write(bytes([i + 1]) * (100 + i))
+        entries = cache.commit_many(reserved)
+        assert [e.id for e in entries] == [r.id for r in reserved]
+        for i, entry in enumerate(entries):
+            assert entry == cache.lookup(f"s3://b/{i}.npy", f"e{i}")
+            with open(entry.path, "rb") as f:
+                assert f.read() == bytes([i + 1]) * (100 + i)
+        assert os.listdir(tmp_path / "tmp") == []
+        assert cache.used_bytes() == sum(100 + i for i in range(6))
+        states = {state for (state,) in cache.db.execute("SELECT state FROM objects")}
+        assert states == {COMPLETE}
+        other = ObjectCache(str(tmp_path), 1 << 20)
+        try:
+            assert [other.lookup(f"s3://b/{i}.npy", f"e{i}") for i in range(6)] == entries
+        finally:
+            other.close()
+    finally:
+        cache.close()
+
+
 def test_the_limit_holds_and_eviction_takes_the_most_trained_then_the_oldest(tmp_path):
     cache = ObjectCache(str(tmp_path), 10 * KiB)
     try:
