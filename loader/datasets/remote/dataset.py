@@ -27,6 +27,8 @@ from loader.datasets.remote.store import endpoint_of, parse
 _pidfds: dict[int, int] = {}   # the fetchers' pidfds, per process (_fetcher_alive)
 WAIT_SLICE_S = 0.25        # a worker's wait for an object, between checks of the fetcher
 REPLY_TIMEOUT_S = 60.0     # the fetcher's answer to main's Adopt (local work only)
+EVICTED_RETRIES = 3        # an object evicted between its check and its open: fetched again
+EVICTED_WAIT_S = 10.0      # for the fetcher to record an eviction it has made (microseconds)
 
 
 class RemoteSnapshot(NamedTuple):
@@ -281,15 +283,43 @@ class RemoteFiles(FileDataset):
             raise RemoteError(f"FileDataset({self.pattern!r}): the epoch's listing was replaced "
                               f"in the board while it was read (more than {B.SLOTS - 1} epochs "
                               f"or iterators live at once)")
-        self._wait_for(slot, index)
-        path = self._path(slot, index)
-        if self.decode is not None:
-            out = self.decode(path)
-            self._trained(slot, index)
-            return out
-        fd = open_regular(path)
-        self._trained(slot, index)   # (evicted from now on, it stays readable through fd)
-        return npy_array(path, fd) if path.endswith(".npy") else raw_array(path, fd)
+        for attempt in range(EVICTED_RETRIES + 1):
+            self._wait_for(slot, index)
+            path = self._path(slot, index)
+            try:
+                if self.decode is not None:
+                    out = self.decode(path)
+                    self._trained(slot, index)
+                    return out
+                fd = open_regular(path)
+            except FileNotFoundError:
+                if attempt == EVICTED_RETRIES or not self._evicted_meanwhile(slot, index, path):
+                    raise
+                continue
+            self._trained(slot, index)   # (evicted from now on, it stays readable through fd)
+            return npy_array(path, fd) if path.endswith(".npy") else raw_array(path, fd)
+
+    def _evicted_meanwhile(self, slot: B.Slot, index: int, path: str) -> bool:
+        """The object was complete when looked at and its file gone when
+        opened: the fetcher evicted it in between (it may evict objects of
+        this epoch needed later than the one it fetches, and a worker reading
+        ahead may be just then opening one).  Asked for now (WANTED: never
+        evicted again), it is fetched again; True once the fetcher has
+        recorded the eviction.  False if the board still says complete after
+        EVICTED_WAIT_S: the file was removed behind the cache's back."""
+        slot.mark(index, B.WANTED)
+        self._board.work.ring()
+
+        def recorded():
+            return slot.status(index) & B.STATUS_MASK != B.COMPLETE or os.path.exists(path)
+
+        deadline = time.monotonic() + EVICTED_WAIT_S
+        while not recorded():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._board.arrived.wait(recorded, left)
+        return True
 
     def _path(self, slot: B.Slot, index: int) -> str:
         name = slot.name(index)

@@ -635,6 +635,7 @@ class Fetcher:
             if len(evicted):   # fetched again when their turn comes
                 active.next = min(active.next, min(_place(active, int(i)) for i in evicted))
         self.board.set(B.W_EVICTED, self.cache.evicted)
+        self.board.arrived.ring()   # (a worker whose open lost the race waits for this)
 
 
     def describe(self) -> str:
