@@ -71,6 +71,43 @@ def test_downloads_committed_together_are_each_complete_and_named(tmp_path):
         cache.close()
 
 
+def test_an_epoch_of_fifty_thousand_objects_pins_exactly_the_complete_ones(tmp_path):
+    """pin_epoch over a listing of 50,000 of which a scattered 7,000 are
+    complete (and 50 only being fetched): their ids in the listing's
+    order, -1 elsewhere, and those pins alone for the slot, replaced when
+    the slot is pinned again."""
+    import numpy as np
+
+    cache = ObjectCache(str(tmp_path), 1 << 40)
+    try:
+        listing = [(f"s3://b/sims/{i:06d}.npy", f"e{i % 7}") for i in range(50_000)]
+        rng = np.random.default_rng(5)
+        cached = np.sort(rng.choice(50_000, 7_000, replace=False))
+        cache.db.execute("BEGIN")
+        cache.db.executemany("INSERT INTO objects (url, etag, size, state, fetched_at) "
+                             "VALUES (?, ?, 10, ?, 0)", [(*listing[i], COMPLETE) for i in cached])
+        fetching = sorted(set(range(50_000)) - set(cached.tolist()))[:50]
+        cache.db.executemany("INSERT INTO objects (url, etag, size, state, fetcher) "
+                             "VALUES (?, ?, 10, 0, ?)", [(*listing[i], cache.job) for i in fetching])
+        cache.db.execute("INSERT INTO objects (url, etag, size, state) VALUES (?, 'other', 10, ?)",
+                         (listing[int(cached[0])][0], COMPLETE))   # another version of one
+        cache.db.execute("COMMIT")
+        want = {url: obj for obj, url, etag in cache.db.execute(
+            "SELECT id, url, etag FROM objects WHERE state = ? AND etag != 'other'", (COMPLETE,))}
+        ids = cache.pin_epoch(1, listing)
+        assert ids.dtype == np.int64 and len(ids) == 50_000
+        assert np.flatnonzero(ids >= 0).tolist() == cached.tolist()
+        assert [int(ids[i]) for i in cached] == [want[listing[i][0]] for i in cached]
+        pinned = sorted(o for (o,) in cache.db.execute(
+            "SELECT object FROM pins WHERE job = ? AND slot = 1", (cache.job,)))
+        assert pinned == sorted(want.values())
+        again = cache.pin_epoch(1, listing[:100])          # the slot's pins are replaced
+        assert cache.db.execute("SELECT COUNT(*) FROM pins WHERE slot = 1").fetchone()[0] == \
+            int((again >= 0).sum()) == int((cached < 100).sum())
+    finally:
+        cache.close()
+
+
 def test_the_limit_holds_and_eviction_takes_the_most_trained_then_the_oldest(tmp_path):
     cache = ObjectCache(str(tmp_path), 10 * KiB)
     try:

@@ -303,13 +303,11 @@ class Fetcher:
     def _adopt(self, s: int, gen: int) -> None:
         listing = self.listings[gen]
         urls = [f"{self.pattern.root}/{k}" for k in listing.keys]
-        entries = self.cache.pin_epoch(s, list(zip(urls, listing.etags)))
-        state = np.array([B.COMPLETE if e is not None else B.ABSENT for e in entries], np.int32)
+        ids = self.cache.pin_epoch(s, list(zip(urls, listing.etags)))
+        state = np.where(ids >= 0, B.COMPLETE, B.ABSENT).astype(np.int32)
         slot = self.board.fill(s, gen, listing.digests, listing.exts, listing.sizes, state)
         active = Active(slot, listing)
-        for i, e in enumerate(entries):
-            if e is not None:
-                active.ids[i] = e.id
+        active.ids[:] = ids
         self.board.add(B.W_HITS, int((state == B.COMPLETE).sum()))
         previous = (s - 1) % B.SLOTS
         for k in [k for k in self.active if k not in (previous, s)]:
