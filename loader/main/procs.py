@@ -1,12 +1,17 @@
-"""The loader's child processes: forking them safely, knowing how they
-ended, and ending them.  See NOTE [ ShmLoader processes and shutdown ] in
-shared/messages.py."""
+"""The loader's child processes: forking them safely (or starting them
+clean: start_method="spawn"), knowing how they ended, and ending them.
+See NOTE [ ShmLoader processes and shutdown ] in shared/messages.py and
+NOTE [ Starting clean ] in shared/passable.py."""
 
 from __future__ import annotations
 
 import errno
 import faulthandler
+import multiprocessing.spawn
+import multiprocessing.util
 import os
+import pickle
+import subprocess
 import resource
 import re
 import select
@@ -20,7 +25,8 @@ import warnings
 from typing import NamedTuple
 
 from loader import _native
-from loader.errors import LoaderStartError
+from loader.errors import ArgumentTypeError, LoaderStartError
+from loader.shared import passable
 
 # Caught in C by every child (_native.pyx): its parent thread or process
 # ended.  A real-time signal, so it is not one a dataset is likely to use.
@@ -148,6 +154,14 @@ def _is_rays(t: threading.Thread) -> bool:
                for x in (type(t), target))
 
 
+def start_children(specs, start_method: str, fds=(), advise: bool = True) -> list[Child]:
+    """fork_children, or spawn_children for start_method="spawn" (fds: the
+    descriptors the children use by number, SharedState.plain_fds())."""
+    if start_method == "spawn":
+        return spawn_children(specs, fds)
+    return fork_children(specs, advise)
+
+
 def fork_children(specs, advise: bool = True) -> list[Child]:
     """Fork one child per (role, target, args); each runs target(*args) and
     exits.  If any fork fails, the children already started are killed and
@@ -164,10 +178,26 @@ def fork_children(specs, advise: bool = True) -> list[Child]:
             f"locked in the children and can hang them. Create the loader (and iterate it once) "
             f"before starting threads, or make sure they hold no locks the dataset uses",
             RuntimeWarning, stacklevel=4)
+    return _start_each(specs, _fork)
+
+
+def spawn_children(specs, fds=()) -> list[Child]:
+    """Start one fresh interpreter per (role, target, args), which runs
+    target(*args) and exits (NOTE [ Starting clean ] in shared/passable.py):
+    no fork of this process, so no lock or thread of its runtime (JAX's,
+    torch's) is copied.  Every payload is pickled before any process
+    starts: what cannot be pickled is an ArgumentTypeError naming it."""
+    payloads = [_spawn_payload(role, target, args) for role, target, args in specs]
+    starts = iter(payloads)
+    return _start_each(specs, lambda role, target, args, children: _spawn(
+        role, *next(starts), tuple(fds), children))
+
+
+def _start_each(specs, start) -> list[Child]:
     children: list[Child] = []
     try:
         for role, target, args in specs:
-            _fork(role, target, args, children)
+            start(role, target, args, children)
     except BaseException as e:
         for c in children:
             c.kill()
@@ -319,6 +349,132 @@ def _fork_quietly() -> int:
                 filters.remove(_FORK_WARNING)
     finally:
         _native.forking_own_child(False)
+
+
+# The arguments of a spawned child that a user's object may be: named in
+# the error when the payload cannot be pickled.
+_USER_FIELDS = ("dataset", "collate_fn", "worker_init_fn")
+
+
+def _spawn_payload(role, target, args) -> tuple[bytes, set[int]]:
+    """(role's target and args pickled for a spawned child, the descriptors
+    it needs)."""
+    try:
+        return passable.dumps((target, args))
+    except Exception as e:
+        what = _unpicklable_part(args)
+        raise ArgumentTypeError(
+            f"start_method='spawn' sends {what} to each new process by pickle, and it cannot "
+            f"be pickled: {type(e).__name__}: {e}. Define its class and functions at module "
+            f"level (not in a function, a lambda or __main__ of an interactive session), make "
+            f"it picklable (__getstate__), or use start_method='fork'") from e
+
+
+def _unpicklable_part(args) -> str:
+    """Which of the user's objects among args does not pickle, in words."""
+    for arg in args:
+        for field in _USER_FIELDS:
+            value = getattr(arg, field, None)
+            if value is None:
+                continue
+            try:
+                pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:
+                return f"the {field} ({type(value).__qualname__} {value!r:.80})"
+    return "the loader's configuration (dataset, collate_fn, worker_init_fn)"
+
+
+def _spawn(role, payload: bytes, needed: set[int], fds: tuple, children: list[Child]) -> None:
+    """Start one fresh interpreter for role and append it to children
+    before anything can raise here (as _fork)."""
+    report = tempfile.TemporaryFile()
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED_AROUND_FORK)
+    pid = -1
+    try:
+        head = pickle.dumps(SpawnHead(
+            role=role, parent=os.getpid(), mask=old_mask, report_fd=report.fileno(),
+            preparation=_preparation(role)))
+        blob = _memfd_of(len(head).to_bytes(8, "little") + head + payload)
+        try:
+            # Not os.fork: fork_exec runs no at-fork hook of this process
+            # (JAX's warns) and execs at once.  The child inherits the
+            # blocked Ctrl-C and ignores it before unblocking (_child_main).
+            pid = multiprocessing.util.spawnv_passfds(
+                os.fsencode(sys.executable), _spawn_command(blob),
+                {blob, report.fileno(), *needed, *fds})
+        finally:
+            os.close(blob)
+        child = Child(role, pid, None, report)
+        children.append(child)
+        child.pidfd = os.pidfd_open(pid)
+    except BaseException:
+        if pid < 0:
+            report.close()
+        raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+class SpawnHead(NamedTuple):
+    """What a spawned child reads first, before it unpickles the rest."""
+    role: Role
+    parent: int
+    mask: set
+    report_fd: int
+    preparation: dict    # multiprocessing.spawn's: sys.path, the main module, the cwd...
+
+
+def _preparation(role) -> dict:
+    """multiprocessing.spawn's preparation data (sys.path, the main module
+    to import as __mp_main__, the cwd), as a spawn context's child gets it,
+    without the authkey: the child takes part in no multiprocessing
+    connection of main's."""
+    data = multiprocessing.spawn.get_preparation_data(f"ShmLoader {role}")
+    data.pop("authkey", None)
+    return data
+
+
+def _memfd_of(data: bytes) -> int:
+    fd = os.memfd_create("shmloader-spawn", os.MFD_CLOEXEC)
+    try:
+        view, done = memoryview(data), 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _spawn_command(payload_fd: int) -> list[str]:
+    # The package's own folder first: the child imports this very loader,
+    # before the preparation data gives it main's whole sys.path.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(_native.__file__)))
+    code = (f"import sys; sys.path.insert(0, {root!r}); "
+            f"from loader.main.procs import run_spawned; run_spawned({payload_fd})")
+    return [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code]
+
+
+def run_spawned(payload_fd: int) -> None:
+    """A spawned child's program: its head, then _child_main, which
+    unpickles the target and its arguments (after dying with the parent is
+    set up and Ctrl-C is ignored) and runs it."""
+    size = os.fstat(payload_fd).st_size
+    data = bytearray()
+    while len(data) < size:  # pread: the file's offset is where main's writes left it
+        data += os.pread(payload_fd, size - len(data), len(data))
+    os.close(payload_fd)
+    size = int.from_bytes(data[:8], "little")
+    head = pickle.loads(data[8:8 + size])
+    report = open(head.report_fd, "r+b")
+    _child_main(head.role, head.parent, _load_and_run,
+                (head.preparation, memoryview(data)[8 + size:]), report, head.mask)
+
+
+def _load_and_run(preparation: dict, payload) -> None:
+    multiprocessing.spawn.prepare(preparation)
+    target, args = passable.loads(bytes(payload))
+    target(*args)
 
 
 def _child_main(role, parent, target, args, report, mask):

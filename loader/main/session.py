@@ -29,7 +29,7 @@ from loader.batcher.batcher import batcher_main
 from loader.errors import LoaderTimeout, WorkerError
 from loader._native import LeaseBook
 from loader.main.pinning import PinnedChunks, cuda_available
-from loader.main.procs import BATCHER, Role, fork_children, start_error, wait_all
+from loader.main.procs import BATCHER, Role, start_children, start_error, wait_all
 from loader.shared.memory import LoaderConfig, SharedState
 from loader.batcher.slabs import CopiedSlab
 from loader.main.stats import Task
@@ -62,7 +62,8 @@ class Session:
                      for i in range(cfg.num_workers)]
             specs.append((BATCHER, batcher_main, (cfg, self.shared)))
             self.procs = (start_threads(specs) if cfg.threads
-                          else fork_children(specs, advise=not torch_rules))
+                          else start_children(specs, cfg.start_method, self.shared.plain_fds(),
+                                              advise=not torch_rules))
         except BaseException:
             self.shared.close()
             raise
@@ -98,7 +99,8 @@ class Session:
         if active > len(workers):
             specs = [(Role(i), worker_main, (self.cfg, self.shared, i, first_run))
                      for i in range(len(workers), active)]
-            started = start_threads(specs) if self.cfg.threads else fork_children(specs)
+            started = (start_threads(specs) if self.cfg.threads else
+                       start_children(specs, self.cfg.start_method, self.shared.plain_fds()))
             self.procs[len(workers):len(workers)] = started  # before the batcher
         self.shared.control.set_active(active)
         return max(active, len(workers))
