@@ -154,11 +154,11 @@ def _is_rays(t: threading.Thread) -> bool:
                for x in (type(t), target))
 
 
-def start_children(specs, start_method: str, fds=(), advise: bool = True) -> list[Child]:
-    """fork_children, or spawn_children for start_method="spawn" (fds: the
-    descriptors the children use by number, SharedState.plain_fds())."""
+def start_children(specs, start_method: str, shared=None, advise: bool = True) -> list[Child]:
+    """fork_children, or spawn_children for start_method="spawn" (shared:
+    the SharedState the specs' args hold)."""
     if start_method == "spawn":
-        return spawn_children(specs, fds)
+        return spawn_children(specs, shared)
     return fork_children(specs, advise)
 
 
@@ -181,16 +181,21 @@ def fork_children(specs, advise: bool = True) -> list[Child]:
     return _start_each(specs, _fork)
 
 
-def spawn_children(specs, fds=()) -> list[Child]:
+def spawn_children(specs, shared) -> list[Child]:
     """Start one fresh interpreter per (role, target, args), which runs
     target(*args) and exits (NOTE [ Starting clean ] in shared/passable.py):
     no fork of this process, so no lock or thread of its runtime (JAX's,
     torch's) is copied.  Every payload is pickled before any process
-    starts: what cannot be pickled is an ArgumentTypeError naming it."""
-    payloads = [_spawn_payload(role, target, args) for role, target, args in specs]
+    starts: what cannot be pickled is an ArgumentTypeError naming it.
+    shared (the SharedState in args) travels apart and is loaded first:
+    the child takes its slots in the rings before it imports anything of
+    the user's (a module that imports torch takes seconds), well within
+    the time a reserved slot waits for its process (SHMQ_PENDING_ADOPT_NS)."""
+    payloads = [_spawn_payload(target, args, shared) for role, target, args in specs]
     starts = iter(payloads)
+    fds = tuple(shared.plain_fds())
     return _start_each(specs, lambda role, target, args, children: _spawn(
-        role, *next(starts), tuple(fds), children))
+        role, *next(starts), fds, children))
 
 
 def _start_each(specs, start) -> list[Child]:
@@ -356,11 +361,13 @@ def _fork_quietly() -> int:
 _USER_FIELDS = ("dataset", "collate_fn", "worker_init_fn")
 
 
-def _spawn_payload(role, target, args) -> tuple[bytes, set[int]]:
-    """(role's target and args pickled for a spawned child, the descriptors
-    it needs)."""
+def _spawn_payload(target, args, shared) -> tuple[bytes, set[int]]:
+    """(shared, then target and args, pickled for a spawned child (each
+    with its length first), the descriptors they need)."""
     try:
-        return passable.dumps((target, args))
+        early, early_fds = passable.dumps(shared)
+        rest, fds = passable.dumps((target, args), early=shared)
+        return len(early).to_bytes(8, "little") + early + rest, early_fds | fds
     except Exception as e:
         what = _unpicklable_part(args)
         raise ArgumentTypeError(
@@ -380,8 +387,15 @@ def _unpicklable_part(args) -> str:
             try:
                 pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception:
-                return f"the {field} ({type(value).__qualname__} {value!r:.80})"
+                return f"the {field} ({_named(value)})"
     return "the loader's configuration (dataset, collate_fn, worker_init_fn)"
+
+
+def _named(value) -> str:
+    """A function by its qualified name, another object by its class's."""
+    if hasattr(value, "__qualname__") and not isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    return f"a {type(value).__module__}.{type(value).__qualname__}"
 
 
 def _spawn(role, payload: bytes, needed: set[int], fds: tuple, children: list[Child]) -> None:
@@ -447,12 +461,27 @@ def _memfd_of(data: bytes) -> int:
 
 
 def _spawn_command(payload_fd: int) -> list[str]:
-    # The package's own folder first: the child imports this very loader,
-    # before the preparation data gives it main's whole sys.path.
+    """The child's command line.  Before anything slow (importing the
+    loader takes a second on a loaded machine), it asks to die with main,
+    as _native.die_with_parent does later (in Python: nothing compiled is
+    imported yet), so a main killed during the start leaves no orphan.
+    The package's own folder goes first on sys.path: the child imports
+    this very loader, before the preparation data gives it main's whole
+    sys.path."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(_native.__file__)))
-    code = (f"import sys; sys.path.insert(0, {root!r}); "
-            f"from loader.main.procs import run_spawned; run_spawned({payload_fd})")
+    sig = int(PARENT_DEATH_SIGNAL)
+    code = "\n".join([
+        "import os, signal, sys",
+        f"parent = {os.getpid()}",
+        f"signal.signal({sig}, lambda s, f: os.getppid() != parent and os._exit(1))",
+        f"import ctypes; ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, {sig}, 0, 0, 0)",
+        "if os.getppid() != parent: os._exit(1)",
+        f"sys.path.insert(0, {root!r})",
+        f"from loader.main.procs import run_spawned; run_spawned({payload_fd})"])
     return [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code]
+
+
+_PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
 
 
 def run_spawned(payload_fd: int) -> None:
@@ -472,8 +501,10 @@ def run_spawned(payload_fd: int) -> None:
 
 
 def _load_and_run(preparation: dict, payload) -> None:
+    size = int.from_bytes(payload[:8], "little")
+    shared = passable.loads(bytes(payload[8:8 + size]))  # first: see spawn_children
     multiprocessing.spawn.prepare(preparation)
-    target, args = passable.loads(bytes(payload))
+    target, args = passable.loads(bytes(payload[8 + size:]), early=shared)
     target(*args)
 
 

@@ -62,7 +62,7 @@ class Session:
                      for i in range(cfg.num_workers)]
             specs.append((BATCHER, batcher_main, (cfg, self.shared)))
             self.procs = (start_threads(specs) if cfg.threads
-                          else start_children(specs, cfg.start_method, self.shared.plain_fds(),
+                          else start_children(specs, cfg.start_method, self.shared,
                                               advise=not torch_rules))
         except BaseException:
             self.shared.close()
@@ -100,7 +100,7 @@ class Session:
             specs = [(Role(i), worker_main, (self.cfg, self.shared, i, first_run))
                      for i in range(len(workers), active)]
             started = (start_threads(specs) if self.cfg.threads else
-                       start_children(specs, self.cfg.start_method, self.shared.plain_fds()))
+                       start_children(specs, self.cfg.start_method, self.shared))
             self.procs[len(workers):len(workers)] = started  # before the batcher
         self.shared.control.set_active(active)
         return max(active, len(workers))

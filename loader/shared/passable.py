@@ -83,13 +83,17 @@ def _region_of(arr: np.ndarray):
 
 class _Pickler(pickle.Pickler):
     """Sends arrays of registered regions by descriptor; notes every
-    descriptor the child must be given."""
+    descriptor the child must be given.  `early`: an object pickled apart
+    (by another _Pickler), referred to here by a marker."""
 
-    def __init__(self, file):
+    def __init__(self, file, early=None):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.fds: set[int] = set()
+        self.early = early
 
     def persistent_id(self, obj):
+        if obj is self.early and obj is not None:
+            return ("early",)
         if type(obj) is np.ndarray:
             found = _region_of(obj)
             if found is None:
@@ -117,20 +121,25 @@ def _refuse_unpassable(arr: np.ndarray) -> None:
                            f"bug of the loader's start_method='spawn'; use start_method='fork'")
 
 
-def dumps(obj) -> tuple[bytes, set[int]]:
-    """(obj pickled for a spawned process, the descriptors it needs)."""
+def dumps(obj, early=None) -> tuple[bytes, set[int]]:
+    """(obj pickled for a spawned process, the descriptors it needs).
+    early: an object within obj that travels apart (dumps(early)), loaded
+    first; obj's pickle refers to it."""
     buf = io.BytesIO()
-    p = _Pickler(buf)
+    p = _Pickler(buf, early)
     p.dump(obj)
     return buf.getvalue(), p.fds
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file):
+    def __init__(self, file, early):
         super().__init__(file)
         self.mapped: dict[int, np.ndarray] = {}  # fd -> its mapping here, made once
+        self.early = early
 
     def persistent_load(self, pid):
+        if pid == ("early",):
+            return self.early
         kind, fd, nbytes, offset, dtype, shape, strides = pid
         if kind != "region":
             raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
@@ -140,6 +149,7 @@ class _Unpickler(pickle.Unpickler):
         return np.ndarray(shape, dtype, buffer=base, offset=offset, strides=strides)
 
 
-def loads(data: bytes):
-    """dumps's object again, in the spawned process."""
-    return _Unpickler(io.BytesIO(data)).load()
+def loads(data: bytes, early=None):
+    """dumps's object again, in the spawned process (early: the object
+    dumps was given as early, loaded already)."""
+    return _Unpickler(io.BytesIO(data), early).load()
