@@ -176,7 +176,8 @@ def fork_children(specs, advise: bool = True) -> list[Child]:
             f"ShmLoader forks {len(specs)} processes from a process running "
             f"{others + 1} threads; a lock another thread holds at the fork stays "
             f"locked in the children and can hang them. Create the loader (and iterate it once) "
-            f"before starting threads, or make sure they hold no locks the dataset uses",
+            f"before starting threads, make sure they hold no locks the dataset uses, or pass "
+            f"start_method='spawn' (fresh processes, nothing of this one's threads copied)",
             RuntimeWarning, stacklevel=4)
     return _start_each(specs, _fork)
 
@@ -407,7 +408,7 @@ def _spawn(role, payload: bytes, needed: set[int], fds: tuple, children: list[Ch
     try:
         head = pickle.dumps(SpawnHead(
             role=role, parent=os.getpid(), mask=old_mask, report_fd=report.fileno(),
-            preparation=_preparation(role)))
+            preparation=_preparation(role, needs_main=b"__main__" in payload)))
         blob = _memfd_of(len(head).to_bytes(8, "little") + head + payload)
         try:
             # Not os.fork: fork_exec runs no at-fork hook of this process
@@ -438,13 +439,19 @@ class SpawnHead(NamedTuple):
     preparation: dict    # multiprocessing.spawn's: sys.path, the main module, the cwd...
 
 
-def _preparation(role) -> dict:
-    """multiprocessing.spawn's preparation data (sys.path, the main module
-    to import as __mp_main__, the cwd), as a spawn context's child gets it,
-    without the authkey: the child takes part in no multiprocessing
-    connection of main's."""
+def _preparation(role, needs_main: bool) -> dict:
+    """multiprocessing.spawn's preparation data (sys.path, the cwd, the
+    main module to import as __mp_main__), as a spawn context's child gets
+    it, without the authkey: the child takes part in no multiprocessing
+    connection of main's.  The main module only when the payload names it
+    (needs_main: an object pickled by reference to __main__): importing a
+    training script again imports all it imports (torch, JAX: seconds per
+    process), for nothing when the dataset comes from a module."""
     data = multiprocessing.spawn.get_preparation_data(f"ShmLoader {role}")
     data.pop("authkey", None)
+    if not needs_main:
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
     return data
 
 
@@ -505,7 +512,15 @@ def _load_and_run(preparation: dict, payload) -> None:
     shared = passable.loads(bytes(payload[8:8 + size]))  # first: see spawn_children
     multiprocessing.spawn.prepare(preparation)
     target, args = passable.loads(bytes(payload[8 + size:]), early=shared)
+    global _kept_until_exit
+    # As in a forked child, what the target was given lives until
+    # os._exit (_child_main): a ring a worker never closes (to_main) is
+    # not collected and warned about as unclosed on the way out.
+    _kept_until_exit = (shared, target, args)
     target(*args)
+
+
+_kept_until_exit = None
 
 
 def _child_main(role, parent, target, args, report, mask):

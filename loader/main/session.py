@@ -14,6 +14,7 @@ session's.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -60,7 +61,7 @@ class Session:
         try:
             specs = [(Role(i), worker_main, (cfg, self.shared, i))
                      for i in range(cfg.num_workers)]
-            specs.append((BATCHER, batcher_main, (cfg, self.shared)))
+            specs.append((BATCHER, batcher_main, (self._batchers_config(cfg), self.shared)))
             self.procs = (start_threads(specs) if cfg.threads
                           else start_children(specs, cfg.start_method, self.shared,
                                               advise=not torch_rules))
@@ -70,6 +71,15 @@ class Session:
         self.pinned = self._pin_chunks()
         self.next_child_check = 0.0
         self.copied_slabs = self.copied_bytes = 0  # batches held back, copied out (copy_out)
+
+    @staticmethod
+    def _batchers_config(cfg: LoaderConfig) -> LoaderConfig:
+        """The batcher never calls the dataset or worker_init_fn: a spawned
+        one is not sent them, so it does not import what unpickling them
+        imports (torch, for a torch Dataset: seconds per start)."""
+        if not cfg.passable:
+            return cfg
+        return dataclasses.replace(cfg, dataset=None, worker_init_fn=None)
 
     # --- the children -------------------------------------------------------------------
 
