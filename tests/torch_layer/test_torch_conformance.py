@@ -1171,6 +1171,7 @@ def test_sampler(impl, persistent, tds):
     check_sampler(impl, tds, persistent, num_workers=4)
 
 
+@pytest.mark.timeout(300)  # its spawn case: a fresh interpreter importing torch
 def test_batch_sampler(impl, persistent, tds):
     """upstream: TestDataLoader.test_batch_sampler (1 spawned worker instead of 4)"""
     check_batch_sampler(impl, tds, persistent)
