@@ -215,6 +215,27 @@ def test_rows_are_views_of_the_one_arena():
             assert not b.flags.owndata
 
 
+def test_trace_records_every_spawned_process(tmp_path):
+    """trace=PATH with start_method="spawn": the records' words are a
+    memfd too; every sample's load is there once per epoch, by a spawned
+    worker's pid, as with fork (test_trace.py)."""
+    import json
+
+    path = str(tmp_path / "spawn.json")
+    with ShmLoader(Filled(64), batch_size=8, num_workers=2, start_method="spawn",
+                   trace=path) as ld:
+        for _ in range(2):
+            assert sum(len(b) for b in ld) == 64
+        workers = {c.pid for c in ld._session.worker_children()}
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    loads = [e for e in events if e["name"] == "load" and e["ph"] == "X"]
+    for epoch in (1, 2):  # (epoch 3 may have begun: the next epoch loads ahead)
+        assert sorted(e["args"]["index"] for e in loads if e["args"]["epoch"] == epoch) \
+            == list(range(64))
+    assert {e["pid"] for e in loads} <= workers
+
+
 def test_a_workers_exception_is_raised_in_main_as_with_fork():
     """The dataset's own KeyError, with its text, from either start."""
     for start_method in ("fork", "spawn"):
