@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import faulthandler
+import importlib
 import multiprocessing.spawn
 import multiprocessing.util
 import os
@@ -27,6 +28,7 @@ from typing import NamedTuple
 from loader import _native
 from loader.errors import ArgumentTypeError, LoaderStartError
 from loader.shared import passable
+from loader.shared.optional import imported_torch
 
 # Caught in C by every child (_native.pyx): its parent thread or process
 # ended.  A real-time signal, so it is not one a dataset is likely to use.
@@ -178,7 +180,7 @@ def fork_children(specs, advise: bool = True) -> list[Child]:
             f"locked in the children and can hang them. Create the loader (and iterate it once) "
             f"before starting threads, make sure they hold no locks the dataset uses, or pass "
             f"start_method='spawn' (fresh processes, nothing of this one's threads copied)",
-            RuntimeWarning, stacklevel=4)
+            RuntimeWarning, stacklevel=5)  # (through start_children and Session: iter()'s frame)
     return _start_each(specs, _fork)
 
 
@@ -408,7 +410,8 @@ def _spawn(role, payload: bytes, needed: set[int], fds: tuple, children: list[Ch
     try:
         head = pickle.dumps(SpawnHead(
             role=role, parent=os.getpid(), mask=old_mask, report_fd=report.fileno(),
-            preparation=_preparation(role, needs_main=b"__main__" in payload)))
+            preparation=_preparation(role, needs_main=b"__main__" in payload),
+            imports=_imports_of(role)))
         blob = _memfd_of(len(head).to_bytes(8, "little") + head + payload)
         try:
             # Not os.fork: fork_exec runs no at-fork hook of this process
@@ -437,6 +440,16 @@ class SpawnHead(NamedTuple):
     mask: set
     report_fd: int
     preparation: dict    # multiprocessing.spawn's: sys.path, the main module, the cwd...
+    imports: tuple       # modules to import before the target's arguments: _imports_of
+
+
+def _imports_of(role) -> tuple:
+    """A worker imports torch first when main has imported it, as a forked
+    one has it: its generator is then seeded with the others (seed_worker,
+    which seeds only a torch the process has imported), not left to chance
+    by a dataset that imports torch in __getitem__.  The batcher calls no
+    user code: it needs none."""
+    return ("torch",) if role.worker is not None and imported_torch() is not None else ()
 
 
 def _preparation(role, needs_main: bool) -> dict:
@@ -504,13 +517,15 @@ def run_spawned(payload_fd: int) -> None:
     head = pickle.loads(data[8:8 + size])
     report = open(head.report_fd, "r+b")
     _child_main(head.role, head.parent, _load_and_run,
-                (head.preparation, memoryview(data)[8 + size:]), report, head.mask)
+                (head.preparation, head.imports, memoryview(data)[8 + size:]), report, head.mask)
 
 
-def _load_and_run(preparation: dict, payload) -> None:
+def _load_and_run(preparation: dict, imports: tuple, payload) -> None:
     size = int.from_bytes(payload[:8], "little")
     shared = passable.loads(bytes(payload[8:8 + size]))  # first: see spawn_children
     multiprocessing.spawn.prepare(preparation)
+    for name in imports:
+        importlib.import_module(name)
     target, args = passable.loads(bytes(payload[8 + size:]), early=shared)
     global _kept_until_exit
     # As in a forked child, what the target was given lives until
