@@ -90,6 +90,12 @@ cdef class Bell:
         self.seq = <int32_t *>cnp.PyArray_DATA(words) + index
         self.sleepers = self.seq + 1
 
+    def __reduce__(self):
+        # For start_method="spawn": the words travel by their memfd
+        # (NOTE [ Starting clean ] in shared/passable.py), so the Bell
+        # rebuilt there rings the same words.
+        return (Bell, (self.words, <Py_ssize_t>(self.seq - <int32_t *>cnp.PyArray_DATA(self.words))))
+
     def ring(self):
         self.ring_c()
 

@@ -74,21 +74,33 @@ class Queue:
     lives in unnamed shared memory (memfd), never in /dev/shm, and is shared
     only with processes forked while it is open.  Nothing can leak it, even
     a SIGKILL during creation, and its memory is returned when its last
-    handle closes.
+    handle closes.  ``keep_fd=True`` (with ``anonymous=True``) keeps its
+    memfd open as ``q.fd`` until ``close()``: a process started with that
+    descriptor at the same number (``pass_fds``) can unpickle the queue,
+    which attaches by the descriptor; otherwise ``q.fd`` is None.
     """
 
-    __slots__ = ("_ring", "_name", "_creator_pid", "_pid", "_site", "__weakref__")
+    __slots__ = ("_ring", "_name", "_creator_pid", "_pid", "_site", "_fd", "__weakref__")
 
     def __init__(self, capacity_bytes: int = _DEFAULT_CAPACITY, multi_producer: bool = False, *,
-                 anonymous: bool = False):
+                 anonymous: bool = False, keep_fd: bool = False):
         capacity = _capacity_for(capacity_bytes)
         mpsc = bool(multi_producer)
+        self._fd = None
+        if keep_fd and not anonymous:
+            raise ValueError("keep_fd=True keeps an anonymous queue's memfd: pass anonymous=True "
+                             "too (a named queue is attached by its name)")
         if anonymous:
             fd = segment.create_anonymous(_core.segment_bytes(capacity, mpsc))
             try:
                 ring = _core.Ring.create(fd, capacity, mpsc, f"anonymous queue of pid {os.getpid()}",
                                          anonymous=True)
-            finally:
+            except BaseException:
+                os.close(fd)
+                raise
+            if keep_fd:
+                self._fd = fd
+            else:
                 os.close(fd)
             self._setup(ring, None, creator_pid=None)  # no name: nothing to unlink
             return
@@ -134,7 +146,21 @@ class Queue:
         finally:
             os.close(fd)
         q = cls.__new__(cls)
+        q._fd = None
         q._setup(ring, name, creator_pid=None)
+        return q
+
+    @classmethod
+    def _attach_fd(cls, fd, adopt_slot, adopt_from_pid):
+        """An anonymous queue kept by keep_fd=True, in a process started
+        with its descriptor (see __reduce__)."""
+        size = os.fstat(fd).st_size
+        ring = _core.Ring.attach(fd, size, os.pread(fd, _core.HEADER_BYTES, 0),
+                                 f"anonymous queue of pid {adopt_from_pid}", adopt_slot,
+                                 adopt_from_pid)
+        q = cls.__new__(cls)
+        q._fd = None  # (the descriptor is the starter's to give: it stays open here)
+        q._setup(ring, None, creator_pid=None)
         return q
 
     def _setup(self, ring, name, creator_pid):
@@ -205,6 +231,12 @@ class Queue:
         return self._name
 
     @property
+    def fd(self) -> int | None:
+        """The memfd of an anonymous queue made with keep_fd=True, until
+        close(); None otherwise."""
+        return self._fd
+
+    @property
     def capacity_bytes(self) -> int:
         return self._ring.capacity_bytes
 
@@ -235,6 +267,9 @@ class Queue:
         raise ``Closed``.  The creating process also unlinks the name."""
         self._ring.close()
         _core.forget_handle(self)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._creator_pid == os.getpid():
             self._creator_pid = None
             segment.unlink(self._name)
@@ -270,6 +305,9 @@ class Queue:
         # it by name there.  A slot is reserved for that process now, so it
         # counts as a producer before it has even started: otherwise a fast
         # producer that closes could end the stream before a slow one attaches.
+        if self._name is None and self._fd is not None:
+            slot = self._ring.reserve_pending_slot()
+            return (Queue._attach_fd, (self._fd, slot, os.getpid()))
         if self._name is None:
             raise TypeError(
                 f"an anonymous shmq.Queue cannot be sent to another process: only processes "

@@ -73,6 +73,7 @@ class Arguments(NamedTuple):
     worker_mode: str
     iterable: bool
     trace: str | None
+    start_method: str = "fork"  # "spawn": NOTE [ Starting clean ] in shared/passable.py
 
 
 def positive_int(name: str, value, minimum: int = 1) -> None:
@@ -126,6 +127,18 @@ def _check_modes(worker_mode, output, timeout, prefetch, memory_cap_bytes, colla
         raise ArgumentTypeError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
 
 
+def _check_start(start_method, worker_mode) -> None:
+    if start_method not in ("fork", "spawn"):
+        hint = (" ('spawn' starts the processes clean, as forkserver's are)"
+                if start_method == "forkserver" else "")
+        raise ArgumentError(f"start_method must be 'fork' (the default) or 'spawn' (fresh "
+                            f"processes: nothing of this process's threads is copied, for JAX), "
+                            f"got {start_method!r}{hint}")
+    if start_method == "spawn" and worker_mode == "thread":
+        raise ArgumentError("start_method='spawn' starts worker processes; worker_mode='thread' "
+                            "starts none: leave start_method out, or use worker_mode='process'")
+
+
 def _check_order(batch_size, shuffle, sampler, batch_sampler, drop_last, generator) -> None:
     if sampler is not None and shuffle:
         raise ArgumentError("sampler and shuffle=True are exclusive: shuffle inside the sampler")
@@ -174,13 +187,14 @@ def check_arguments(dataset, batch_size, shuffle, sampler, batch_sampler, num_wo
                     collate_fn, drop_last, in_order, prefetch, persistent_workers,
                     worker_init_fn, seed, generator, reproducible, timeout, output, pin_memory,
                     memory_cap_bytes, distributed, shuffle_buffer, worker_mode, max_workers,
-                    trace) -> Arguments:
+                    trace, start_method="fork") -> Arguments:
     """ShmLoader's arguments checked (in the order its tests expect the
     first mistake to be named) and normalised."""
     if batch_size is not None:
         positive_int("batch_size", batch_size)
     num_workers, auto, max_workers = _workers(num_workers, max_workers)
     _check_modes(worker_mode, output, timeout, prefetch, memory_cap_bytes, collate_fn)
+    _check_start(start_method, worker_mode)
     _check_order(batch_size, shuffle, sampler, batch_sampler, drop_last, generator)
     iterable = is_iterable_dataset(dataset)
     _check_stream(iterable, auto, shuffle_buffer, collate_fn, batch_size)
@@ -196,4 +210,4 @@ def check_arguments(dataset, batch_size, shuffle, sampler, batch_sampler, num_wo
         generator=generator, timeout=timeout, output=output, pin_memory=pin_memory,
         memory_cap_bytes=memory_cap_bytes or default_memory_cap(), distributed=distributed,
         shuffle_buffer=shuffle_buffer or 0, worker_mode=worker_mode, iterable=iterable,
-        trace=trace)
+        trace=trace, start_method=start_method)

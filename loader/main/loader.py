@@ -82,6 +82,12 @@ class ShmLoader(FrozenState):
         run there (each sample's load and write, the batches, the loop's
         waits in next(), epochs, the slab pool); open it in
         https://ui.perfetto.dev.
+    start_method: "fork" (default: the processes are forked from this one)
+        or "spawn": each is a fresh interpreter given the dataset, collate_fn
+        and worker_init_fn by pickle and the shared memory by descriptor, so
+        no thread or lock of this process's runtime is copied (JAX's: the
+        way for JAX users, docs/jax.md).  Batches view the same shared memory
+        either way.
 
     The first seven parameters are torch's DataLoader's, in its order, and
     may be passed by position; every later one is keyword-only (from the
@@ -99,13 +105,14 @@ class ShmLoader(FrozenState):
                  prefetch=None, persistent_workers=True, worker_init_fn=None, seed=None,
                  generator=None, reproducible=None, timeout=None, output="numpy",
                  pin_memory=False, memory_cap_bytes=None, distributed=False,
-                 shuffle_buffer=None, worker_mode="process", max_workers=None, trace=None):
+                 shuffle_buffer=None, worker_mode="process", max_workers=None, trace=None,
+                 start_method="fork"):
         install_imported()  # NOTE [ Installing the integrations ]
         args = check_arguments(
             dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
             drop_last, in_order, prefetch, persistent_workers, worker_init_fn, seed, generator,
             reproducible, timeout, output, pin_memory, memory_cap_bytes, distributed,
-            shuffle_buffer, worker_mode, max_workers, trace)
+            shuffle_buffer, worker_mode, max_workers, trace, start_method)
         self.dataset, self.batch_size, self.shuffle = args.dataset, args.batch_size, args.shuffle
         self.sampler, self.batch_sampler = args.sampler, args.batch_sampler
         self.num_workers, self.auto, self.max_workers = (args.num_workers, args.auto,
@@ -119,9 +126,10 @@ class ShmLoader(FrozenState):
         self.output, self.pin_memory = args.output, args.pin_memory
         self.memory_cap_bytes, self.distributed = args.memory_cap_bytes, args.distributed
         self.shuffle_buffer, self.worker_mode = args.shuffle_buffer, args.worker_mode
-        self.iterable = args.iterable
+        self.iterable, self.start_method = args.iterable, args.start_method
         # a bad path fails here, not at close(); NOTE [ Trace records ] in shared/trace.py
-        self._trace = None if trace is None else TraceLog(trace)
+        self._trace = None if trace is None else TraceLog(
+            trace, passable=self.start_method == "spawn")
         self._tracer = tracer_of(self._trace, ROLE_MAIN)
         self._planner = EpochPlanner(self)  # seeds, generators, each epoch's plan
         self._epoch = 0          # epochs started by iter(): they pick the order and the seeds
@@ -250,7 +258,7 @@ class ShmLoader(FrozenState):
             whole_batches=planner.torch_rules and not self.iterable,
             batched_fetch=planner.batched_fetch(),
             shuffle_buffer=self.shuffle_buffer, trace=self._trace,
-            own_state=planner.workers_report_own_state())
+            own_state=planner.workers_report_own_state(), start_method=self.start_method)
         self._session = Session(cfg, timeout=self.timeout, torch_rules=planner.torch_rules,
                                 pin_memory=self.pin_memory)
         self._runs.session = self._session

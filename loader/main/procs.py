@@ -1,12 +1,18 @@
-"""The loader's child processes: forking them safely, knowing how they
-ended, and ending them.  See NOTE [ ShmLoader processes and shutdown ] in
-shared/messages.py."""
+"""The loader's child processes: forking them safely (or starting them
+clean: start_method="spawn"), knowing how they ended, and ending them.
+See NOTE [ ShmLoader processes and shutdown ] in shared/messages.py and
+NOTE [ Starting clean ] in shared/passable.py."""
 
 from __future__ import annotations
 
 import errno
 import faulthandler
+import importlib
+import multiprocessing.spawn
+import multiprocessing.util
 import os
+import pickle
+import subprocess
 import resource
 import re
 import select
@@ -20,7 +26,9 @@ import warnings
 from typing import NamedTuple
 
 from loader import _native
-from loader.errors import LoaderStartError
+from loader.errors import ArgumentTypeError, LoaderStartError
+from loader.shared import passable
+from loader.shared.optional import imported_torch
 
 # Caught in C by every child (_native.pyx): its parent thread or process
 # ended.  A real-time signal, so it is not one a dataset is likely to use.
@@ -148,6 +156,14 @@ def _is_rays(t: threading.Thread) -> bool:
                for x in (type(t), target))
 
 
+def start_children(specs, start_method: str, shared=None, advise: bool = True) -> list[Child]:
+    """fork_children, or spawn_children for start_method="spawn" (shared:
+    the SharedState the specs' args hold)."""
+    if start_method == "spawn":
+        return spawn_children(specs, shared)
+    return fork_children(specs, advise)
+
+
 def fork_children(specs, advise: bool = True) -> list[Child]:
     """Fork one child per (role, target, args); each runs target(*args) and
     exits.  If any fork fails, the children already started are killed and
@@ -162,12 +178,34 @@ def fork_children(specs, advise: bool = True) -> list[Child]:
             f"ShmLoader forks {len(specs)} processes from a process running "
             f"{others + 1} threads; a lock another thread holds at the fork stays "
             f"locked in the children and can hang them. Create the loader (and iterate it once) "
-            f"before starting threads, or make sure they hold no locks the dataset uses",
-            RuntimeWarning, stacklevel=4)
+            f"before starting threads, make sure they hold no locks the dataset uses, or pass "
+            f"start_method='spawn' (fresh processes, nothing of this one's threads copied)",
+            RuntimeWarning, stacklevel=5)  # (through start_children and Session: iter()'s frame)
+    return _start_each(specs, _fork)
+
+
+def spawn_children(specs, shared) -> list[Child]:
+    """Start one fresh interpreter per (role, target, args), which runs
+    target(*args) and exits (NOTE [ Starting clean ] in shared/passable.py):
+    no fork of this process, so no lock or thread of its runtime (JAX's,
+    torch's) is copied.  Every payload is pickled before any process
+    starts: what cannot be pickled is an ArgumentTypeError naming it.
+    shared (the SharedState in args) travels apart and is loaded first:
+    the child takes its slots in the rings before it imports anything of
+    the user's (a module that imports torch takes seconds), well within
+    the time a reserved slot waits for its process (SHMQ_PENDING_ADOPT_NS)."""
+    payloads = [_spawn_payload(target, args, shared) for role, target, args in specs]
+    starts = iter(payloads)
+    fds = tuple(shared.plain_fds())
+    return _start_each(specs, lambda role, target, args, children: _spawn(
+        role, *next(starts), fds, children))
+
+
+def _start_each(specs, start) -> list[Child]:
     children: list[Child] = []
     try:
         for role, target, args in specs:
-            _fork(role, target, args, children)
+            start(role, target, args, children)
     except BaseException as e:
         for c in children:
             c.kill()
@@ -319,6 +357,185 @@ def _fork_quietly() -> int:
                 filters.remove(_FORK_WARNING)
     finally:
         _native.forking_own_child(False)
+
+
+# The arguments of a spawned child that a user's object may be: named in
+# the error when the payload cannot be pickled.
+_USER_FIELDS = ("dataset", "collate_fn", "worker_init_fn")
+
+
+def _spawn_payload(target, args, shared) -> tuple[bytes, set[int]]:
+    """(shared, then target and args, pickled for a spawned child (each
+    with its length first), the descriptors they need)."""
+    try:
+        early, early_fds = passable.dumps(shared)
+        rest, fds = passable.dumps((target, args), early=shared)
+        return len(early).to_bytes(8, "little") + early + rest, early_fds | fds
+    except Exception as e:
+        what = _unpicklable_part(args)
+        raise ArgumentTypeError(
+            f"start_method='spawn' sends {what} to each new process by pickle, and it cannot "
+            f"be pickled: {type(e).__name__}: {e}. Define its class and functions at module "
+            f"level (not in a function, a lambda or __main__ of an interactive session), make "
+            f"it picklable (__getstate__), or use start_method='fork'") from e
+
+
+def _unpicklable_part(args) -> str:
+    """Which of the user's objects among args does not pickle, in words."""
+    for arg in args:
+        for field in _USER_FIELDS:
+            value = getattr(arg, field, None)
+            if value is None:
+                continue
+            try:
+                pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:
+                return f"the {field} ({_named(value)})"
+    return "the loader's configuration (dataset, collate_fn, worker_init_fn)"
+
+
+def _named(value) -> str:
+    """A function by its qualified name, another object by its class's."""
+    if hasattr(value, "__qualname__") and not isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    return f"a {type(value).__module__}.{type(value).__qualname__}"
+
+
+def _spawn(role, payload: bytes, needed: set[int], fds: tuple, children: list[Child]) -> None:
+    """Start one fresh interpreter for role and append it to children
+    before anything can raise here (as _fork)."""
+    report = tempfile.TemporaryFile()
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED_AROUND_FORK)
+    pid = -1
+    try:
+        head = pickle.dumps(SpawnHead(
+            role=role, parent=os.getpid(), mask=old_mask, report_fd=report.fileno(),
+            preparation=_preparation(role, needs_main=b"__main__" in payload),
+            imports=_imports_of(role)))
+        blob = _memfd_of(len(head).to_bytes(8, "little") + head + payload)
+        try:
+            # Not os.fork: fork_exec runs no at-fork hook of this process
+            # (JAX's warns) and execs at once.  The child inherits the
+            # blocked Ctrl-C and ignores it before unblocking (_child_main).
+            pid = multiprocessing.util.spawnv_passfds(
+                os.fsencode(sys.executable), _spawn_command(blob),
+                {blob, report.fileno(), *needed, *fds})
+        finally:
+            os.close(blob)
+        child = Child(role, pid, None, report)
+        children.append(child)
+        child.pidfd = os.pidfd_open(pid)
+    except BaseException:
+        if pid < 0:
+            report.close()
+        raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+class SpawnHead(NamedTuple):
+    """What a spawned child reads first, before it unpickles the rest."""
+    role: Role
+    parent: int
+    mask: set
+    report_fd: int
+    preparation: dict    # multiprocessing.spawn's: sys.path, the main module, the cwd...
+    imports: tuple       # modules to import before the target's arguments: _imports_of
+
+
+def _imports_of(role) -> tuple:
+    """A worker imports torch first when main has imported it, as a forked
+    one has it: its generator is then seeded with the others (seed_worker,
+    which seeds only a torch the process has imported), not left to chance
+    by a dataset that imports torch in __getitem__.  The batcher calls no
+    user code: it needs none."""
+    return ("torch",) if role.worker is not None and imported_torch() is not None else ()
+
+
+def _preparation(role, needs_main: bool) -> dict:
+    """multiprocessing.spawn's preparation data (sys.path, the cwd, the
+    main module to import as __mp_main__), as a spawn context's child gets
+    it, without the authkey: the child takes part in no multiprocessing
+    connection of main's.  The main module only when the payload names it
+    (needs_main: an object pickled by reference to __main__): importing a
+    training script again imports all it imports (torch, JAX: seconds per
+    process), for nothing when the dataset comes from a module."""
+    data = multiprocessing.spawn.get_preparation_data(f"ShmLoader {role}")
+    data.pop("authkey", None)
+    if not needs_main:
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+    return data
+
+
+def _memfd_of(data: bytes) -> int:
+    fd = os.memfd_create("shmloader-spawn", os.MFD_CLOEXEC)
+    try:
+        view, done = memoryview(data), 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _spawn_command(payload_fd: int) -> list[str]:
+    """The child's command line.  Before anything slow (importing the
+    loader takes a second on a loaded machine), it asks to die with main,
+    as _native.die_with_parent does later (in Python: nothing compiled is
+    imported yet), so a main killed during the start leaves no orphan.
+    The package's own folder goes first on sys.path: the child imports
+    this very loader, before the preparation data gives it main's whole
+    sys.path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(_native.__file__)))
+    sig = int(PARENT_DEATH_SIGNAL)
+    code = "\n".join([
+        "import os, signal, sys",
+        f"parent = {os.getpid()}",
+        f"signal.signal({sig}, lambda s, f: os.getppid() != parent and os._exit(1))",
+        f"import ctypes; ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, {sig}, 0, 0, 0)",
+        "if os.getppid() != parent: os._exit(1)",
+        f"sys.path.insert(0, {root!r})",
+        f"from loader.main.procs import run_spawned; run_spawned({payload_fd})"])
+    return [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code]
+
+
+_PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
+
+
+def run_spawned(payload_fd: int) -> None:
+    """A spawned child's program: its head, then _child_main, which
+    unpickles the target and its arguments (after dying with the parent is
+    set up and Ctrl-C is ignored) and runs it."""
+    size = os.fstat(payload_fd).st_size
+    data = bytearray()
+    while len(data) < size:  # pread: the file's offset is where main's writes left it
+        data += os.pread(payload_fd, size - len(data), len(data))
+    os.close(payload_fd)
+    size = int.from_bytes(data[:8], "little")
+    head = pickle.loads(data[8:8 + size])
+    report = open(head.report_fd, "r+b")
+    _child_main(head.role, head.parent, _load_and_run,
+                (head.preparation, head.imports, memoryview(data)[8 + size:]), report, head.mask)
+
+
+def _load_and_run(preparation: dict, imports: tuple, payload) -> None:
+    size = int.from_bytes(payload[:8], "little")
+    shared = passable.loads(bytes(payload[8:8 + size]))  # first: see spawn_children
+    multiprocessing.spawn.prepare(preparation)
+    for name in imports:
+        importlib.import_module(name)
+    target, args = passable.loads(bytes(payload[8 + size:]), early=shared)
+    global _kept_until_exit
+    # As in a forked child, what the target was given lives until
+    # os._exit (_child_main): a ring a worker never closes (to_main) is
+    # not collected and warned about as unclosed on the way out.
+    _kept_until_exit = (shared, target, args)
+    target(*args)
+
+
+_kept_until_exit = None
 
 
 def _child_main(role, parent, target, args, report, mask):

@@ -14,6 +14,7 @@ session's.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -29,7 +30,7 @@ from loader.batcher.batcher import batcher_main
 from loader.errors import LoaderTimeout, WorkerError
 from loader._native import LeaseBook
 from loader.main.pinning import PinnedChunks, cuda_available
-from loader.main.procs import BATCHER, Role, fork_children, start_error, wait_all
+from loader.main.procs import BATCHER, Role, start_children, start_error, wait_all
 from loader.shared.memory import LoaderConfig, SharedState
 from loader.batcher.slabs import CopiedSlab
 from loader.main.stats import Task
@@ -60,15 +61,25 @@ class Session:
         try:
             specs = [(Role(i), worker_main, (cfg, self.shared, i))
                      for i in range(cfg.num_workers)]
-            specs.append((BATCHER, batcher_main, (cfg, self.shared)))
+            specs.append((BATCHER, batcher_main, (self._batchers_config(cfg), self.shared)))
             self.procs = (start_threads(specs) if cfg.threads
-                          else fork_children(specs, advise=not torch_rules))
+                          else start_children(specs, cfg.start_method, self.shared,
+                                              advise=not torch_rules))
         except BaseException:
             self.shared.close()
             raise
         self.pinned = self._pin_chunks()
         self.next_child_check = 0.0
         self.copied_slabs = self.copied_bytes = 0  # batches held back, copied out (copy_out)
+
+    @staticmethod
+    def _batchers_config(cfg: LoaderConfig) -> LoaderConfig:
+        """The batcher never calls the dataset or worker_init_fn: a spawned
+        one is not sent them, so it does not import what unpickling them
+        imports (torch, for a torch Dataset: seconds per start)."""
+        if not cfg.passable:
+            return cfg
+        return dataclasses.replace(cfg, dataset=None, worker_init_fn=None)
 
     # --- the children -------------------------------------------------------------------
 
@@ -98,7 +109,8 @@ class Session:
         if active > len(workers):
             specs = [(Role(i), worker_main, (self.cfg, self.shared, i, first_run))
                      for i in range(len(workers), active)]
-            started = start_threads(specs) if self.cfg.threads else fork_children(specs)
+            started = (start_threads(specs) if self.cfg.threads else
+                       start_children(specs, self.cfg.start_method, self.shared))
             self.procs[len(workers):len(workers)] = started  # before the batcher
         self.shared.control.set_active(active)
         return max(active, len(workers))

@@ -93,6 +93,7 @@ from typing import NamedTuple
 import numpy as np
 
 from shmq import sync
+from loader.shared.passable import shared_array
 from loader._native import Bell  # an eventcount: see its docstring
 
 # --- ctl words (int64) ---------------------------------------------------------
@@ -164,11 +165,12 @@ class Control:
     """The ctl words, the per-worker limits of iterable runs, and the bells,
     as every process sees them."""
 
-    def __init__(self, num_workers: int):
-        self.ctl = sync.shared_array(CTL_WORDS, np.int64)
-        self.limits = sync.shared_array(2 * max(num_workers, 1), np.int64)
+    def __init__(self, num_workers: int, passable: bool = False):
+        # passable: start_method="spawn" (NOTE [ Starting clean ] in shared/passable.py)
+        self.ctl = shared_array(CTL_WORDS, np.int64, passable)
+        self.limits = shared_array(2 * max(num_workers, 1), np.int64, passable)
         self.num_workers = num_workers
-        self.bells = sync.shared_array(BELL_WORDS, np.int32)
+        self.bells = shared_array(BELL_WORDS, np.int32, passable)
         self.run_bell = Bell(self.bells, RUN_BELL)
         self.limit_bell = Bell(self.bells, LIMIT_BELL)
         self.table_bell = Bell(self.bells, TABLE_BELL)

@@ -13,9 +13,10 @@ from typing import Any, Callable
 import numpy as np
 
 import shmq
-from shmq import sync
 from loader.shared import messages as _protocol
+from loader.shared import passable as passable_memory
 from loader.shared.control import Control
+from loader.shared.passable import shared_array
 from loader._native import arena_array
 from loader.batcher.slabs import MAX_LEASES, Slab
 from loader.shared.layout import ArrayLeaf, Spec, Value, with_values
@@ -63,6 +64,13 @@ class LoaderConfig:
     trace: Any = None             # a TraceLog (trace=PATH): NOTE [ Trace records ] in shared/trace.py
     own_state: bool = False       # the dataset keeps its own state, which the workers report
                                   # (NOTE [ Datasets that keep their own state ])
+    start_method: str = "fork"    # "spawn": processes started clean (NOTE [ Starting clean ]
+                                  # in shared/passable.py)
+
+    @property
+    def passable(self) -> bool:
+        """Shared memory must be reachable by descriptor (start_method="spawn")."""
+        return self.start_method == "spawn" and not self.threads
 
     @property
     def per_batch(self) -> bool:
@@ -141,11 +149,13 @@ class LoaderConfig:
 
 class SharedState:
     """Shared memory and rings, made by main before it forks; every child
-    inherits them.  Nothing here has a name."""
+    inherits them (or, started clean, opens them by descriptor: NOTE
+    [ Starting clean ] in shared/passable.py).  Nothing here has a name."""
 
     def __init__(self, cfg: LoaderConfig):
-        self.control = Control(cfg.num_workers)
-        self.table = BatchTable(cfg.table_per_run)
+        passable = cfg.passable
+        self.control = Control(cfg.num_workers, passable)
+        self.table = BatchTable(cfg.table_per_run, passable)
         # The batch memory, in a memfd: main maps it again to view slabs, and
         # again after moving kept batches out of it (NOTE [ Kept batch memory ]).
         self.arena_fd = os.memfd_create("shmloader-arena", os.MFD_CLOEXEC)
@@ -157,16 +167,18 @@ class SharedState:
         try:  # (whatever fails, close() closes what was made: at a low `ulimit -n` any may)
             os.ftruncate(self.arena_fd, cfg.memory_cap_bytes)
             self.arena = arena_array(self.arena_fd, cfg.memory_cap_bytes)
+            if passable:
+                passable_memory.register(self.arena, os.dup(self.arena_fd))
             self.warm_fd = os.dup(self.arena_fd)
-            self.released = sync.shared_array(MAX_LEASES, np.int64)
+            self.released = shared_array(MAX_LEASES, np.int64, passable)
             workers = max(cfg.num_workers, cfg.max_workers, 1)  # ids of workers added later too
-            self.hazards = sync.shared_array(workers, np.int64)
+            self.hazards = shared_array(workers, np.int64, passable)
             # wait clocks, one per worker id and the batcher's last (NOTE [ Wait clocks ]
             # in main/stats.py): for stats() and num_workers="auto"
-            self.waited = sync.shared_array(workers + 1, np.int64)
+            self.waited = shared_array(workers + 1, np.int64, passable)
             start_idle(self.waited)
             # Process mode: a spill region per worker id, and the batcher's last.
-            self.spill = None if cfg.threads else SpillHeap(workers + 1)
+            self.spill = None if cfg.threads else SpillHeap(workers + 1, passable=passable)
             self.batcher_region = workers
             # Per run parity (NOTE [ Runs ]): the order shipped to the
             # workers, and the dataset's snapshot of the epoch.
@@ -177,12 +189,20 @@ class SharedState:
                 self.rings += [ThreadRing(), ThreadRing()]
             else:
                 self.rings.append(shmq.Queue(TO_BATCHER_BYTES, multi_producer=True,
-                                             anonymous=True))
-                self.rings.append(shmq.Queue(TO_MAIN_BYTES, anonymous=True))
+                                             anonymous=True, keep_fd=passable))
+                self.rings.append(shmq.Queue(TO_MAIN_BYTES, anonymous=True, keep_fd=passable))
         except BaseException:
             self.close()
             raise
         self.to_batcher, self.to_main = self.rings
+
+    def plain_fds(self) -> list[int]:
+        """The descriptors this state holds as numbers (not inside an
+        array or a ring), which a spawned child needs at the same numbers."""
+        fds = [self.warm_fd, *self.order_fds, *self.snapshot_fds]
+        if self.spill is not None:
+            fds.append(self.spill.fd)
+        return [fd for fd in fds if fd >= 0]
 
     def take_arena_fd(self) -> int:
         """The arena's memfd, for main's LeaseBook, which closes it."""

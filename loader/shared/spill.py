@@ -79,6 +79,7 @@ import numpy as np
 
 import shmq
 from shmq import sync
+from loader.shared.passable import shared_array
 from shmq.codec import encode
 
 from loader.shared.class_identity import forked_class_reduce
@@ -117,18 +118,24 @@ class SpillHeap:
     nothing has a name).  Each process maps a region only as far as it
     uses it (see the NOTE)."""
 
-    def __init__(self, regions: int, region_bytes: int | None = None):
+    def __init__(self, regions: int, region_bytes: int | None = None, passable: bool = False):
         self.region_bytes = whole_pages(region_bytes or ram_bytes())
         self.regions = regions
         self.fd = os.memfd_create("shmloader-spill", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, regions * self.region_bytes)
-            self.words = sync.shared_array(regions * _REGION_WORDS, np.int64)
+            # passable: start_method="spawn" (NOTE [ Starting clean ] in shared/passable.py)
+            self.words = shared_array(regions * _REGION_WORDS, np.int64, passable)
         except BaseException:
             os.close(self.fd)
             raise
         self.words[:] = -1
         self.maps: dict[int, np.ndarray] = {}  # region -> its mapped start, in this process
+
+    def __getstate__(self):
+        # Sent to a spawned process (NOTE [ Starting clean ]): it maps the
+        # regions it uses itself, from the descriptor, as a forked one does.
+        return {**self.__dict__, "maps": {}}
 
     def close(self) -> None:
         """No mapping is made after this (those made stay valid)."""

@@ -63,6 +63,7 @@ from __future__ import annotations
 import numpy as np
 
 from shmq import sync
+from loader.shared.passable import shared_array
 
 STAMP, OFFSET, ROWS, DIGEST0, DIGEST1, FILLED, TOKEN, SEQ = range(8)
 WORDS = 8  # per entry: one 64-byte line, so entries never share a cache line
@@ -96,9 +97,10 @@ class BatchTable:
     fork.  The batcher changes an entry only inside a window of its SEQ
     word (odd while changing), so workers read consistent snapshots."""
 
-    def __init__(self, per_run: int):
+    def __init__(self, per_run: int, passable: bool = False):
         self.per_run = per_run
-        self.words = sync.shared_array(2 * per_run * WORDS, np.int64)
+        # passable: start_method="spawn" (NOTE [ Starting clean ] in shared/passable.py)
+        self.words = shared_array(2 * per_run * WORDS, np.int64, passable)
 
     def entry(self, run: int, batch: int) -> int:
         return (run % 2) * self.per_run + batch % self.per_run

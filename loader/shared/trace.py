@@ -53,6 +53,7 @@ import threading
 import time
 
 from shmq import sync
+from loader.shared.passable import shared_array
 from loader.errors import ArgumentTypeError, TraceWriteError
 
 HEADER_WORDS = 8
@@ -131,10 +132,11 @@ class TraceLog:
     """The records of one loader (see NOTE [ Trace records ]).  Made in main
     before the first fork; every process makes its own Tracer from it."""
 
-    def __init__(self, path, capacity: int = CAPACITY_RECORDS):
+    def __init__(self, path, capacity: int = CAPACITY_RECORDS, passable: bool = False):
         self.path = check_path(path)
         self.capacity = capacity
-        self.words = sync.shared_array(HEADER_WORDS + RECORD_WORDS * capacity, "int64")
+        # passable: start_method="spawn" (NOTE [ Starting clean ] in shared/passable.py)
+        self.words = shared_array(HEADER_WORDS + RECORD_WORDS * capacity, "int64", passable)
         self.origin = now()  # the JSON's time zero
         self.written = False
         self.failed = False  # the last attempt raised TraceWriteError

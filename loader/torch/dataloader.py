@@ -13,9 +13,12 @@ each worker seeded with base_seed + worker id before worker_init_fn), the
 original exception type re-raised in main.
 
 What has no meaning here is accepted and documented:
-- multiprocessing_context: workers are always forked (the loader's design:
-  see NOTE [ ShmLoader processes and shutdown ]); "spawn" and
-  "forkserver" are accepted and fork is used.
+- multiprocessing_context: None and "fork" fork the workers (ShmLoader's
+  start_method="fork"); "spawn" and "forkserver" (a name or a context)
+  start them clean, ShmLoader's start_method="spawn": fresh interpreters
+  given the dataset by pickle and the shared memory by descriptor (NOTE
+  [ Starting clean ] in shared/passable.py), as forkserver's children are
+  clean and unpickle it.
 - pin_memory without an accelerator: a warning, as torch gives.
 
 One keyword torch does not have: trace=PATH, as ShmLoader's (a Perfetto
@@ -142,9 +145,18 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
             generator=self.generator, reproducible=False,
             timeout=self.timeout if self.timeout > 0 else None,
             output="keep" if custom else "torch", pin_memory=self.pin_memory,
-            trace=self._trace if traced else None, **sampling.loader_arguments(order))
+            trace=self._trace if traced else None, start_method=self._start_method(),
+            **sampling.loader_arguments(order))
         follow_torch_rules(shm)
         return _Pool(shm, order, pipe, sampling)
+
+    def _start_method(self) -> str:
+        """ShmLoader's start_method for torch's multiprocessing_context
+        (torch's setter has made it a context, or left it None)."""
+        context = self.multiprocessing_context
+        if context is None or context.get_start_method() == "fork":
+            return "fork"
+        return "spawn"  # spawn, forkserver: children that start clean
 
     def _sampling(self) -> _Sampling:
         """The samplers as they are now, as ShmLoader takes them: the order's

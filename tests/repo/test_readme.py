@@ -17,7 +17,7 @@ with open(README) as f:
 
 # what an example needs beyond the package and numpy: the extras it imports
 EXTRAS = {"torch", "pytorch_lightning", "lightning", "accelerate", "ray", "datasets", "pyarrow",
-          "tqdm"}
+          "tqdm", "jax"}
 
 
 def missing_extras(code: str) -> list[str]:

@@ -144,3 +144,51 @@ def test_sigkill_while_creating_leaves_nothing():
         p.stdout.close()
     # another shmq program may be running: only these processes' names count
     assert not [e for e in os.listdir(segment.SHM_DIR) if segment_pid(e) in pids]
+
+
+_PRODUCE_FROM_PICKLE = """
+import pickle, sys
+import numpy as np
+q = pickle.loads(sys.stdin.buffer.read())
+for i in range(1000):
+    q.put({"i": i, "x": np.full(64, i, np.int32)})
+q.close()
+"""
+
+
+def test_keep_fd_lets_a_started_process_attach_by_its_descriptor():
+    """keep_fd=True: pickled, the queue attaches by its memfd in a fresh
+    interpreter given that descriptor (pass_fds), as a producer counted from
+    the pickling on; its 1,000 messages arrive exactly, then Closed; close()
+    closes the descriptor; nothing in /dev/shm."""
+    before = our_entries()
+    q = shmq.Queue(1 << 16, multi_producer=True, anonymous=True, keep_fd=True)
+    fd = q.fd
+    assert fd is not None and q.name is None
+    data = pickle.dumps(q)
+    child = subprocess.Popen([sys.executable, "-c", _PRODUCE_FROM_PICKLE], stdin=subprocess.PIPE,
+                             pass_fds=[fd])
+    try:
+        child.stdin.write(data)
+        child.stdin.close()
+        got = [q.get(timeout=30) for _ in range(1000)]
+        assert [m["i"] for m in got] == list(range(1000))
+        assert all(m["x"].tolist() == [m["i"]] * 64 for m in got)
+        with pytest.raises(shmq.Closed):
+            q.get(timeout=30)
+        assert child.wait(30) == 0
+    finally:
+        child.kill()
+        child.wait(30)
+    assert our_entries() == before
+    q.close()
+    assert q.fd is None
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_keep_fd_needs_an_anonymous_queue():
+    with pytest.raises(ValueError, match="anonymous=True"):
+        shmq.Queue(4096, keep_fd=True)
+    with shmq.Queue(4096, anonymous=True) as q:
+        assert q.fd is None

@@ -31,8 +31,9 @@ loader's workers too.
 
 multiprocessing_context (the expectation this suite sets, to be confirmed by
 the lead): the loader accepts "fork", "spawn" and "forkserver", as a string or
-as a context object, and yields exactly the batches torch yields; how it
-starts its workers is its own business (its design forks).  The argument is
+as a context object, and yields exactly the batches torch yields; "spawn"
+and "forkserver" start its workers clean (ShmLoader's start_method="spawn",
+docs/jax.md), "fork" forks them.  The argument is
 validated as torch validates it (a context without workers, an unknown start
 method, or an object that is not a context is an error).
 
@@ -84,7 +85,8 @@ Left out (upstream test: reason):
   TestDataLoader.test_worker_init_fn_forkserver: asserts the pickling failure
       of a local worker_init_fn that only exists when workers start by
       forkserver, after setting the process-wide start method; the loader
-      forks by design (see the multiprocessing_context expectation above).
+      follows multiprocessing_context, not the process-wide start method, and
+      refuses an unpicklable worker_init_fn with its own ArgumentTypeError.
   TestDataLoader.test_distributed_sampler_invalid_rank: DistributedSampler
       alone (test_duplicating_data_with_drop_last loads through one).
   TestDataLoader.test_numpy_gen_state: torch's private _generate_state alone;
@@ -1169,6 +1171,7 @@ def test_sampler(impl, persistent, tds):
     check_sampler(impl, tds, persistent, num_workers=4)
 
 
+@pytest.mark.timeout(300)  # its spawn case: a fresh interpreter importing torch
 def test_batch_sampler(impl, persistent, tds):
     """upstream: TestDataLoader.test_batch_sampler (1 spawned worker instead of 4)"""
     check_batch_sampler(impl, tds, persistent)
@@ -1646,6 +1649,7 @@ def test_early_exit(impl):
 # upstream TestDataLoaderCUDA, CPU paths (TestDataLoader in pytorch/pytorch@74436f90)
 # =====================================================================================
 
+@pytest.mark.timeout(300)  # spawn/forkserver workers are fresh interpreters importing torch
 def test_multiple_dataloaders(impl, persistent, tds):
     """upstream: TestDataLoader.test_multiple_dataloaders (pytorch@74436f90;
     TestDataLoaderCUDA now).  Plus: the batches' values.  The second loader
@@ -1665,6 +1669,7 @@ def test_multiple_dataloaders(impl, persistent, tds):
         del it1, it2
 
 
+@pytest.mark.timeout(300)  # spawn/forkserver workers are fresh interpreters importing torch
 def test_multiprocessing_contexts(impl, persistent):
     """upstream: TestDataLoader.test_multiprocessing_contexts (pytorch@74436f90;
     TestDataLoaderCUDA now, CPU dataset path; 1 worker instead of 3 for
