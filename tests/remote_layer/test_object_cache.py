@@ -71,6 +71,27 @@ def test_downloads_committed_together_are_each_complete_and_named(tmp_path):
         cache.close()
 
 
+def test_a_batch_of_downloads_with_one_file_missing_names_none_of_them(tmp_path):
+    """commit_many fails as a whole: the files it had renamed already are
+    not left under their final names (outside the index, uncounted), and
+    each reservation is aborted as a failed download is."""
+    cache = ObjectCache(str(tmp_path), 1 << 20)
+    try:
+        reserved = [cache.reserve(f"s3://b/{i}.npy", "e", 10) for i in range(3)]
+        for res in reserved[:2]:
+            with open(res.tmp, "wb") as f:
+                f.write(b"x" * 10)
+        with pytest.raises(FileNotFoundError):
+            cache.commit_many(reserved)                  # the third was never written
+        assert [os.path.exists(r.path) for r in reserved] == [False, False, False]
+        for res in reserved:
+            cache.abort(res)
+        assert cache.used_bytes() == 0 and os.listdir(tmp_path / "tmp") == []
+        assert fetch(cache, "s3://b/0.npy", 10, etag="e") == cache.lookup("s3://b/0.npy", "e")
+    finally:
+        cache.close()
+
+
 def test_an_epoch_of_fifty_thousand_objects_pins_exactly_the_complete_ones(tmp_path):
     """pin_epoch over a listing of 50,000 of which a scattered 7,000 are
     complete (and 50 only being fetched): their ids in the listing's

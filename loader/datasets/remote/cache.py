@@ -429,20 +429,24 @@ class ObjectCache:
         costs is its transactions (a commit, and a checkpoint now and then),
         not the rows, so a fetcher whose downloads finish together commits
         them together."""
-        for res in done:
-            _set_identity(res.tmp, res.url, res.etag, res.size)
-            os.makedirs(os.path.dirname(res.path), exist_ok=True)
-            os.rename(res.tmp, res.path)
+        named = []
         try:
+            for res in done:
+                _set_identity(res.tmp, res.url, res.etag, res.size)
+                os.makedirs(os.path.dirname(res.path), exist_ok=True)
+                os.rename(res.tmp, res.path)
+                named.append(res)
             with _transaction(self.db):
                 now = time.time()
                 self.db.executemany(
                     "UPDATE objects SET state = ?, fetcher = NULL, fetched_at = ? WHERE id = ?",
                     [(COMPLETE, now, res.id) for res in done])
-        except sqlite3.OperationalError as e:
-            for res in done:
+        except BaseException as e:
+            for res in named:
                 _unlink(res.path)   # not complete in the index: not in the cache
-            raise _as_os_error(e) from e
+            if isinstance(e, sqlite3.OperationalError):
+                raise _as_os_error(e) from e
+            raise
         self.bell.ring()
         return [Entry(res.id, res.path, res.size) for res in done]
 
