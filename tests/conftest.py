@@ -7,9 +7,9 @@
 - ``no_leftover_processes`` (autouse): fails the test if a process it
   started (a descendant of the test process) is still there, running or a
   zombie, 5 s after it ended.
-- ``alone_or_shared`` (autouse, under pytest-xdist only): a test marked
-  ``alone`` runs while no other worker runs a test; every other test
-  runs beside the other worker's.
+- under pytest-xdist, a test marked ``alone`` runs while the other worker
+  runs no test (``pytest_runtest_protocol`` below); every other test runs
+  beside the other worker's.
 - ``procs``: starts child processes (fork, spawn, or a fresh interpreter) and
   at teardown joins them with a timeout; a hung child's stacks are dumped
   (faulthandler on SIGUSR1) before it is killed and the test fails.  A test
@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import multiprocessing as mp
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -86,20 +88,18 @@ def segment_pid(entry: str) -> int | None:
 _segment_pid = segment_pid  # the name tests/support/killkit.py imports
 
 
-@pytest.fixture(autouse=True)
-def alone_or_shared(request, tmp_path_factory):
+@contextlib.contextmanager
+def _alone_or_shared(item):
     """Under pytest-xdist (pyproject's `-n 2`), a test marked `alone` holds
     the run's lock file exclusively, every other test shared: a test that
     judges the machine's load (the autoscaler's) does not see the other
     worker's test. The turn lock makes a waiting `alone` test the next to
-    run: no shared test starts past it. Its name sorts before the guards'
-    (pytest sets up autouse fixtures of a scope in name order): taken before
-    their set-up, released after their teardown."""
+    run: no shared test starts past it."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
-    run_dir = tmp_path_factory.getbasetemp().parent  # the run's, shared by its workers
-    mode = fcntl.LOCK_EX if request.node.get_closest_marker("alone") else fcntl.LOCK_SH
+    run_dir = Path(item.config.option.basetemp).parent  # xdist gives each worker a folder in it
+    mode = fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH
     with open(run_dir / "turn.lock", "a") as turn, open(run_dir / "tests.lock", "a") as tests:
         fcntl.flock(turn, fcntl.LOCK_EX)
         try:
@@ -110,6 +110,15 @@ def alone_or_shared(request, tmp_path_factory):
             yield
         finally:
             fcntl.flock(tests, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Outside every other wrapper of a test's run: the wait for its turn is
+    not counted by its time limit (pytest-timeout) nor faulthandler_timeout,
+    and the lock spans its set-up, guards and teardown."""
+    with _alone_or_shared(item):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)
