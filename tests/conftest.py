@@ -7,6 +7,9 @@
 - ``no_leftover_processes`` (autouse): fails the test if a process it
   started (a descendant of the test process) is still there, running or a
   zombie, 5 s after it ended.
+- under pytest-xdist, a test marked ``alone`` runs while the other worker
+  runs no test (``pytest_runtest_protocol`` below); every other test runs
+  beside the other worker's.
 - ``procs``: starts child processes (fork, spawn, or a fresh interpreter) and
   at teardown joins them with a timeout; a hung child's stacks are dumped
   (faulthandler on SIGUSR1) before it is killed and the test fails.  A test
@@ -15,6 +18,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gc
 import multiprocessing as mp
 import os
@@ -22,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -80,6 +86,39 @@ def segment_pid(entry: str) -> int | None:
 
 
 _segment_pid = segment_pid  # the name tests/support/killkit.py imports
+
+
+@contextlib.contextmanager
+def _alone_or_shared(item):
+    """Under pytest-xdist (pyproject's `-n 2`), a test marked `alone` holds
+    the run's lock file exclusively, every other test shared: a test that
+    judges the machine's load (the autoscaler's) does not see the other
+    worker's test. The turn lock makes a waiting `alone` test the next to
+    run: no shared test starts past it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    run_dir = Path(item.config.option.basetemp).parent  # xdist gives each worker a folder in it
+    mode = fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH
+    with open(run_dir / "turn.lock", "a") as turn, open(run_dir / "tests.lock", "a") as tests:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(tests, mode)
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(tests, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Outside every other wrapper of a test's run: the wait for its turn is
+    not counted by its time limit (pytest-timeout) nor faulthandler_timeout,
+    and the lock spans its set-up, guards and teardown."""
+    with _alone_or_shared(item):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)
@@ -289,6 +328,10 @@ LONG_TIER = {
     "tests/loader_layer/test_first_ready_failures.py::test_every_good_sample_once_and_every_failure_raised_once[threads-stretch]",
     "tests/loader_layer/test_first_ready_failures.py::test_every_good_sample_once_and_every_failure_raised_once[threads-most]",
     "tests/repo/test_s3_infrastructure.py::test_proxy_passes_1000_objects_through_byte_exact_on_reused_connections",
+    # unbatched through torch's own 2 workers, sample by sample, for the expected order;
+    # siblings in the default run: [True-None-2] (unbatched, 2 workers) and
+    # [False-64-2] (torch's global generator, 2 workers)
+    "tests/loader_layer/test_stream_samplers.py::test_dataloader_shuffle_is_torchs_order_without_iterating_its_sampler[False-None-2]",
 }
 
 

@@ -12,7 +12,8 @@ from loader import ShmLoader
 from loader.main.autoscale import cpu_count, default_max_workers
 from shared_datasets import Filled
 
-pytestmark = pytest.mark.timeout(120)
+# alone: the pool follows the machine's load; under xdist, not the other worker's test
+pytestmark = [pytest.mark.timeout(120), pytest.mark.alone]
 
 # Samples of 8 int64 holding i; IO-bound: each waits 4 ms (a disk, a network)
 IO_BOUND = dict(shape=8, delay=0.004)

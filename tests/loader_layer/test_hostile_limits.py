@@ -227,6 +227,7 @@ def _available_bytes() -> int:
     return 0
 
 
+@pytest.mark.alone  # its 12 GiB of headroom, not shared with the other xdist worker's test
 def test_a_3_gib_single_sample_arrives_whole():
     """One sample of 3 GiB: it arrives whole (never SIGBUS, never the
     training process OOM-killed); the batch is a view of shared memory, so
