@@ -316,7 +316,7 @@ LONG_TIER = {
     "tests/loader_layer/test_scale.py::test_the_order_near_2_31_and_2_33_is_injective_on_large_samples[2147483648]",
     "tests/loader_layer/test_scale.py::test_the_order_near_2_31_and_2_33_is_injective_on_large_samples[8589934587]",
     "tests/remote_layer/test_remote_files.py::test_kill_9_at_random_moments_leaves_a_cache_that_serves_exactly[fetcher]",
-    # (long: 8 kills; the fetcher's own kill above and test_a_fetcher_killed_* stay.
+    # (long: 8 kills each; test_a_fetcher_killed_* stays in the default run.
     # Its temp files found after recover() were the test's: it took the killed
     # fetcher's zombie first thread for the whole process; it waits on a pidfd now)
     "tests/remote_layer/test_remote_files.py::test_kill_9_at_random_moments_leaves_a_cache_that_serves_exactly[main]",
