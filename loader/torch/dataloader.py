@@ -44,7 +44,9 @@ import numpy as np
 from torch.utils.data import BatchSampler, IterDataPipe, SequentialSampler
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data._utils.collate import default_collate, default_convert
-from torch.utils.data.dataloader import _DatasetKind
+from torch.utils.data.dataloader import (_BaseDataLoaderIter, _DatasetKind,
+                                         _MultiProcessingDataLoaderIter,
+                                         _SingleProcessDataLoaderIter)
 
 from loader.errors import LoaderTimeout, StateError, WorkerError
 from loader.main.lookahead import FrozenState
@@ -220,19 +222,19 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
             # goes on with the new epoch, on the same workers
             pool = self._pool_for_a_pass()
             if self._iterator is None:
-                self._iterator = _Iterator(self, pool)
+                self._iterator = _new_iterator(self, pool)
             else:
                 self._iterator._reset(self, pool)
             return self._iterator
         user = None if self._pool_user is None else self._pool_user()
         if user is None or user.finished:
-            it = _Iterator(self, self._pool_for_a_pass())
+            it = _new_iterator(self, self._pool_for_a_pass())
             self._pool_user = weakref.ref(it)
             return it
         # another iterator is live: this one has its own workers, as in torch
         pool = self._new_pool(traced=False)  # the trace is of the loader's own workers
         self._extra_pools.add(pool.shm)
-        return _Iterator(self, pool, owned=True)
+        return _new_iterator(self, pool, owned=True)
 
     def _pool_for_a_pass(self) -> _Pool:
         """The own ShmLoader, for a pass starting on it now: it takes the
@@ -414,13 +416,15 @@ class _PipeEpochs(torch.utils.data.IterableDataset):
         return iter(self.pipe)
 
 
-class _Iterator:
+class _Iterator(_BaseDataLoaderIter):
     """What iter(DataLoader) returns: torch's iterator protocol (len(),
     the warning for an IterableDataset that yields more than its len, the
-    worker processes as `_workers`), pulling the order as torch's iterator
-    does (NOTE [ Drawing the order as torch does ]).  It holds no reference
-    to the DataLoader, as torch's does not: dropping both frees the
-    workers at once."""
+    worker processes as `_workers`, `_shutdown_workers()`), pulling the
+    order as torch's iterator does (NOTE [ Drawing the order as torch
+    does ]).  It holds no reference to the DataLoader, as torch's does not:
+    dropping both frees the workers at once.  It is an instance of the
+    class of torch's iterator for the same loader (see _new_iterator), whose
+    methods it replaces: none of torch's __init__ or loading runs."""
 
     def __init__(self, loader: DataLoader, pool: _Pool, owned: bool = False):
         self._pool, self._owned = pool, owned  # owned: a ShmLoader of this iterator alone
@@ -428,7 +432,7 @@ class _Iterator:
         self._dataset, self._iterable = loader.dataset, loader._dataset_kind == _DatasetKind.Iterable
         self._num_workers = loader.num_workers
         self._batches = None
-        self._started_workers = []  # the processes this iterator's epoch started on
+        self._workers = []  # NOTE [ An iterator's workers ]
         self._pipe_group = None
         if pool.pipe is not None:
             import torch.distributed as dist
@@ -451,9 +455,9 @@ class _Iterator:
         self._batches = iter(self._pool.shm)
         if self._num_workers:
             self._batches.start()  # torch's iterator prefetches as it is made
-            self._started_workers = worker_children(self._pool.shm)
+            self._workers = [_WorkerProcess(c) for c in worker_children(self._pool.shm)]
         self._num_yielded = self._calls = 0
-        self.finished = False
+        self.finished = self._shut_down = False
 
     def __iter__(self):
         return self
@@ -461,23 +465,27 @@ class _Iterator:
     def __len__(self) -> int:
         return len(self._index_sampler)
 
-    @property
-    def _workers(self) -> list:
-        """The worker processes, as torch's iterator lists them (pid,
-        is_alive(), join(), exitcode), by worker id: those loading now, else
-        (the epoch over without persistent workers, or stopped) those its
-        epoch ran on, which torch's iterator keeps listing once they ended."""
-        live = worker_children(self._pool.shm)
-        return [_WorkerProcess(c) for c in (live or self._started_workers)]
-
     def _shutdown_workers(self) -> None:
-        """Stop this iterator's workers now, as torch's iterator method of
-        this name does (tools call it, then set the loader's _iterator to
-        None): the loader's next iter() starts new ones."""
+        """Stop this iterator's workers now and free what they used, as the
+        end of a pass without persistent workers, or close(), does (torch's
+        iterator method of this name: Lightning and other tools call it,
+        then set the loader's _iterator to None); the loader's next iter()
+        starts new ones.  Once more, or on an iterator whose workers another
+        has since replaced, it does nothing (NOTE [ An iterator's workers ])."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        running = self._runs_the_loaders_workers()
         self.close()
-        if not self._owned:
+        if running and not self._owned:
             stop_workers(self._pool.shm)
         self.finished = True
+
+    def _runs_the_loaders_workers(self) -> bool:
+        """Whether the loader's live workers are the ones this iterator's
+        epoch started on (not those of a later iterator's epoch)."""
+        mine = {id(w._child) for w in self._workers}
+        return any(id(c) in mine for c in worker_children(self._pool.shm))
 
     def __next__(self):
         if self.finished:
@@ -533,6 +541,38 @@ class _Iterator:
     def __del__(self):
         if getattr(self, "_batches", None) is not None:
             self.close()
+
+
+def _new_iterator(loader: DataLoader, pool: _Pool, owned: bool = False) -> _Iterator:
+    """An iterator of the class torch's DataLoader would make for `loader`:
+    tools test it (Lightning calls _shutdown_workers() only on a
+    _MultiProcessingDataLoaderIter)."""
+    kind = _WorkersIterator if loader.num_workers > 0 else _InlineIterator
+    return kind(loader, pool, owned)
+
+
+class _InlineIterator(_Iterator, _SingleProcessDataLoaderIter):
+    """num_workers=0: torch's _SingleProcessDataLoaderIter."""
+
+
+class _WorkersIterator(_Iterator, _MultiProcessingDataLoaderIter):
+    """num_workers > 0: torch's _MultiProcessingDataLoaderIter."""
+
+
+# NOTE [ An iterator's workers ]
+# ==============================
+#
+# torch's iterator lists the worker processes it started in `_workers`, by
+# worker id, from the moment it is made until it is dropped: after its
+# epoch ended, after _shutdown_workers(), whatever other iterators of the
+# loader do (upstream's test_get_worker_info reads their pids once the
+# epoch is over; test_iterable_style_dataset joins them once the iterator
+# is gone).  This one keeps the handles of the processes its epoch started
+# on (a persistent iterator: those of its last epoch), taken as the epoch
+# starts.  Without persistent workers the loader's own ShmLoader starts new
+# workers for each pass, so an iterator whose pass is over is no longer the
+# one those workers serve: its _shutdown_workers() leaves them alone, where
+# stopping the loader's workers would end another iterator's pass.
 
 
 class _WorkerProcess:

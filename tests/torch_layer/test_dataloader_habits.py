@@ -6,8 +6,10 @@ the batches, and the generators' states afterwards, must be equal.  The
 resume habit (a state taken in the first epoch) is in test_resume.py."""
 
 import gc
+import json
 import os
 import signal
+import sys
 import threading
 import warnings
 
@@ -17,6 +19,7 @@ torch = pytest.importorskip("torch")
 import torch.utils.data as tud  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
+from conftest import descendants  # noqa: E402
 from loader import DataLoader, StateError  # noqa: E402
 from torch_conformance_datasets import NamedTupleDataset  # noqa: E402
 
@@ -416,6 +419,221 @@ def test_shutdown_workers_stops_them_and_the_next_iter_starts_new_ones(persisten
     again._shutdown_workers()
     loader._iterator = None
     loader.close()
+
+
+def _numbers(n: int = 400) -> TensorDataset:
+    return TensorDataset(torch.arange(n))
+
+
+def _samples(batches) -> list:
+    return torch.cat([b[0] for b in batches]).tolist()
+
+
+def _joined(workers) -> list:
+    """The exit codes of `workers` once each has ended (bounded wait)."""
+    for w in workers:
+        w.join(30)
+    return [w.exitcode for w in workers]
+
+
+def test_a_finished_iterator_keeps_listing_its_own_workers_beside_a_new_one():
+    """Issue 29 item 4: without persistent workers each pass has workers
+    of its own; the first iterator, its pass over, still lists the
+    workers it ran on (ended, exit code 0), not the next pass's."""
+    loader = DataLoader(_numbers(), batch_size=8, num_workers=2)
+    first = iter(loader)
+    started = [w.pid for w in first._workers]
+    assert _samples(first) == list(range(400))
+    second = iter(loader)
+    assert next(second)[0].tolist() == list(range(8))
+    assert [w.pid for w in first._workers] == started and len(started) == 2
+    assert _joined(first._workers) == [0, 0]
+    assert not {w.pid for w in second._workers} & set(started)
+    assert [w.is_alive() for w in second._workers] == [True, True]
+    assert _samples(second) == list(range(8, 400))
+    loader.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_iterator_workers_stay_listed_after_shutdown_workers(persistent):
+    """torch's iterator keeps `_workers` after _shutdown_workers(): the same
+    processes, ended."""
+    loader = DataLoader(_numbers(), batch_size=8, num_workers=2, persistent_workers=persistent)
+    it = iter(loader)
+    next(it)
+    started = [w.pid for w in it._workers]
+    it._shutdown_workers()
+    assert [w.pid for w in it._workers] == started and len(started) == 2
+    assert all(code is not None for code in _joined(it._workers))
+    assert [w.is_alive() for w in it._workers] == [False, False]
+    loader.close()
+
+
+def test_shutdown_workers_of_a_finished_iterator_leaves_the_next_passes_workers():
+    """Issue 29 item 4: _shutdown_workers() on an iterator whose pass is over
+    (as a tool that kept it calls it) stopped the loader's workers, which
+    by then served the next iterator: its pass ended with "the loader is
+    closed".  Now that pass goes on to its end on the same workers."""
+    loader = DataLoader(_numbers(), batch_size=8, num_workers=2)
+    first = iter(loader)
+    assert _samples(first) == list(range(400))
+    second = iter(loader)
+    assert next(second)[0].tolist() == list(range(8))
+    running = [w.pid for w in second._workers]
+    first._shutdown_workers()
+    first._shutdown_workers()
+    assert [w.is_alive() for w in second._workers] == [True, True]
+    assert _samples(second) == list(range(8, 400))
+    assert [w.pid for w in second._workers] == running
+    loader.close()
+
+
+@pytest.mark.parametrize("which", ["first", "second"])
+def test_shutdown_workers_of_one_of_two_live_iterators_stops_only_its_own(which):
+    """Two passes at once (the second on workers of its own, as in torch):
+    _shutdown_workers() of either stops its workers only; the other pass
+    gives the rest of its epoch exactly."""
+    loader = DataLoader(_numbers(), batch_size=8, num_workers=2)
+    first, second = iter(loader), None
+    assert next(first)[0].tolist() == list(range(8))
+    second = iter(loader)
+    assert next(second)[0].tolist() == list(range(8))
+    stopped, other = (first, second) if which == "first" else (second, first)
+    stopped._shutdown_workers()
+    assert all(code is not None for code in _joined(stopped._workers))
+    assert next(stopped, None) is None
+    assert [w.is_alive() for w in other._workers] == [True, True]
+    assert _samples(other) == list(range(8, 400))
+    loader.close()
+
+
+@pytest.mark.parametrize("forget", [True, False], ids=["iterator_set_to_None", "iterator_kept"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_shutdown_workers_twice_mid_epoch_then_a_whole_new_epoch(persistent, forget):
+    """Mid-epoch, twice (idempotent): the workers end, the iterator yields
+    nothing more; the next pass, whether the tool sets the loader's
+    _iterator to None (Lightning, torch's tests) or not, is a whole epoch on
+    new workers, and a third one after it too."""
+    loader = DataLoader(_numbers(), batch_size=8, num_workers=2, persistent_workers=persistent)
+    it = iter(loader)
+    assert next(it)[0].tolist() == list(range(8))
+    old = it._workers
+    it._shutdown_workers()
+    it._shutdown_workers()
+    assert all(code is not None for code in _joined(old))
+    assert next(it, None) is None
+    if forget:
+        loader._iterator = None
+    again = iter(loader)
+    assert _samples(again) == list(range(400))
+    assert len(again._workers) == 2
+    assert not {w.pid for w in again._workers} & {w.pid for w in old}
+    assert _samples(loader) == list(range(400))
+    loader.close()
+
+
+def _held_resources() -> tuple:
+    """(open fds, child processes, this process's /dev/shm entries)."""
+    own = f"-{os.getpid()}-"
+    return (len(os.listdir("/proc/self/fd")), len(descendants()),
+            len([e for e in os.listdir("/dev/shm") if own in e]))
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("how", ["_shutdown_workers", "close", "end_of_pass"])
+def test_shutdown_workers_frees_what_close_and_the_end_of_a_pass_free(how, persistent):
+    """What an iterator's workers hold (processes, their fds, shared memory)
+    is given back by _shutdown_workers() as by close() and by the end of a
+    pass without persistent workers: all of it, the mappings when the loader
+    goes."""
+    if how == "end_of_pass" and persistent:
+        pytest.skip("persistent workers outlive the pass by design")
+    gc.collect()
+    before, maps_before = _held_resources(), _mappings()
+    loader = DataLoader(_numbers(), batch_size=8, num_workers=2, persistent_workers=persistent)
+    it = iter(loader)
+    assert next(it)[0].tolist() == list(range(8))
+    assert _held_resources()[1] >= 3  # two workers and the batcher
+    if how == "_shutdown_workers":
+        it._shutdown_workers()
+    elif how == "close":
+        loader.close()
+    else:
+        assert len(list(it)) == 49
+    assert _held_resources() == before
+    del it, loader
+    gc.collect()
+    assert _mappings() == maps_before
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterators_are_of_torchs_iterator_classes(workers, persistent):
+    """Tools test the iterator's class: Lightning shuts down the workers of
+    a _MultiProcessingDataLoaderIter only, and leaves any
+    _BaseDataLoaderIter out of what it pickles."""
+    from torch.utils.data.dataloader import (_BaseDataLoaderIter, _MultiProcessingDataLoaderIter,
+                                             _SingleProcessDataLoaderIter)
+
+    loader = DataLoader(_numbers(40), batch_size=8, num_workers=workers,
+                        persistent_workers=persistent and workers > 0)
+    it = iter(loader)
+    kind = _MultiProcessingDataLoaderIter if workers else _SingleProcessDataLoaderIter
+    other = _SingleProcessDataLoaderIter if workers else _MultiProcessingDataLoaderIter
+    assert isinstance(it, kind) and isinstance(it, _BaseDataLoaderIter)
+    assert not isinstance(it, other)
+    assert _samples(it) == list(range(40))
+    loader.close()
+
+
+_LIGHTNING_RESET = """
+import json, torch
+from torch.utils.data import TensorDataset
+from pytorch_lightning.utilities.combined_loader import CombinedLoader
+from loader import DataLoader
+
+loader = DataLoader(TensorDataset(torch.arange(400)), batch_size=8, num_workers=2,
+                    persistent_workers=True)
+combined = CombinedLoader([loader], mode="sequential")
+iter(combined)
+batch, _, _ = next(combined)
+workers = loader._iterator._workers
+combined.reset()
+forgotten = loader._iterator is None
+for w in workers:
+    w.join(30)
+again = iter(loader)
+print(json.dumps({"first": batch[0].tolist(), "iterator_forgotten": forgotten,
+                  "exitcodes": [w.exitcode for w in workers],
+                  "next_epoch": torch.cat([b[0] for b in again]).tolist(),
+                  "shared_pids": sorted({w.pid for w in again._workers}
+                                        & {w.pid for w in workers})}))
+loader.close()
+"""
+
+
+@pytest.mark.stress  # importing Lightning takes a minute and more on a loaded machine
+@pytest.mark.timeout(900)
+def test_lightnings_reset_shuts_the_persistent_workers_down():
+    """Lightning's CombinedLoader.reset() (the end of fit, validate, ...)
+    calls _shutdown_workers() on a _MultiProcessingDataLoaderIter only, then
+    sets the loader's _iterator to None: the persistent workers end then, as
+    torch's do (they stayed until the loader went), and the next pass starts
+    new ones.  In a program of its own: Lightning's import is slow and warns."""
+    pytest.importorskip("pytorch_lightning")
+    from test_frameworks import _run
+
+    record = json.loads(_run([sys.executable, "-W", "ignore", "-c", _LIGHTNING_RESET],
+                             timeout=800).stdout.strip().splitlines()[-1])
+    assert record["first"] == list(range(8)) and record["iterator_forgotten"]
+    assert record["exitcodes"] == [0, 0]
+    assert record["next_epoch"] == list(range(400))
+    assert record["shared_pids"] == []
 
 
 def test_iterator_workers_terminate_as_processes_do():
