@@ -49,13 +49,6 @@ def keep_freed_memory() -> None:
         mallopt(_M_TRIM_THRESHOLD, MALLOC_KEEP_BYTES)
 
 
-def exit_if_orphaned(parent_pid: int) -> None:
-    """The fallback to the parent-death signal, checked between bounded
-    waits (0: a thread of the main process, which has no parent to lose)."""
-    if parent_pid and os.getppid() != parent_pid:
-        os._exit(1)
-
-
 class Sleeper:
     """A worker's one way to wait: on a bell, in bounded slices that check
     its parent is alive, timed by its wait clock (NOTE [ Wait clocks ] in
@@ -70,7 +63,7 @@ class Sleeper:
         self.clock.begin()
         try:
             while not bell.wait(ready, _protocol.IDLE_SLICE_S):
-                exit_if_orphaned(self.parent_pid)
+                _control.exit_if_orphaned(self.parent_pid)
         finally:
             self.clock.end()
 
