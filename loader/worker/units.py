@@ -306,7 +306,11 @@ class StreamRun:
             return _protocol.NO_STREAM_END
         self.it, self.source = it, StreamUnits(seq)
         next_sample = self.worker.fetcher.stream(it, self.epoch, self.w + 1)
-        if not load_units(self.source, next_sample, self.place, self.failed):
+        into_batch = self._add_to_batch if self.slots is None else self._place_in_slot
+        # (a fresh stream of a dataset without its own state: straight into its batch)
+        place = self.place if self.own is not None or self.done_below or self.done_past \
+            else into_batch
+        if not load_units(self.source, next_sample, place, self.failed):
             return _protocol.NO_STREAM_END
         return self._ended()
 
@@ -332,10 +336,10 @@ class StreamRun:
         if pos < self.done_below or pos in self.done_past:
             return True  # read (and seeded) as before, so the stream goes on where it was
         if self.slots is None:
-            return self._add_to_batch(sample)
+            return self._add_to_batch(pos, sample)
         return self._place_in_slot(pos, sample)
 
-    def _add_to_batch(self, sample) -> bool:
+    def _add_to_batch(self, pos: int, sample) -> bool:
         """per_batch: collect the sample; place the batch once it is full.
         False: the run ended (or the batch could not be placed)."""
         self.pending.append(sample)
