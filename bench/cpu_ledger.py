@@ -160,6 +160,7 @@ class Ledgers:
 
         from loader.batcher.batcher import Batcher
         from loader.main.session import Session
+        from loader.worker.fetch import Fetcher
         from loader.worker.worker import Channel, Sleeper, Worker
 
         out = self.out
@@ -194,6 +195,13 @@ class Ledgers:
                 start(self, run)
                 if self.seeder is not None:
                     self.seeder = _ledger.timed("load: per-sample seeding", self.seeder)
+                    self.fetcher.seeder = self.seeder
+            return wrapper
+
+        def position_loads(positions):
+            """Each load(pos) a run's Fetcher.positions makes, timed."""
+            def wrapper(self, epoch, index_of):
+                return in_ledger("load (seeding + dataset[i])")(positions(self, epoch, index_of))
             return wrapper
 
         def worker_one_run(one_run):
@@ -245,7 +253,7 @@ class Ledgers:
             _patch(Worker, "_start", worker_start),
             _patch(Worker, "_one_run", worker_one_run),
             _patch(Batcher, "_look_at_runs", batcher_runs),
-            _patch(Worker, "_load", in_ledger("load (seeding + dataset[i])")),
+            _patch(Fetcher, "positions", position_loads),
             _patch(Channel, "send", in_ledger("message to the batcher (ring put + bell)")),
             _patch(Sleeper, "until", in_ledger("waits (bell)")),
             _patch(Batcher, "run", batcher_run),

@@ -34,7 +34,6 @@ from loader.main.stats import WaitClock
 from loader.shared.table import CONFIRMED, REFUSED, count_of
 from loader.shared.trace import ROLE_BATCHER, now, tracer_of
 from loader.batcher.warmup import ArenaWarmer
-from loader.worker.worker import exit_if_orphaned
 
 DRAIN_BATCH = 256  # messages handled between looks at runs, memory and the outbox
 
@@ -127,7 +126,7 @@ class Batcher:
         self.clock.begin()
         try:
             if not c.batcher_bell.wait(ready, _protocol.IDLE_SLICE_S):
-                exit_if_orphaned(self.cfg.parent_pid)
+                _control.exit_if_orphaned(self.cfg.parent_pid)
         finally:
             self.clock.end()
 

@@ -22,7 +22,7 @@ holds for a while.  So a compute-bound pool stops at about the CPU count
 the loop no longer waits.
 
 Workers are never killed: a worker whose id is not below the active count
-stops claiming units (see Worker._may_claim) and sleeps; a worker beyond
+stops claiming units (see Worker.may_claim) and sleeps; a worker beyond
 those ever started is forked (or started, for thread workers) and joins
 the run in progress (a Joined message).
 """

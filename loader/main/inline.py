@@ -66,6 +66,9 @@ class InlineEpoch:
         self.torch_rules = planner.torch_rules
         self.cache = LayoutCache()
         self.seeder = SampleSeeder(loader.seed) if loader.reproducible else None
+        # as a worker loads (worker/fetch.py); __getitems__'s error is raised as it
+        # is, as torch raises it, with a note naming the batch's indices
+        self.fetcher = _fetch.Fetcher(loader.dataset, self.seeder, noted=True)
         self.plan = None  # made at the first next()
         self.clock = None
         self.batches = self.samples = 0   # delivered (a batch that raised is not)
@@ -93,12 +96,14 @@ class InlineEpoch:
             else:
                 self.stream, self.seq = iter(ld.dataset), 0
             self.own, self.ended = own, False
+            self.load = self.fetcher.stream(self.stream, self.epoch, 1)
             return
         order = order_of(plan, self.planner.rank, self.planner.world)
         self.geometry = plan.progress.batches  # (a streamed batch sampler's: as it is pulled)
         self.index_of = _order.index_getter(order)
         self.order = order
-        self.fetch = _fetch.batch_fetcher(ld.dataset, ld.batch_size, False)
+        self.batched = _fetch.batch_fetcher(ld.dataset, ld.batch_size, False) is not None
+        self.load = self.fetcher.positions(self.epoch, self.index_of)
 
     def __next__(self):
         t0 = time.perf_counter_ns()  # all of next() is the training loop waiting
@@ -139,10 +144,11 @@ class InlineEpoch:
         start, stop = self.geometry.span(k)
         saved = _SavedGenerators() if self.seeder is not None else None
         try:
-            if self.fetch is not None:
-                samples = self._fetch(_fetch.indices_of(self.order, start, stop), start)
+            if self.batched:
+                samples = self.fetcher.batch(self.epoch, _fetch.indices_of(self.order, start, stop),
+                                             start)
             else:
-                samples = [self._load(self.index_of(pos), pos) for pos in range(start, stop)]
+                samples = [self.load(pos) for pos in range(start, stop)]
         finally:
             if saved is not None:
                 saved.restore()
@@ -162,24 +168,6 @@ class InlineEpoch:
         if plan is not None:
             self.plan, self.geometry = plan, plan.progress.batches
 
-    def _load(self, index, pos: int):
-        if self.seeder is not None:  # a sampler's non-int index: seeded by its position
-            self.seeder(self.epoch, 0, index if type(index) is int else pos | (1 << 62))
-        return self.loader.dataset[index]
-
-    def _fetch(self, indices: list, start: int) -> list:
-        """One __getitems__ call for the batch (NOTE [ Batched fetch ] in
-        worker/fetch.py); its error is raised as it is, as torch raises it, with
-        a note naming the batch's indices."""
-        if self.seeder is not None:
-            _fetch.seed_call(self.seeder, self.epoch, indices, start)
-        try:
-            samples = self.fetch(indices)
-        except Exception as e:
-            e.add_note(_fetch.where(self.loader.dataset, indices))
-            raise
-        return _fetch.checked(self.loader.dataset, indices, samples)
-
     @property
     def rows(self) -> int:
         return 1 if self.loader.batch_size is None else self.loader.batch_size
@@ -192,10 +180,8 @@ class InlineEpoch:
         while len(pending) < B and not self.ended:
             saved = _SavedGenerators() if self.seeder is not None else None
             try:
-                if self.seeder is not None:
-                    self.seeder(self.epoch, 1, self.seq)
                 try:
-                    sample = next(self.stream)
+                    sample = self.load(self.seq)
                 except StopIteration:
                     self.ended = True
                     if self.own is not None:

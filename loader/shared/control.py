@@ -88,6 +88,7 @@ is a bounded slice: the sleeper re-checks STOP, its parent and deadlines.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -271,3 +272,11 @@ class Control:
         """Units of a live run claimed so far (-1 once it ended)."""
         v = sync.atomic_load(self.ctl, word(run, CURSOR))
         return v & ((1 << RUN_SHIFT) - 1) if v >> RUN_SHIFT == run else -1
+
+
+def exit_if_orphaned(parent_pid: int) -> None:
+    """In a worker or the batcher: the fallback to the parent-death
+    signal, checked between bounded waits (0: a thread of the main
+    process, which has no parent to lose)."""
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(1)

@@ -252,21 +252,24 @@ class Tracer:
 
     # --- hooks: what each process records ------------------------------------------
 
-    def traced_load(self, load):
-        """A worker's _load(epoch, index, pos), recording a LOAD (a
-        sampler's index that is not an int is recorded without it)."""
+    def traced_load(self, load, epoch: int, index_of=None):
+        """A worker's load(pos) of the sample at a position (its dataset
+        index: index_of(pos)), or load(seq) of a stream's seq-th sample
+        (index_of None), recording a LOAD (an index that is not an int is
+        recorded without it)."""
         record = self.load
 
-        def traced(epoch, index, pos):
+        def traced(pos):
             t0 = now()
-            sample = load(epoch, index, pos)
+            sample = load(pos)
+            index = None if index_of is None else index_of(pos)
             record(t0, now(), index=index if type(index) is int else None, position=pos,
                    samples=1, epoch=epoch)
             return sample
         return traced
 
     def traced_collate(self, collate):
-        """A worker's _collate(run, batch, samples), recording a COLLATE."""
+        """A worker's collate(run, batch, samples), recording a COLLATE."""
         record = self.collate
 
         def traced(run, batch, samples):

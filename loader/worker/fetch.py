@@ -29,11 +29,74 @@ from __future__ import annotations
 
 import numpy as np
 
+from loader.shared.trace import now
+
 # The derived_seeds stream of batch calls: apart from stream 0 (one sample
 # of a map-style dataset) and 1..W (worker w's stream of an iterable one).
 BATCH_STREAM = 1 << 63
 
 _SHOWN_INDICES = 16  # the indices an error message lists (a batch may hold thousands)
+
+
+class Fetcher:
+    """How a unit's samples are loaded: dataset[i] per position,
+    __getitems__(indices) per batch, or next(it) per stream sample, each
+    seeded first when reproducible=True.  The workers load through it and
+    so does num_workers=0 (main/inline.py), as torch's workers and its main
+    process share the fetchers of torch/utils/data/_utils/fetch.py."""
+
+    def __init__(self, dataset, seeder=None, *, tracer=None, noted: bool = False):
+        """seeder: a SampleSeeder (reproducible=True), else None; tracer: a
+        worker's Tracer when traced (NOTE [ Trace records ]); noted: an
+        error of __getitems__ gets a note naming the batch's indices (raised
+        as it is; a worker names them in its report instead)."""
+        self.dataset, self.seeder, self.tracer, self.noted = dataset, seeder, tracer, noted
+
+    def positions(self, epoch: int, index_of):
+        """load(pos): the sample at position pos of the epoch's order,
+        dataset[index_of(pos)].  Made once per run, so a sample costs one
+        call (the per-sample path of every worker)."""
+        dataset, seeder = self.dataset, self.seeder
+        if seeder is None:
+            def load(pos):
+                return dataset[index_of(pos)]
+        else:
+            def load(pos):
+                index = index_of(pos)  # a sampler's non-int index: seeded by its position
+                seeder(epoch, 0, index if type(index) is int else pos | (1 << 62))
+                return dataset[index]
+        return load if self.tracer is None else self.tracer.traced_load(load, epoch, index_of)
+
+    def stream(self, it, epoch: int, stream: int):
+        """load(seq): the stream's next sample, its seq-th (seeded by that
+        number, in the stream's own derived_seeds stream)."""
+        seeder = self.seeder
+        if seeder is None:
+            def load(seq):
+                return next(it)
+        else:
+            def load(seq):
+                seeder(epoch, stream, seq)
+                return next(it)
+        return load if self.tracer is None else self.tracer.traced_load(load, epoch)
+
+    def batch(self, epoch: int, indices: list, start: int) -> list:
+        """One __getitems__ call for a batch whose first position is start."""
+        dataset = self.dataset
+        if self.seeder is not None:
+            seed_call(self.seeder, epoch, indices, start)
+        t0 = now() if self.tracer is not None else 0
+        try:
+            samples = dataset.__getitems__(indices)
+        except Exception as e:
+            if self.noted:
+                e.add_note(where(dataset, indices))
+            raise
+        samples = checked(dataset, indices, samples)
+        if self.tracer is not None:
+            self.tracer.load(t0, now(), index=None, position=start, samples=len(samples),
+                             epoch=epoch)
+        return samples
 
 
 def batch_fetcher(dataset, batch_size, iterable: bool):
