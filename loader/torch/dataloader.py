@@ -484,8 +484,7 @@ class _Iterator(_BaseDataLoaderIter):
     def _runs_the_loaders_workers(self) -> bool:
         """Whether the loader's live workers are the ones this iterator's
         epoch started on (not those of a later iterator's epoch)."""
-        mine = {id(w._child) for w in self._workers}
-        return any(id(c) in mine for c in worker_children(self._pool.shm))
+        return any(w.is_for(c) for c in worker_children(self._pool.shm) for w in self._workers)
 
     def __next__(self):
         if self.finished:
@@ -581,6 +580,10 @@ class _WorkerProcess:
 
     def __init__(self, child):
         self._child = child
+
+    def is_for(self, child) -> bool:
+        """Whether this is the handle of that child of the pool."""
+        return self._child is child
 
     @property
     def pid(self) -> int:

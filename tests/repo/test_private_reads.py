@@ -24,6 +24,9 @@ THIRD_PARTY = {
     ("accelerate.py", "keeping._keeps_loader"),     # a marker this package sets on a function
     ("accelerate.py", "watching._watches_rebuilds"),
     ("ray.py", "keeping._keeps_loader"),
+    # torch's DataLoader resets its persistent iterator by this name (its iterator
+    # protocol, which loader.DataLoader's iterators implement as torch's subclasses)
+    ("dataloader.py", "self._iterator._reset"),
 }
 # namedtuple's own API starts with an underscore so as not to clash with fields
 NAMEDTUPLE_API = {"_replace", "_fields", "_asdict", "_make"}
