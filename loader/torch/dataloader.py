@@ -45,7 +45,7 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from loader.errors import LoaderTimeout, StateError, WorkerError
 from loader.main.lookahead import FrozenState
-from loader.main.loader import (ShmLoader, continue_from, follow_torch_rules, stop_workers,
+from loader.main.loader import (ShmLoader, TorchRulesLoader, continue_from, stop_workers,
                                 worker_children)
 from loader.main.procs import wait_all
 from loader.torch.order import TorchOrder, epoch_sampler
@@ -133,7 +133,7 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
         custom = self._user_collate_fn not in (None, default_collate, default_convert)
         workers = self.num_workers
         pipe = _PipeEpochs(self.dataset) if isinstance(self.dataset, IterDataPipe) else None
-        shm = ShmLoader(
+        shm = TorchRulesLoader(
             self.dataset if pipe is None else pipe, num_workers=workers,
             collate_fn=self.collate_fn if custom else None,
             in_order=self.in_order,
@@ -143,7 +143,6 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
             timeout=self.timeout if self.timeout > 0 else None,
             output="keep" if custom else "torch", pin_memory=self.pin_memory,
             trace=self._trace if traced else None, **sampling.loader_arguments(order))
-        follow_torch_rules(shm)
         return _Pool(shm, order, pipe, sampling)
 
     def _sampling(self) -> _Sampling:

@@ -19,7 +19,8 @@ from loader.order.progress import stream_skips
 from loader.order.feed import ObjectOrder
 from loader.worker.seeding import (U64, Generators, SampleSeeder, WorkerInfo, seed_worker,
                              set_worker_info)
-from loader.shared.memory import LoaderConfig, SharedState
+from loader.shared.memory import SharedState
+from loader.shared.spec import LoaderSpec
 from loader.main.stats import WaitClock
 from loader.shared.table import SEQ
 from loader.shared.trace import TracedWriter, now
@@ -135,7 +136,7 @@ class Channel:
 
 
 class Worker:
-    def __init__(self, cfg: LoaderConfig, shared: SharedState, worker_id: int,
+    def __init__(self, cfg: LoaderSpec, shared: SharedState, worker_id: int,
                  joining_run: int = 0):
         self.cfg, self.shared, self.id = cfg, shared, worker_id
         # a worker added while the loader runs (num_workers="auto") starts with
@@ -154,7 +155,7 @@ class Worker:
         self.autoscaled = bool(cfg.max_workers)  # num_workers="auto" (see main/autoscale.py)
         self.own = None  # NOTE [ Datasets that keep their own state ]: this worker's copy's
         if cfg.own_state:
-            self.own = CopyState(cfg.dataset, worker_id, cfg.iterable, cfg.rows_per_batch,
+            self.own = CopyState(cfg.dataset, worker_id, cfg.iterable, cfg.rows,
                                  self.channel.send,
                                  lambda e, where, run: self.channel.failed(e, where, run=run))
         self.tracer = None
@@ -197,7 +198,7 @@ class Worker:
             seed = (base_seed + self.id) & U64
             rng = Generators(seed)
         else:
-            seed = seed_worker(base_seed, self.id, cfg.torch_seeding)
+            seed = seed_worker(base_seed, self.id, cfg.torch_rules)
             rng = Generators(None)
         info = WorkerInfo(id=self.id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset,
                           rank=cfg.rank, world_size=cfg.world, rng=rng,
@@ -269,8 +270,8 @@ class Worker:
                                           c.read(run, _control.EPOCH), cfg.rank, cfg.world, kept,
                                           remaining)
         if c.read(run, _control.OPEN):  # its length is learnt late: KEPT is read at every use
-            return order, _order.OpenBatches(cfg.rows_per_batch, lambda: c.kept(run))
-        return order, _order.Batches(kept, cfg.rows_per_batch)
+            return order, _order.OpenBatches(cfg.rows, lambda: c.kept(run))
+        return order, _order.Batches(kept, cfg.rows)
 
     def _wait_to_load(self, run: int, unit: int) -> bool:
         """Until unit is below main's limit (prefetch); False if the run ended."""
@@ -309,7 +310,7 @@ class Worker:
         units = self.control.read(run, _control.UNITS)
         while self._may_claim(run, units):
             if self.own is not None:
-                self.own.loaded_a_unit(run, self.cfg.rows_per_batch)
+                self.own.loaded_a_unit(run, self.cfg.rows)
             pos = counters.claim(run)
             if pos < 0 or pos >= units:  # a unit past the end is never waited for
                 return
@@ -375,7 +376,7 @@ class Worker:
         samples); else as claimed, so that a slow batch never holds up the
         batches behind it."""
         if self.cfg.in_order and self.cfg.whole_batches:
-            yield from range(self.id, count, max(self.cfg.num_workers, 1))
+            yield from range(self.id, count, self.cfg.streams)
             return
         while self._may_claim(run, count) and 0 <= (unit := self.counters.claim(run)) < count:
             yield unit
@@ -480,7 +481,7 @@ class Worker:
         """Until this worker may fill its j-th batch of the run; False if
         the run ended."""
         c = self.control
-        i = (run % 2) * max(c.num_workers, 1) + self.id
+        i = (run % 2) * c.streams + self.id
 
         def ready():
             return sync.atomic_load(c.limits, i) > j or not c.live(run) or c.stopped
@@ -496,14 +497,14 @@ class Worker:
         in its last batches for the batcher to close up.  point: where its
         copy of the dataset resumes from (NOTE [ Datasets that keep their
         own state ])."""
-        cfg, c, N, w = self.cfg, self.control, max(self.cfg.num_workers, 1), self.id
+        cfg, c, N, w = self.cfg, self.control, self.cfg.streams, self.id
         epoch = c.read(run, _control.EPOCH)
         j0, done_below, done_past = 0, 0, set()   # a resumed epoch: what was delivered
         if c.read(run, _control.ORDER) == _order.ORDER_SHIPPED:
             words, _ = self.shared.read_order(run, c.read(run, _control.KEPT), 0, False)
             j0, done_below, done_past = stream_skips(words, N, w)
         slots = None if cfg.per_batch else StreamSlots(
-            j0, cfg.rows_per_batch, cfg.shuffle_batches,
+            j0, cfg.rows, cfg.shuffle_batches,
             derived_seeds(cfg.seed & U64, epoch, w + 1, 1 << 62)[0],
             lambda j: self._wait_for_room(run, j))
         batches = _StreamBatches(j0)   # per_batch: this worker's batch j's samples so far
@@ -553,7 +554,7 @@ class Worker:
         """per_batch: collect the sample; place the batch once it is full.
         False: the run ended (or the batch could not be placed)."""
         batches.pending.append(sample)
-        if len(batches.pending) < self.cfg.rows_per_batch:
+        if len(batches.pending) < self.cfg.rows:
             return True
         if not self._wait_for_room(run, batches.j) or not self._place_stream_batch(
                 run, batches.j, batches.pending):
@@ -564,13 +565,13 @@ class Worker:
     def _place_in_slot(self, run: int, slots: StreamSlots, pos: int, sample) -> bool:
         """Write the sample into its row (a shuffle buffer's random one).
         False: the stream is over for this epoch."""
-        cfg, N, w = self.cfg, max(self.cfg.num_workers, 1), self.id
+        cfg, N, w = self.cfg, self.cfg.streams, self.id
         slot = slots.next()
         if slot is None:
             return False
         batch, row = slot[0] * N + w, slot[1]
         try:
-            if self.writer.place(run, batch, row, cfg.rows_per_batch, pos, sample) in (ENDED,
+            if self.writer.place(run, batch, row, cfg.rows, pos, sample) in (ENDED,
                                                                                      DROPPED):
                 # ended, or the batcher gave up a batch of this stream (it cannot
                 # collate it): the stream is over for this epoch; main raises the
@@ -584,7 +585,7 @@ class Worker:
     def _stream_ended(self, run: int, slots: StreamSlots | None,
                       batches: "_StreamBatches") -> _protocol.StreamEnd:
         """What Done says once the stream ended (see _stream_run)."""
-        cfg, N, w = self.cfg, max(self.cfg.num_workers, 1), self.id
+        cfg, N, w = self.cfg, self.cfg.streams, self.id
         ended = _protocol.NO_STREAM_END
         if slots is None:
             if batches.pending and not cfg.drop_last:
@@ -600,7 +601,7 @@ class Worker:
 
     def _place_stream_batch(self, run: int, j: int, samples: list) -> bool:
         """Place this worker's j-th batch of a stream (collated here)."""
-        batch = j * max(self.cfg.num_workers, 1) + self.id
+        batch = j * self.cfg.streams + self.id
         output = self._collate(run, batch, samples)
         return output is _FAILED or self._place_output(run, batch, output, j)
 
@@ -616,7 +617,7 @@ class _StreamBatches:
         self.j, self.pending = j, []
 
 
-def worker_main(cfg: LoaderConfig, shared: SharedState, worker_id: int,
+def worker_main(cfg: LoaderSpec, shared: SharedState, worker_id: int,
                 joining_run: int = 0) -> None:
     Worker(cfg, shared, worker_id, joining_run).run()
     shared.to_batcher.close()
