@@ -263,6 +263,48 @@ class Runs:
         self.current = self.start(epoch, resume, snapshot)
         return self.current
 
+    def advance(self, run: Run, yielded: int, left: int) -> Run:
+        """`yielded` batches of run were handed out: raise its LIMIT, and
+        that of the run started ahead, which has `left` (minus the batches
+        run has still to hand out) to share.  Returns the run, settled if
+        its sampler (without len()) just ended (NOTE [ Streamed samplers ])."""
+        control = self.session.shared.control
+        control.set_limit(run.id, self.open_limit(run, yielded))
+        current = self.current
+        if current is not run and current is not None and current.id == run.id:
+            run = current  # settled
+        if self.ahead is not None and current is run:
+            control.set_limit(self.ahead.id, self.open_limit(self.ahead, left))
+        return run
+
+    def sample_took_no_row(self, run: Run, yielded: int, left: int) -> Run:
+        """First-ready: a sample of run failed before it took a row, so one
+        more position may load (limit()); as advance()."""
+        self.rowless[run.id] += 1
+        return self.advance(run, yielded, left)
+
+    def start_ahead(self, run: Run, next_epoch: int, left: int) -> None:
+        """Every unit of run is claimed: start the next epoch's run now, if
+        the loader runs ahead and none is started (NOTE [ Runs ])."""
+        if self.ahead is None and self.live.now.runs_ahead() and run.id - 1 not in self.unended:
+            self.ahead = self.start(next_epoch, yielded=left)
+
+    def epoch_closed(self, run: Run, *, finished: bool, pending) -> None:
+        """The iterator of run is done (ran to its end, or dropped early):
+        batches received but not handed out go back, and the run ends
+        unless it ran to its end (a run an iterator made since superseded
+        is that one's)."""
+        if self.current is not run:
+            return
+        if not finished:
+            for msg in pending:
+                self.session.give_back(msg)
+            self.end(run)
+            self.current = None
+        else:
+            self.inboxes.pop(run.id, None)
+            self.rowless.pop(run.id, None)
+
     def index_at(self, run_id: int, pos: int):
         """The dataset index at position pos of a map-style run main still
         has (the current one, or the one started ahead), else None."""
@@ -354,31 +396,17 @@ class EpochHost:
         return self._session.tags(msg)
 
     def advance(self, run: Run, yielded: int, left: int) -> Run:
-        """`yielded` batches of run were handed out: raise its LIMIT, and
-        that of the run started ahead, which has `left` (minus the batches
-        run has still to hand out) to share.  Returns the run, settled if
-        its sampler (without len()) just ended (NOTE [ Streamed samplers ])."""
-        runs = self._runs
-        self.control.set_limit(run.id, runs.open_limit(run, yielded))
-        current = runs.current
-        if current is not run and current is not None and current.id == run.id:
-            run = current  # settled
-        if runs.ahead is not None and current is run:
-            self.control.set_limit(runs.ahead.id, runs.open_limit(runs.ahead, left))
-        return run
+        """`yielded` batches of run were handed out (Runs.advance)."""
+        return self._runs.advance(run, yielded, left)
 
     def sample_took_no_row(self, run: Run, yielded: int, left: int) -> Run:
-        """First-ready: a sample of run failed before it took a row, so one
-        more position may load (Runs.limit()); as advance()."""
-        self._runs.rowless[run.id] += 1
-        return self.advance(run, yielded, left)
+        """First-ready: a sample of run failed before it took a row
+        (Runs.sample_took_no_row)."""
+        return self._runs.sample_took_no_row(run, yielded, left)
 
     def run_ahead(self, run: Run, next_epoch: int, left: int) -> None:
-        """Every unit of run is claimed: start the next epoch's run now, if
-        the loader runs ahead and none is started (NOTE [ Runs ])."""
-        runs = self._runs
-        if runs.ahead is None and runs.live.now.runs_ahead() and run.id - 1 not in runs.unended:
-            runs.ahead = runs.start(next_epoch, yielded=left)
+        """Every unit of run is claimed (Runs.start_ahead)."""
+        self._runs.start_ahead(run, next_epoch, left)
 
     def epoch_ended(self, epoch: int, msg: _protocol.RunEnded, clock: EpochClock) -> None:
         """The epoch ran to its end: its figures for stats() and the trace."""
@@ -391,14 +419,5 @@ class EpochHost:
         received but not handed out go back, and the run ends unless it ran
         to its end; then the loader hears of it (without persistent
         workers, it stops the processes)."""
-        runs = self._runs
-        if runs.current is run:
-            if not finished:
-                for msg in pending:
-                    self._session.give_back(msg)
-                runs.end(run)
-                runs.current = None
-            else:
-                runs.inboxes.pop(run.id, None)
-                runs.rowless.pop(run.id, None)
+        self._runs.epoch_closed(run, finished=finished, pending=pending)
         self._owner.epoch_closed(epoch)
