@@ -268,8 +268,9 @@ class ShmLoader(FrozenState):
             self._session = None  # a forked copy: its parent's processes
             return
         self._shutdown()
-        if self.trace is not None:  # every writer is gone now (NOTE [ Trace records ])
-            self.trace.write()
+        trace = self._live.now.trace
+        if trace is not None:  # every writer is gone now (NOTE [ Trace records ])
+            trace.write()
 
     def __enter__(self):
         return self

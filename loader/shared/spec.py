@@ -271,7 +271,8 @@ class LiveSpec:
 
 def public_fields() -> tuple[str, ...]:
     """The spec's fields a ShmLoader shows as its read-only attributes:
-    its arguments, and whether its dataset is iterable and its workers
+    its arguments (but trace, which the spec holds opened: a TraceLog, not
+    the path given), and whether its dataset is iterable and its workers
     "auto"."""
-    hidden = {"seed_given", "rules", "rank", "world", "parent_pid"}
+    hidden = {"seed_given", "rules", "rank", "world", "parent_pid", "trace"}
     return tuple(f.name for f in fields(LoaderSpec) if f.name not in hidden)

@@ -31,7 +31,7 @@ def test_every_parameter_is_a_spec_field_and_every_field_a_parameter_or_derived(
     fails on it: check_arguments passes every parameter by its name)."""
     names = {f.name for f in dataclasses.fields(LoaderSpec)}
     assert set(parameters()) == names - DERIVED - set(RUN_TIME_FIELDS) | {"num_workers", "seed"}
-    assert set(public_fields()) == set(parameters()) | {"auto", "iterable"}
+    assert set(public_fields()) == set(parameters()) - {"trace"} | {"auto", "iterable"}
 
 
 def test_arguments_are_read_only_attributes_and_the_loader_stays_usable():
