@@ -28,7 +28,8 @@ from loader.shared.layout import (
     promoted,
     signature_and_leaves,
 )
-from loader.shared.memory import LoaderConfig, SharedState
+from loader.shared.memory import SharedState
+from loader.shared.spec import LoaderSpec
 from loader.batcher.slabs import Slab, SlabAllocator, never_fits, slab_bytes
 from loader.main.stats import WaitClock
 from loader.shared.table import CONFIRMED, REFUSED, count_of
@@ -39,7 +40,7 @@ DRAIN_BATCH = 256  # messages handled between looks at runs, memory and the outb
 
 
 class Batcher:
-    def __init__(self, cfg: LoaderConfig, shared: SharedState):
+    def __init__(self, cfg: LoaderSpec, shared: SharedState):
         self.cfg, self.shared = cfg, shared
         self.control, self.table, self.arena = shared.control, shared.table, shared.arena
         self.inbox = shared.to_batcher
@@ -739,7 +740,7 @@ class Batcher:
                 self._publish_ahead(q)  # the next epoch's run, started ahead
 
 
-def batcher_main(cfg: LoaderConfig, shared: SharedState) -> None:
+def batcher_main(cfg: LoaderSpec, shared: SharedState) -> None:
     batcher = Batcher(cfg, shared)
     try:
         batcher.run()

@@ -15,7 +15,8 @@ from loader.shared import control as _control
 from loader.order import indices as _order
 from loader.shared import messages as _protocol
 from loader.order.progress import stream_skips
-from loader.shared.memory import LoaderConfig, SharedState, batch_ready_wire
+from loader.shared.memory import SharedState, batch_ready_wire
+from loader.shared.spec import LoaderSpec
 
 
 class WaitingBatches:
@@ -156,14 +157,14 @@ class BatcherRun:
     said Done for it, even after main abandoned it: until then a worker may
     still write into its slabs."""
 
-    def __init__(self, run: int, control: _control.Control, cfg: LoaderConfig, shared: SharedState):
+    def __init__(self, run: int, control: _control.Control, cfg: LoaderSpec, shared: SharedState):
         self.run = run
         self.control = control
         self.iterable = cfg.iterable
         self.per_batch = cfg.per_batch
         self.claims_batches = cfg.claims_batches
-        self.workers = max(cfg.num_workers, 1)
-        self.B = cfg.rows_per_batch
+        self.workers = cfg.streams
+        self.B = cfg.rows
         if self.iterable:
             self.nbatches = None
             self.batches = None

@@ -50,7 +50,7 @@ def never_fits(cfg, index: int, nbytes: int, capacity: int) -> tuple[MemoryError
     if need > capacity:
         return MemoryError(
             f"shuffle_buffer={cfg.shuffle_buffer} fills {cfg.shuffle_batches} batches at once "
-            f"in each of the {max(cfg.num_workers, 1)} workers: loading needs "
+            f"in each of the {cfg.streams} workers: loading needs "
             f"{cfg.slabs_to_progress} batches of {nbytes} bytes in memory ({need} bytes), but "
             f"memory_cap_bytes is {capacity}: pass memory_cap_bytes >= {need}, or a smaller "
             f"shuffle_buffer or batch_size"), True

@@ -2,20 +2,21 @@
 (a ValueError) or ArgumentTypeError (a TypeError) that names the
 argument, what it got and what to pass instead, raised before anything
 is started.  `check_arguments` returns them normalised (defaults filled
-in, num_workers="auto" resolved) as one record, which ShmLoader stores as
-its attributes."""
+in, num_workers="auto" resolved) as the loader's LoaderSpec
+(shared/spec.py), which every part of the loader takes."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import secrets
-from typing import Any, NamedTuple
 
 from loader.errors import ArgumentError, ArgumentTypeError
 from loader.main.autoscale import cpu_count, default_max_workers
 from loader.batcher.slabs import ram_bytes
 from loader.shared.optional import imported_torch
+from loader.shared.spec import SHM_RULES, LoaderSpec, Rules
+from loader.shared.trace import TraceLog
 
 DEFAULT_PREFETCH = 3
 
@@ -42,38 +43,6 @@ def torch_positions(init):
                 f"keyword-only: {', '.join(keyword_only)})")
         return init(self, *args, **kwargs)
     return checked
-
-
-class Arguments(NamedTuple):
-    """ShmLoader's arguments after checking (see its docstring for each)."""
-    dataset: Any
-    batch_size: int | None
-    shuffle: bool
-    sampler: Any
-    batch_sampler: Any
-    num_workers: int           # "auto": where the pool starts
-    auto: bool                 # num_workers="auto"
-    max_workers: int           # 0 unless auto
-    collate_fn: Any
-    drop_last: bool
-    in_order: bool
-    prefetch: int
-    persistent_workers: bool
-    worker_init_fn: Any
-    seed: int
-    seed_given: bool           # else a resumed state brings its own
-    reproducible: bool
-    generator: Any
-    timeout: float | None
-    output: str
-    pin_memory: bool
-    memory_cap_bytes: int
-    distributed: bool | tuple
-    shuffle_buffer: int        # 0: none
-    worker_mode: str
-    iterable: bool
-    trace: str | None
-    start_method: str = "fork"  # "spawn": NOTE [ Starting clean ] in shared/passable.py
 
 
 def positive_int(name: str, value, minimum: int = 1) -> None:
@@ -183,31 +152,31 @@ def _check_sharding(iterable, distributed, shuffle, sampler, batch_sampler) -> N
                          "a sampler, shard in the sampler (torch's DistributedSampler)")
 
 
-def check_arguments(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
-                    collate_fn, drop_last, in_order, prefetch, persistent_workers,
-                    worker_init_fn, seed, generator, reproducible, timeout, output, pin_memory,
-                    memory_cap_bytes, distributed, shuffle_buffer, worker_mode, max_workers,
-                    trace, start_method="fork") -> Arguments:
-    """ShmLoader's arguments checked (in the order its tests expect the
-    first mistake to be named) and normalised."""
-    if batch_size is not None:
-        positive_int("batch_size", batch_size)
-    num_workers, auto, max_workers = _workers(num_workers, max_workers)
-    _check_modes(worker_mode, output, timeout, prefetch, memory_cap_bytes, collate_fn)
-    _check_start(start_method, worker_mode)
-    _check_order(batch_size, shuffle, sampler, batch_sampler, drop_last, generator)
-    iterable = is_iterable_dataset(dataset)
-    _check_stream(iterable, auto, shuffle_buffer, collate_fn, batch_size)
-    _check_sharding(iterable, distributed, shuffle, sampler, batch_sampler)
-    return Arguments(
-        dataset=dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
-        batch_sampler=batch_sampler, num_workers=num_workers, auto=auto,
-        max_workers=max_workers, collate_fn=collate_fn, drop_last=drop_last, in_order=in_order,
-        prefetch=prefetch if prefetch is not None else DEFAULT_PREFETCH,
-        persistent_workers=persistent_workers, worker_init_fn=worker_init_fn,
+def check_arguments(rules: Rules = SHM_RULES, /, **given) -> LoaderSpec:
+    """ShmLoader's arguments (`given`: each by its name, all of them)
+    checked, in the order its tests expect the first mistake to be named,
+    and normalised into the loader's spec (a bad trace path fails here,
+    not at close(): NOTE [ Trace records ] in shared/trace.py)."""
+    g = dict(given)
+    if g["batch_size"] is not None:
+        positive_int("batch_size", g["batch_size"])
+    num_workers, auto, max_workers = _workers(g["num_workers"], g["max_workers"])
+    _check_modes(g["worker_mode"], g["output"], g["timeout"], g["prefetch"],
+                 g["memory_cap_bytes"], g["collate_fn"])
+    _check_start(g["start_method"], g["worker_mode"])
+    _check_order(g["batch_size"], g["shuffle"], g["sampler"], g["batch_sampler"],
+                 g["drop_last"], g["generator"])
+    iterable = is_iterable_dataset(g["dataset"])
+    _check_stream(iterable, auto, g["shuffle_buffer"], g["collate_fn"], g["batch_size"])
+    _check_sharding(iterable, g["distributed"], g["shuffle"], g["sampler"], g["batch_sampler"])
+    seed, reproducible = g["seed"], g["reproducible"]
+    g.update(
+        num_workers=num_workers, auto=auto, max_workers=max_workers,
+        prefetch=g["prefetch"] if g["prefetch"] is not None else DEFAULT_PREFETCH,
         seed=seed if seed is not None else secrets.randbits(63), seed_given=seed is not None,
         reproducible=(seed is not None) if reproducible is None else bool(reproducible),
-        generator=generator, timeout=timeout, output=output, pin_memory=pin_memory,
-        memory_cap_bytes=memory_cap_bytes or default_memory_cap(), distributed=distributed,
-        shuffle_buffer=shuffle_buffer or 0, worker_mode=worker_mode, iterable=iterable,
-        trace=trace, start_method=start_method)
+        memory_cap_bytes=g["memory_cap_bytes"] or default_memory_cap(),
+        shuffle_buffer=g["shuffle_buffer"] or 0, iterable=iterable,
+        trace=None if g["trace"] is None else TraceLog(
+            g["trace"], passable=g["start_method"] == "spawn"))
+    return LoaderSpec(rules=rules, **g)

@@ -125,7 +125,9 @@ class _Epoch:
         if self.run is None:  # never started
             return
         if not self.finished:  # ended early (break, del): the trace shows where
-            self.host.tracer.epoch(self.clock.t0, time.perf_counter_ns(), epoch=self.epoch,
+            # (no clock: a Ctrl-C landed between the run's start and its clock's)
+            t0 = self.clock.t0 if self.clock is not None else self.called
+            self.host.tracer.epoch(t0, time.perf_counter_ns(), epoch=self.epoch,
                                    batches=getattr(self, "yielded", None), samples=None,
                                    complete=False)
         pending = list(self.pending.values())

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from loader.shared.spec import LoaderSpec
 from loader.worker import fetch as _fetch
 from loader.order import indices as _order
 from loader.main.stats import EpochClock, Task
@@ -57,18 +58,19 @@ class InlineEpoch:
     so that an error for one batch does not end the epoch: the next next()
     goes on with the following batch, as PyTorch's DataLoader does."""
 
-    def __init__(self, loader, epoch: int, resume: dict | None, *, planner, tracer, owner):
-        """loader: its public arguments (dataset, batch_size, collate_fn,
-        output, ...); planner, tracer, owner: what the loader gives its
-        epochs (main/planner.py, shared/trace.py, EpochOwner in main/runs.py)."""
-        self.loader, self.epoch, self.resume = loader, epoch, resume
+    def __init__(self, spec: LoaderSpec, epoch: int, resume: dict | None, *, planner, tracer,
+                 owner):
+        """spec: the loader's (shared/spec.py) as the epoch begins; planner,
+        tracer, owner: what the loader gives its epochs (main/planner.py,
+        shared/trace.py, EpochOwner in main/runs.py)."""
+        self.spec, self.epoch, self.resume = spec, epoch, resume
         self.planner, self.tracer, self.owner = planner, tracer, owner
-        self.torch_rules = planner.torch_rules
+        self.torch_rules = spec.torch_rules
         self.cache = LayoutCache()
-        self.seeder = SampleSeeder(loader.seed) if loader.reproducible else None
+        self.seeder = SampleSeeder(spec.seed) if spec.reproducible else None
         # as a worker loads (worker/fetch.py); __getitems__'s error is raised as it
         # is, as torch raises it, with a note naming the batch's indices
-        self.fetcher = _fetch.Fetcher(loader.dataset, self.seeder, noted=True)
+        self.fetcher = _fetch.Fetcher(spec.dataset, self.seeder, noted=True)
         self.plan = None  # made at the first next()
         self.clock = None
         self.batches = self.samples = 0   # delivered (a batch that raised is not)
@@ -80,7 +82,7 @@ class InlineEpoch:
         """Nothing runs between batches in the main process: nothing to stop."""
 
     def _begin(self) -> None:
-        ld = self.loader
+        ld = self.spec
         plan = self.plan = self.planner.plan(self.epoch, self.resume)
         self.planner.tell_order(plan)
         self.progress = self.owner.track(plan)
@@ -98,7 +100,7 @@ class InlineEpoch:
             self.own, self.ended = own, False
             self.load = self.fetcher.stream(self.stream, self.epoch, 1)
             return
-        order = order_of(plan, self.planner.rank, self.planner.world)
+        order = order_of(plan, ld.rank, ld.world)
         self.geometry = plan.progress.batches  # (a streamed batch sampler's: as it is pulled)
         self.index_of = _order.index_getter(order)
         self.order = order
@@ -133,7 +135,7 @@ class InlineEpoch:
                 self.tracer.wait(t0, t1, epoch=self.epoch)
 
     def _next(self):
-        if self.loader.iterable:
+        if self.spec.iterable:
             return self._next_of_stream()
         k = self.k
         if self.plan.feed is not None and self.plan.feed.open and not self.plan.feed.settled:
@@ -164,16 +166,16 @@ class InlineEpoch:
             feed.feed_batches(k + 1)
         else:
             feed.feed(self.geometry.span(k)[1] if k < self.geometry.count else self.plan.kept)
-        plan = settled_plan(self.plan, self.planner.rules())
+        plan = settled_plan(self.plan, self.spec)
         if plan is not None:
             self.plan, self.geometry = plan, plan.progress.batches
 
     @property
     def rows(self) -> int:
-        return 1 if self.loader.batch_size is None else self.loader.batch_size
+        return self.spec.rows
 
     def _next_of_stream(self):
-        ld = self.loader
+        ld = self.spec
         B = self.rows
         skip = self.progress.prefix[0]  # a resumed epoch: samples delivered already
         pending = []
@@ -204,7 +206,7 @@ class InlineEpoch:
         return batch, len(pending)
 
     def _collate(self, k: int, samples: list, index_of=None):
-        ld = self.loader
+        ld = self.spec
         if ld.collate_fn is not None:
             out = ld.collate_fn(samples)
             if self.torch_rules:
@@ -224,5 +226,5 @@ class InlineEpoch:
         layout = self.cache.get(sig, 1, batched=False)
         buf = np.empty(layout.nbytes, np.uint8)
         values = layout.write_row(buf, 0, leaves)
-        return materialize(layout.spec(1, {0: values}), buf, self.loader.output,
+        return materialize(layout.spec(1, {0: values}), buf, self.spec.output,
                            self.torch_rules)

@@ -23,13 +23,13 @@ from loader.torch.integrations import install_imported
 from loader.main.planner import EpochPlanner
 from loader.order.planning import Plan
 from loader.main.runs import EpochHost, EpochOwner, Runs
-from loader.order.progress import STATE_FORMAT, MapProgress
+from loader.order.progress import MapProgress
 from loader.order.feed import sampler_length
 from loader.main.session import Session
-from loader.shared.memory import LoaderConfig
-from loader.main.state import Expected, check_state
+from loader.shared.spec import SHM_RULES, TORCH_RULES, LiveSpec, public_fields
+from loader.main.state import ABSENT, Expected, LoaderState
 from loader.main.stats import EpochClock, stall_advice, summary_line, warn_stalled
-from loader.shared.trace import ROLE_MAIN, TraceLog, tracer_of
+from loader.shared.trace import ROLE_MAIN, tracer_of
 from loader.datasets import own_state as _own_state
 
 __all__ = ["ShmLoader"]
@@ -99,6 +99,8 @@ class ShmLoader(FrozenState):
     once; garbage collection and interpreter exit do it too.
     """
 
+    _rules = SHM_RULES  # loader.DataLoader's own ShmLoader takes torch's (torch/dataloader.py)
+
     @torch_positions
     def __init__(self, dataset, batch_size=1, shuffle=False, sampler=None, batch_sampler=None,
                  num_workers=2, collate_fn=None, *, drop_last=False, in_order=True,
@@ -108,32 +110,17 @@ class ShmLoader(FrozenState):
                  shuffle_buffer=None, worker_mode="process", max_workers=None, trace=None,
                  start_method="fork"):
         install_imported()  # NOTE [ Installing the integrations ]
-        args = check_arguments(
-            dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
-            drop_last, in_order, prefetch, persistent_workers, worker_init_fn, seed, generator,
-            reproducible, timeout, output, pin_memory, memory_cap_bytes, distributed,
-            shuffle_buffer, worker_mode, max_workers, trace, start_method)
-        self.dataset, self.batch_size, self.shuffle = args.dataset, args.batch_size, args.shuffle
-        self.sampler, self.batch_sampler = args.sampler, args.batch_sampler
-        self.num_workers, self.auto, self.max_workers = (args.num_workers, args.auto,
-                                                         args.max_workers)
-        self.collate_fn, self.drop_last, self.in_order = (args.collate_fn, args.drop_last,
-                                                          args.in_order)
-        self.prefetch, self.persistent_workers = args.prefetch, args.persistent_workers
-        self.worker_init_fn, self.timeout = args.worker_init_fn, args.timeout
-        self.seed, self._seed_given = args.seed, args.seed_given
-        self.reproducible, self.generator = args.reproducible, args.generator
-        self.output, self.pin_memory = args.output, args.pin_memory
-        self.memory_cap_bytes, self.distributed = args.memory_cap_bytes, args.distributed
-        self.shuffle_buffer, self.worker_mode = args.shuffle_buffer, args.worker_mode
-        self.iterable, self.start_method = args.iterable, args.start_method
-        # a bad path fails here, not at close(); NOTE [ Trace records ] in shared/trace.py
-        self._trace = None if trace is None else TraceLog(
-            trace, passable=self.start_method == "spawn")
-        self._tracer = tracer_of(self._trace, ROLE_MAIN)
-        self._planner = EpochPlanner(self)  # seeds, generators, each epoch's plan
+        # every parameter by its name (locals() holds exactly them here): the
+        # spec is their one record, and these attributes read it
+        given = {name: value for name, value in locals().items() if name != "self"}
+        spec = check_arguments(self._rules, **given)
+        self._live = LiveSpec(spec)  # what changes at run time: workers, seed, ranks
+        self._tracer = tracer_of(spec.trace, ROLE_MAIN)
+        # builds batches for this loader's output (its leaf plans kept across batches)
+        self._materializer = Materializer(spec.output, spec.torch_rules)
+        self._planner = EpochPlanner(self._live)  # seeds, generators, each epoch's plan
         self._epoch = 0          # epochs started by iter(): they pick the order and the seeds
-        self._runs = Runs(self, self._planner)  # NOTE [ Runs ]
+        self._runs = Runs(self._planner)  # NOTE [ Runs ]
         self._owner_pid = os.getpid()
         self._session = None     # the processes and shared memory, once started (main/session.py)
         self._autoscaler = None  # num_workers="auto": its decisions (main/autoscale.py)
@@ -148,29 +135,24 @@ class ShmLoader(FrozenState):
 
     # --- sizes ----------------------------------------------------------------------
 
-    @property
-    def _rows(self) -> int:
-        """Samples per batch (1 unbatched: batch_size=None)."""
-        return 1 if self.batch_size is None else self.batch_size
-
     def __len__(self):
-        if self.iterable:
+        spec = self._live.now
+        if spec.iterable:
             raise TypeError("an iterable dataset has no length; ShmLoader cannot know its "
                             "number of batches")
-        if self.batch_sampler is not None:
-            return len(self.batch_sampler)
-        planner = self._planner
-        n = self._sampler_len() if self.sampler is not None else planner.dataset_len()
-        n = _order.shard_size(n, planner.ranks()[1])
-        if self.batch_size is None:
+        if spec.batch_sampler is not None:
+            return len(spec.batch_sampler)
+        n = self._sampler_len() if spec.sampler is not None else spec.dataset_len()
+        n = _order.shard_size(n, self._planner.ranks()[1])
+        if spec.batch_size is None:
             return n
-        return -(-_order.kept_of(n, self.batch_size, self.drop_last) // self.batch_size)
+        return -(-_order.kept_of(n, spec.batch_size, spec.drop_last) // spec.batch_size)
 
     def _sampler_len(self) -> int:
         """len(sampler), or a TypeError that says why there is none."""
         n = sampler_length(self.sampler)
         if n is None:
-            raise TypeError(f"this ShmLoader has no len(): its sampler ({self._planner.sampler_name()}) "
+            raise TypeError(f"this ShmLoader has no len(): its sampler ({self._live.now.sampler_name}) "
                             f"has no __len__, so its number of batches is known only once the "
                             f"sampler ends (as torch's DataLoader, len() needs a sized sampler); "
                             f"iterate it to its end, or count batches with steps(n)")
@@ -245,29 +227,15 @@ class ShmLoader(FrozenState):
                 f"(this is {os.getpid()}) cannot use it: create a new ShmLoader here")
 
     def _start(self):
-        planner = self._planner
-        cfg = LoaderConfig(
-            dataset=self.dataset, batch_size=None if self.batch_size is None else self._rows,
-            num_workers=self.num_workers, prefetch=self.prefetch, drop_last=self.drop_last,
-            in_order=self.in_order, iterable=self.iterable, collate_fn=self.collate_fn,
-            worker_init_fn=self.worker_init_fn, seed=self.seed, reproducible=self.reproducible,
-            torch_seeding=planner.torch_rules, memory_cap_bytes=self.memory_cap_bytes,
-            parent_pid=0 if self._threads else os.getpid(), rank=planner.rank,
-            world=planner.world,
-            threads=self._threads, max_workers=self.max_workers,
-            whole_batches=planner.torch_rules and not self.iterable,
-            batched_fetch=planner.batched_fetch(),
-            shuffle_buffer=self.shuffle_buffer, trace=self._trace,
-            own_state=planner.workers_report_own_state(), start_method=self.start_method)
-        self._session = Session(cfg, timeout=self.timeout, torch_rules=planner.torch_rules,
-                                pin_memory=self.pin_memory)
+        spec = self._live.update(parent_pid=0 if self._live.now.threads else os.getpid())
+        self._session = Session(spec)
         self._runs.session = self._session
-        if self.auto:
-            self._session.shared.control.set_active(self.num_workers)
+        if spec.auto:
+            self._session.shared.control.set_active(spec.num_workers)
             set_active = weakref.WeakMethod(self._set_active_workers)  # (no cycle: see Runs)
             self._autoscaler = Autoscaler(self._session.shared.waited,
-                                          lambda count: set_active()(count), self.num_workers,
-                                          self.max_workers)
+                                          lambda count: set_active()(count), spec.num_workers,
+                                          spec.max_workers)
 
     @property
     def _procs(self) -> list:
@@ -280,7 +248,7 @@ class ShmLoader(FrozenState):
         """num_workers="auto": let `active` workers claim units (main/autoscale.py)."""
         runs = self._runs
         first_run = runs.current.id if runs.current is not None else max(runs.count, 1)
-        self.num_workers = self._session.add_workers(active, first_run)
+        self._live.update(num_workers=self._session.add_workers(active, first_run))
 
     def _shutdown(self):
         """Stop the session (NOTE [ ShmLoader processes and shutdown ] in
@@ -307,8 +275,9 @@ class ShmLoader(FrozenState):
             self._session = None  # a forked copy: its parent's processes
             return
         self._shutdown()
-        if self._trace is not None:  # every writer is gone now (NOTE [ Trace records ])
-            self._trace.write()
+        trace = self._live.now.trace
+        if trace is not None:  # every writer is gone now (NOTE [ Trace records ])
+            trace.write()
 
     def __enter__(self):
         return self
@@ -317,17 +286,12 @@ class ShmLoader(FrozenState):
         self.close()
 
     def __del__(self):
-        trace = getattr(self, "_trace", None)
+        live = getattr(self, "_live", None)
+        trace = None if live is None else live.now.trace
         unwritten = trace is not None and trace.pending  # (workers stopped after each epoch)
         if (getattr(self, "_session", None) is not None or unwritten) and \
                 os.getpid() == self._owner_pid:
             self.close()
-
-    # --- receiving --------------------------------------------------------------------
-
-    @property
-    def _threads(self) -> bool:
-        return self.worker_mode == "thread"
 
     # --- iteration ----------------------------------------------------------------------
 
@@ -340,24 +304,25 @@ class ShmLoader(FrozenState):
             self._planner.take_ranks()
         resume, self._resume = self._resume, None
         if resume is not None:
-            self._epoch = resume["epoch"] - 1  # the epoch the state is in
+            self._epoch = resume.epoch - 1  # the epoch the state is in
         self._epoch += 1
-        if self._planner.torch_rules and resume is None:  # as torch's iterator is made
+        spec = self._live.now
+        if spec.torch_rules and resume is None:  # as torch's iterator is made
             self._planner.draw_at_iter(self._epoch)
-        if self.pin_memory and not self._planner.torch_rules and not cuda_available():
+        if spec.pin_memory and not spec.torch_rules and not cuda_available():
             warnings.warn("ShmLoader: pin_memory=True, but CUDA is not available: batches are not "
                           "pinned (pin_memory=False says the same without this warning)",
                           UserWarning, stacklevel=2)
-        if self.num_workers == 0:
-            return InlineEpoch(self, self._epoch, resume, planner=self._planner,
+        if spec.num_workers == 0:
+            return InlineEpoch(spec, self._epoch, resume, planner=self._planner,
                                tracer=self._tracer, owner=self._epoch_owner())
         if self._session is None:
             self._start()
-        host = EpochHost(runs=self._runs, session=self._session, owner=self._epoch_owner(),
-                         tracer=self._tracer, materializer=self._materializer,
-                         autoscaler=self._autoscaler, in_order=self.in_order,
-                         timeout=self.timeout, streams=max(self.num_workers, 1))
-        return (StreamEpoch if self.iterable else MapEpoch)(host, self._epoch, resume)
+        spec = self._live.now
+        host = EpochHost(spec, runs=self._runs, session=self._session,
+                         owner=self._epoch_owner(), tracer=self._tracer,
+                         materializer=self._materializer, autoscaler=self._autoscaler)
+        return (StreamEpoch if spec.iterable else MapEpoch)(host, self._epoch, resume)
 
     def _epoch_owner(self) -> EpochOwner:
         """What this loader's epochs tell it (main/runs.py)."""
@@ -400,7 +365,7 @@ class ShmLoader(FrozenState):
 
     def _workers_loading(self) -> int:
         scaler = self._autoscaler
-        return scaler.active if scaler is not None else self.num_workers
+        return scaler.active if scaler is not None else self._live.now.num_workers
 
     def _record_stats(self, epoch: int, msg: _protocol.RunEnded | None, clock: EpochClock,
                       batches: int = 0, samples: int = 0) -> None:
@@ -420,7 +385,7 @@ class ShmLoader(FrozenState):
         s["summary"] = summary_line(s)
         self._stats = s
         # once per loader; loader.DataLoader keeps torch's behaviour (no warning)
-        if not self._warned_stall and not self._planner.torch_rules:
+        if not self._warned_stall and not self._live.now.torch_rules:
             advice = stall_advice(s)
             if advice is not None:
                 self._warned_stall = True  # (before: with -W error the warning raises)
@@ -435,16 +400,6 @@ class ShmLoader(FrozenState):
         if self._epoch != epoch:
             raise RuntimeError("this ShmLoader iterator was superseded: iter(loader) was called "
                                "again, which starts a new epoch; use one iterator at a time")
-
-    @property
-    def _materializer(self) -> Materializer:
-        """Builds batches for this loader's output (its leaf plans kept
-        across batches); made again if output or torch's rules changed."""
-        m = self.__dict__.get("_materializer_made")
-        torch_rules = self._planner.torch_rules
-        if m is None or m.output != self.output or m.torch_rules != torch_rules:
-            m = self.__dict__["_materializer_made"] = Materializer(self.output, torch_rules)
-        return m
 
     # --- resuming ---------------------------------------------------------------------
 
@@ -465,139 +420,144 @@ class ShmLoader(FrozenState):
         frozen = self._frozen_state_copy()
         if frozen is not None:
             return frozen
-        progress = self._progress
-        planner = self._planner
-        state = {"format": STATE_FORMAT, "epoch": self._epoch, "seed": self.seed,
-                 "rank": planner.rank, "world": planner.world, "workers": self.num_workers,
-                 "iterable": self.iterable, "rng": {}, "base_seed": None, "map": None,
-                 "stream": None, "batch_size": self.batch_size, "dataset_len": self._map_len(),
-                 "sampler": planner.sampler_name()}
-        if progress is None:  # no epoch started: the next is the first
-            state["complete"] = True
-            self._add_own_state(state, None)
-            return state
-        plan = self._progress_plan
-        state["rng"] = dict(plan.rng)
-        state["base_seed"] = plan.base_seed
-        if isinstance(progress, MapProgress):
-            state["map"] = progress.state()
-            state["complete"] = progress.complete()
-        else:
-            state["stream"] = progress.state()
-            state["complete"] = progress.complete
-        self._add_own_state(state, plan.own)
-        return state
+        return self._state().to_dict()
 
-    def _add_own_state(self, state: dict, book) -> None:
+    def _state(self) -> LoaderState:
+        """The state state_dict() returns, of the epoch it describes now."""
+        spec, progress, plan = self._live.now, self._progress, self._progress_plan
+        epoch = {"rng": {}, "base_seed": None, "map": None, "stream": None, "complete": True}
+        if progress is not None:  # (else no epoch started: the next is the first)
+            epoch.update(rng=dict(plan.rng), base_seed=plan.base_seed)
+            if isinstance(progress, MapProgress):
+                epoch.update(map=progress.state(), complete=progress.complete())
+            else:
+                epoch.update(stream=progress.state(), complete=progress.complete)
+        return LoaderState(
+            epoch=self._epoch, seed=spec.seed, rank=spec.rank, world=spec.world,
+            workers=spec.num_workers, iterable=spec.iterable, batch_size=spec.batch_size,
+            dataset_len=spec.map_len(), sampler=spec.sampler_name,
+            dataset=self._own_state_entry(epoch["complete"], plan), **epoch)
+
+    def _own_state_entry(self, complete: bool, plan: Plan | None):
         """The "dataset" entry of a dataset that keeps its own state: its
-        copies' states (book: the run's RunStates; None before any run).
-        See NOTE [ Datasets that keep their own state ]."""
-        dataset = self.dataset
+        copies' states (plan.own: the run's RunStates; no plan before any
+        run); ABSENT for a dataset that keeps none.  See NOTE [ Datasets
+        that keep their own state ]."""
+        spec = self._live.now
+        dataset = spec.dataset
         if not _own_state.keeps_state(dataset):
-            return
-        if self._planner.resumes_itself():
-            progress = self._progress if self._progress_plan is not None else None
-            state["dataset"] = _own_state.pass_entry(
-                dataset, self._progress_plan.pass_start if progress is not None else None,
-                progress, world=self._planner.world, in_order=self.in_order,
-                batch_size=self.batch_size, shared_by=self._planner.dataset_copies()[2])
-            return
-        if not self._planner.takes_own_state():
-            state["dataset"] = _own_state.without_state(dataset)
-            return
-        complete = state["complete"]
+            return ABSENT
+        if spec.resumes_itself():
+            progress = self._progress if plan is not None else None
+            return _own_state.pass_entry(
+                dataset, plan.pass_start if progress is not None else None,
+                progress, world=spec.world, in_order=spec.in_order,
+                batch_size=spec.batch_size, shared_by=spec.dataset_copies()[2])
+        if not spec.takes_own_state():
+            return _own_state.without_state(dataset)
+        book = None if plan is None else plan.own
         if book is None:  # no run yet: the copies begin the first from main's copy
-            book, complete = _own_state.RunStates(*self._planner.dataset_copies()), True
+            book, complete = _own_state.RunStates(*spec.dataset_copies()), True
             if not book.mains:
-                state["dataset"] = _own_state.entry(dataset, None, None)
-                return
-        elif book.waits_for_workers(complete, self.persistent_workers):
+                return _own_state.entry(dataset, None, None)
+        elif book.waits_for_workers(complete, spec.persistent_workers):
             # what the workers reported may still be on its way
-            self._runs.wait_for(book.run, lambda: book.reported(complete, self.iterable))
-        state["dataset"] = book.record_of(dataset, complete=complete, iterable=self.iterable,
-                                          persistent=self.persistent_workers)
+            self._runs.wait_for(book.run, lambda: book.reported(complete, spec.iterable))
+        return book.record_of(dataset, complete=complete, iterable=spec.iterable,
+                              persistent=spec.persistent_workers)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(): the next iter() yields the rest of the
         epoch the state was taken in (or the next epoch, if it was over)."""
         self._check_owner()
-        check_state(state, self._expected_state())  # before anything changes (main/state.py)
-        own_load = self._own_states_to_load(state)
+        # checked before anything changes (main/state.py)
+        loaded = LoaderState.from_dict(state, self._expected_state())
+        own_load = self._own_states_to_load(loaded)
         self._freeze_loaded(state)
         if self._session is not None:
             self._runs.end(self._runs.current)
             self._runs.end(self._runs.ahead)
-            if state["seed"] != self.seed:
+            if loaded.seed != self.seed:
                 self._shutdown()  # the workers know the old seed: new ones start at iter()
         self._runs.current = self._runs.ahead = None
         self._steps_epoch = None
         self._planner.own_load = own_load
-        self.seed = state["seed"]
-        if state["complete"]:
-            self._epoch, self._resume = state["epoch"], None
-        elif self._planner.resumes_itself():
+        self._live.update(seed=loaded.seed)
+        if loaded.complete:
+            self._epoch, self._resume = loaded.epoch, None
+        elif self._live.now.resumes_itself():
             # the dataset drops what was delivered itself: the streams begin anew
-            self._resume = {**state, "stream": [dict(s, batches=0, prefix=0, extra=[])
-                                                for s in state["stream"]]}
+            self._resume = loaded.with_streams_anew()
         else:
-            self._resume = state
+            self._resume = loaded
         self._progress = None
 
-    def _own_states_to_load(self, state: dict) -> list | None:
+    def _own_states_to_load(self, loaded: LoaderState) -> list | None:
         """What the dataset's copies load as the next run begins (NOTE
         [ Datasets that keep their own state ]), with a warning where the
         resume cannot be exact."""
-        dataset = self.dataset
+        spec = self._live.now
+        dataset = spec.dataset
         if not _own_state.keeps_state(dataset):
             return None
-        if self._planner.resumes_itself():
-            states = _own_state.states_to_load(dataset, state.get("dataset"), 1)
+        if spec.resumes_itself():
+            states = _own_state.states_to_load(dataset, loaded.own, 1)
             if states is not None:  # (its shared memory: every copy's next pass takes it)
                 dataset.load_state_dict(states[0])
             return states
-        states = _own_state.states_to_load(dataset, state.get("dataset"),
-                                           self._planner.dataset_copies()[0])
-        return states if self._planner.takes_own_state() else None
-
-    def _map_len(self) -> int | None:
-        """The dataset's length (None: iterable, or none)."""
-        if self.iterable:
-            return None
-        try:
-            return len(self.dataset)
-        except TypeError:
-            return None
+        states = _own_state.states_to_load(dataset, loaded.own,
+                                           spec.dataset_copies()[0])
+        return states if spec.takes_own_state() else None
 
     def _epoch_positions(self, world: int) -> int | None:
         """The positions of a map-style epoch of this rank, as plan_run counts
         them (None: a batch sampler's, known only by iterating it)."""
-        if self.iterable or self.batch_sampler is not None:
+        spec = self._live.now
+        if spec.iterable or spec.batch_sampler is not None:
             return None
-        n = sampler_length(self.sampler) if self.sampler is not None else self._map_len()
+        n = sampler_length(spec.sampler) if spec.sampler is not None else spec.map_len()
         if n is None:
             return None
-        share = n if self.sampler is not None else _order.shard_size(n, world)
-        return share if self.batch_size is None else _order.kept_of(share, self.batch_size,
-                                                                    self.drop_last)
+        share = n if spec.sampler is not None else _order.shard_size(n, world)
+        return share if spec.batch_size is None else _order.kept_of(share, spec.batch_size,
+                                                                    spec.drop_last)
 
     def _expected_state(self) -> Expected:
         rank, world = self._planner.ranks()
+        spec = self._live.now
         return Expected(
-            iterable=self.iterable, num_workers=self.num_workers, rank=rank, world=world,
-            seed=self.seed if self._seed_given else None, batch_size=self.batch_size,
-            positions=self._epoch_positions(world), dataset_len=self._map_len(),
-            sampler=self._planner.sampler_name(),
+            iterable=spec.iterable, num_workers=spec.num_workers, streams=spec.streams,
+            rank=rank, world=world,
+            seed=spec.seed if spec.seed_given else None, batch_size=spec.batch_size,
+            positions=self._epoch_positions(world), dataset_len=spec.map_len(),
+            sampler=spec.sampler_name,
             rng_bytes={k: len(v) for k, v in self._planner.rng_states().items()},
-            seeded_shuffle=(self.shuffle and self.generator is None and self.sampler is None
-                            and self.batch_sampler is None and not self.iterable),
-            own_state=(_own_state.name_of(self.dataset) if _own_state.keeps_state(self.dataset)
+            seeded_shuffle=(spec.shuffle and spec.generator is None and spec.sampler is None
+                            and spec.batch_sampler is None and not spec.iterable),
+            own_state=(_own_state.name_of(spec.dataset) if _own_state.keeps_state(spec.dataset)
                        else None))
 
-def follow_torch_rules(loader: ShmLoader) -> None:
-    """Make a new loader load as torch's DataLoader does (loader.DataLoader's
-    own ShmLoader): torch's worker seeding, base seed per iterator, order
-    draws and collate structure."""
-    loader._planner.torch_rules = True
+
+def _spec_attribute(name: str) -> property:
+    def fixed(self, value):
+        raise AttributeError(f"{type(self).__name__}.{name} is fixed when the loader is made "
+                             f"(the planner, the workers and the batcher all took it then): "
+                             f"make a new {type(self).__name__} with {name}={value!r}")
+
+    return property(lambda self: getattr(self._live.now, name), fixed,
+                    doc=f"The loader's {name} (read-only: see ShmLoader's docstring).")
+
+
+for _name in public_fields():  # dataset, batch_size, ..., num_workers and seed as they are now
+    setattr(ShmLoader, _name, _spec_attribute(_name))
+del _name
+
+
+class TorchRulesLoader(ShmLoader):
+    """loader.DataLoader's own ShmLoader: it loads as torch's DataLoader
+    does (Rules in shared/spec.py: torch's worker seeding, base seed per
+    iterator, order draws and collate structure), from the start."""
+    _rules = TORCH_RULES
 
 
 def continue_from(loader: ShmLoader, previous: ShmLoader) -> None:

@@ -4,28 +4,30 @@ the dataset's snapshot of the epoch, and the plan of its run (plan_run,
 in order/planning.py, decides the plan itself without side effects; what draws
 from generators is here).
 
-A ShmLoader owns one EpochPlanner.  It reads the loader's public arguments
-(dataset, sampler, generator, seed, ...) through a weak proxy, so the
-loader is freed as soon as it is dropped, and owns what only planning
-needs: the rank this loader shards for, torch's rules for loader.DataLoader
-(torch_rules), and the base seeds torch's rules draw ahead.
+A ShmLoader owns one EpochPlanner.  It reads the loader's spec as it
+stands now (LiveSpec, shared/spec.py: the dataset, samplers, generator,
+seed, ranks, rules, ...), never the loader, and owns what only planning
+keeps: the base seeds torch's rules draw ahead, and the states a loaded
+state gives the dataset's copies.
 """
 
 from __future__ import annotations
 
 import os
-import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from loader.worker import fetch as _fetch
 from loader.datasets.snapshot import EpochInfo
-from loader.datasets.own_state import (RunStates, keeps_state, next_pass, resumes_itself,
-                                       why_state_cannot_be_taken)
+from loader.datasets.own_state import RunStates, next_pass
 from loader.errors import ArgumentError
 from loader._native import derived_seeds
-from loader.order.planning import Plan, PlanRules, plan_run, run_indices
+from loader.order.planning import Plan, plan_run, run_indices
 from loader.shared.optional import imported_torch
+from loader.shared.spec import LiveSpec
+
+if TYPE_CHECKING:
+    from loader.main.state import LoaderState
 
 
 def distributed_rank() -> tuple[int, int]:
@@ -49,10 +51,8 @@ def distributed_rank() -> tuple[int, int]:
 class EpochPlanner:
     """Plans the epochs of one loader (see the module's docstring)."""
 
-    def __init__(self, loader):
-        self.loader = weakref.proxy(loader)
-        self.torch_rules = False  # loader.DataLoader: torch's seeding, order and collate rules
-        self.rank, self.world = 0, 1  # taken when the loader (re)starts (take_ranks)
+    def __init__(self, live: LiveSpec):
+        self.live = live
         self.drawn_base_seed = None  # torch's rules: drawn once with persistent workers
         self.early_base_seed = None  # torch's rules: drawn by iter(), taken by the epoch's plan
         self.own_load = None  # the states a loaded state gives the dataset's copies (next run)
@@ -61,7 +61,7 @@ class EpochPlanner:
 
     def ranks(self) -> tuple[int, int]:
         """(rank, world size) the loader's `distributed` asks for now."""
-        distributed = self.loader.distributed
+        distributed = self.live.now.distributed
         if distributed is True:
             return distributed_rank()
         if distributed:
@@ -71,35 +71,8 @@ class EpochPlanner:
     def take_ranks(self) -> None:
         """The loader (re)starts: its ranks are taken now (torchrun may have
         initialised its process group since it was made)."""
-        self.rank, self.world = self.ranks()
-
-    def dataset_len(self) -> int:
-        dataset = self.loader.dataset
-        try:
-            return len(dataset)
-        except TypeError:
-            raise TypeError(f"this map-style dataset ({type(dataset).__name__}) has no "
-                            f"__len__: pass a sampler that says which indices to load") from None
-
-    def sampler_name(self) -> str | None:
-        ld = self.loader
-        s = ld.batch_sampler if ld.batch_sampler is not None else ld.sampler
-        return None if s is None else getattr(s, "sampler_name", type(s).__name__)
-
-    def batched_fetch(self) -> bool:
-        """One dataset.__getitems__ call per batch (NOTE [ Batched fetch ])."""
-        ld = self.loader
-        return _fetch.batch_fetcher(ld.dataset, ld.batch_size, ld.iterable) is not None
-
-    def runs_ahead(self) -> bool:
-        """Can the next epoch start before this one ends?  Not when the
-        next order is the user's to make (a sampler, which may wait for
-        set_epoch(); an iterable dataset), nor without persistent workers,
-        nor for DataLoader (torch draws its seeds at iter(), maybe after
-        the user reseeded the generator)."""
-        ld = self.loader
-        return (ld.persistent_workers and ld.sampler is None and ld.batch_sampler is None
-                and not ld.iterable and not self.torch_rules)
+        rank, world = self.ranks()
+        self.live.update(rank=rank, world=world)
 
     # --- seeds and generators -------------------------------------------------------------
 
@@ -110,14 +83,14 @@ class EpochPlanner:
         seed.  A resumed epoch takes the one its state recorded (`resumed`),
         drawing nothing: the recorded generator states are those after it
         was drawn (NOTE [ Resuming an epoch ])."""
-        ld = self.loader
+        ld = self.live.now
         early, self.early_base_seed = self.early_base_seed, None
         if resumed is None:
             resumed = early
         if resumed is not None:
             self.drawn_base_seed = resumed
             return resumed
-        if self.torch_rules or ld.generator is not None:
+        if ld.torch_rules or ld.generator is not None:
             if self.drawn_base_seed is not None and ld.persistent_workers and ld.num_workers:
                 return self.drawn_base_seed
             import torch
@@ -135,11 +108,11 @@ class EpochPlanner:
     def rng_states(self) -> dict:
         """The states of the torch generators an epoch's order and base
         seed are drawn from, as bytes (see NOTE [ Resuming an epoch ])."""
-        ld = self.loader
+        ld = self.live.now
         states = {}
         if ld.generator is not None:
             states["generator"] = ld.generator.get_state().numpy().tobytes()
-        elif self.torch_rules:  # DataLoader draws from torch's global generator
+        elif ld.torch_rules:  # DataLoader draws from torch's global generator
             import torch
 
             states["global"] = torch.get_rng_state().numpy().tobytes()
@@ -156,7 +129,7 @@ class EpochPlanner:
         def tensor(b):
             return torch.from_numpy(np.frombuffer(b, np.uint8).copy())
 
-        ld = self.loader
+        ld = self.live.now
         if "generator" in states and ld.generator is not None:
             ld.generator.set_state(tensor(states["generator"]))
         if "global" in states:
@@ -169,30 +142,31 @@ class EpochPlanner:
     def snapshot(self, epoch: int):
         """The dataset's own view of the epoch starting, or None: see NOTE
         [ Datasets that change with the epoch ] in datasets/snapshot.py."""
-        ld = self.loader
+        ld = self.live.now
         take = getattr(ld.dataset, "epoch_snapshot", None)
         if not callable(take):
             return None
-        return take(EpochInfo(epoch=epoch, seed=ld.seed, rank=self.rank, world_size=self.world,
+        return take(EpochInfo(epoch=epoch, seed=ld.seed, rank=ld.rank, world_size=ld.world,
                               batch_size=ld.batch_size))
 
     def tell_order(self, plan: Plan) -> None:
         """A dataset that fetches ahead of the workers learns what the run
         loads, in order (NOTE [ Datasets that change with the epoch ])."""
-        tell = getattr(self.loader.dataset, "epoch_order", None)
-        if not callable(tell) or plan.snapshot is None or self.loader.iterable:
+        spec = self.live.now
+        tell = getattr(spec.dataset, "epoch_order", None)
+        if not callable(tell) or plan.snapshot is None or spec.iterable:
             return
-        indices = run_indices(plan, self.rank, self.world)
+        indices = run_indices(plan, spec.rank, spec.world)
         if indices is not None:
             tell(plan.snapshot, indices)
 
-    def plan(self, epoch: int, resume: dict | None = None, snapshot=None) -> Plan:
+    def plan(self, epoch: int, resume: LoaderState | None = None, snapshot=None) -> Plan:
         """Decide epoch's run: which indices in which order (see NOTE
         [ Runs ]); with `resume`, only what the state says is left of it
         (NOTE [ Resuming an epoch ])."""
         if snapshot is None:
             snapshot = self.snapshot(epoch)
-        if resume is None or "global" not in resume["rng"]:
+        if resume is None or "global" not in resume.rng:
             plan = self._drawn(epoch, resume)
         else:
             import torch
@@ -203,67 +177,30 @@ class EpochPlanner:
 
     # --- a dataset that keeps its own state -------------------------------------------
 
-    def dataset_copies(self) -> tuple[int, bool, int, bool]:
-        """What RunStates takes: (copies of the dataset, whether main takes
-        their state itself, worker threads iterating main's copy of an
-        iterable one, whether the copy is main's object): one per worker
-        process; a worker thread's stream reports as a process's does;
-        else main's copy (NOTE [ Datasets that keep their own state ])."""
-        ld = self.loader
-        if ld.num_workers > 0 and ld.worker_mode == "process":
-            return ld.num_workers, False, 0, False
-        if ld.num_workers > 0 and ld.iterable:
-            return 1, False, 0 if ld.num_workers == 1 else ld.num_workers, True
-        return 1, True, 0, True
-
-    def takes_own_state(self) -> bool:
-        dataset = self.loader.dataset
-        return keeps_state(dataset) and why_state_cannot_be_taken(dataset) is None
-
-    def resumes_itself(self) -> bool:
-        """An iterable dataset keeping MosaicML Streaming's protocol (NOTE
-        [ Datasets that resume themselves ])."""
-        return self.loader.iterable and resumes_itself(self.loader.dataset)
-
-    def workers_report_own_state(self) -> bool:
-        """Do the workers report their copies' states (not main)?"""
-        _, in_main, shared_by, _ = self.dataset_copies()
-        return self.takes_own_state() and not in_main and not shared_by
-
     def _own_states(self, progress) -> dict:
         """A run's book of its dataset copies' states, and what they load first."""
-        if self.resumes_itself():
+        spec = self.live.now
+        if spec.resumes_itself():
             load, self.own_load = self.own_load, None
-            return {"pass_start": load[0] if load else next_pass(self.loader.dataset)}
-        if not self.takes_own_state():
+            return {"pass_start": load[0] if load else next_pass(spec.dataset)}
+        if not spec.takes_own_state():
             return {}
         load, self.own_load = self.own_load, None
-        book = RunStates(*self.dataset_copies())
-        book.progress = progress if self.loader.iterable else None
+        book = RunStates(*spec.dataset_copies())
+        book.progress = progress if spec.iterable else None
         return {"own": book, "own_load": None if book.shared_by else load}
 
-    def _drawn(self, epoch: int, resume: dict | None) -> Plan:
+    def _drawn(self, epoch: int, resume: LoaderState | None) -> Plan:
+        spec = self.live.now
         if resume is not None:
-            if (resume["rank"], resume["world"]) != (self.rank, self.world):
-                raise ValueError(f"this state is of rank {resume['rank']} of {resume['world']}; "
-                                 f"this loader is rank {self.rank} of {self.world}: each rank "
+            if (resume.rank, resume.world) != (spec.rank, spec.world):
+                raise ValueError(f"this state is of rank {resume.rank} of {resume.world}; "
+                                 f"this loader is rank {spec.rank} of {spec.world}: each rank "
                                  f"resumes from its own state")
-            self.set_rng_states(resume["rng"])
-        base_seed = self.base_seed(epoch, None if resume is None else resume.get("base_seed"))
+            self.set_rng_states(resume.rng)
+        base_seed = self.base_seed(epoch, None if resume is None else resume.base_seed)
         # after the base seed, as torch draws it before the order: these are
         # the states the order is drawn from (NOTE [ Resuming an epoch ])
         rng = self.rng_states()
-        return plan_run(self.rules(), epoch=epoch, resume=resume, base_seed=base_seed, rng=rng)
-
-    def rules(self) -> PlanRules:
-        ld = self.loader
-        per_batch = ld.collate_fn is not None or ld.batch_size is None
-        return PlanRules(
-            iterable=ld.iterable, num_workers=ld.num_workers, batch_size=ld.batch_size,
-            drop_last=ld.drop_last, per_batch=per_batch,
-            claims_batches=per_batch or ((self.torch_rules or self.batched_fetch())
-                                         and ld.num_workers > 0),
-            sampler=ld.sampler, batch_sampler=ld.batch_sampler,
-            sampler_name=self.sampler_name(), shuffle=ld.shuffle, generator=ld.generator,
-            seed=ld.seed, torch_rules=self.torch_rules, rank=self.rank, world=self.world,
-            dataset_len=self.dataset_len)
+        return plan_run(self.live.now, epoch=epoch, resume=resume, base_seed=base_seed,
+                        rng=rng)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import time
-import weakref
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -23,6 +22,7 @@ import numpy as np
 from loader.order import indices as _order
 from loader.shared import messages as _protocol
 from loader.shared.control import RunWords
+from loader.shared.spec import LoaderSpec
 from loader.errors import raise_reported
 from loader.order.planning import Plan, offsets_word, order_of, settled_plan
 from loader.order.feed import BatchFeed
@@ -39,14 +39,12 @@ class Run(NamedTuple):
 
 class Runs:
     """The runs of one loader, which owns them.  Plans come from the
-    loader's EpochPlanner (main/planner.py); its public arguments
-    (prefetch, timeout, iterable) are read through a weak proxy, so that a
-    loader dropped without close() is freed, and closed, at once (no cycle
-    to wait for)."""
+    loader's EpochPlanner (main/planner.py); the loader's spec as it stands
+    now (prefetch, timeout, ranks) is the planner's LiveSpec."""
 
-    def __init__(self, loader, planner):
-        self.loader = weakref.proxy(loader)
+    def __init__(self, planner):
         self.planner = planner
+        self.live = planner.live
         self.count = 0           # runs started (ids are never reused)
         self.current = None      # the run of the latest iter()
         self.ahead = None        # the next epoch's run, started before its iter()
@@ -103,7 +101,7 @@ class Runs:
         processes stopped), within the loader's timeout."""
         if self.session is None:
             return
-        timeout = self.loader.timeout
+        timeout = self.live.now.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         while not ready() and run in self.unended:
             self.route(self.session.receive(deadline, self.copy_out_held))
@@ -127,9 +125,9 @@ class Runs:
         started ahead shares `prefetch` with the epoch still running: it is
         given a negative `yielded`, minus the batches that epoch has left."""
         if run.batches is None:  # each stream's next batches (a resumed one starts further)
-            ahead = self.session.cfg.worker_prefetch + self.session.cfg.shuffle_batches
+            ahead = self.session.spec.worker_prefetch + self.session.spec.shuffle_batches
             return [j + ahead for j in run.plan.progress.first_batches()]
-        upto = max(min(yielded + self.loader.prefetch, run.plan.nbatches), 0)
+        upto = max(min(yielded + self.live.now.prefetch, run.plan.nbatches), 0)
         feed = run.plan.feed
         if feed is not None and feed.failure is not None:  # (NOTE [ Int indices ])
             upto = min(upto, feed.whole_batches(run.batches))
@@ -169,12 +167,12 @@ class Runs:
         # (needed=0: a failure is kept in the feed, not raised here: the epoch
         # that owns the run raises it at the batch it stopped (EpochHost))
         if isinstance(feed, BatchFeed):  # its batches' offsets first: limit() reads them
-            feed.feed_batches(max(min(yielded + self.loader.prefetch, run.plan.nbatches), 0),
+            feed.feed_batches(max(min(yielded + self.live.now.prefetch, run.plan.nbatches), 0),
                               needed=0)
         else:
             feed.feed(self._positions_below(run, self.limit(run, yielded)), needed=0)
         feed.release_below(run.plan.progress.run_prefix())
-        plan = settled_plan(run.plan, self.planner.rules())
+        plan = settled_plan(run.plan, self.live.now)
         if plan is not None:
             run = run._replace(plan=plan, batches=plan.progress.batches)
         return run, self.limit(run, yielded)
@@ -191,7 +189,7 @@ class Runs:
         """Start a pass over the data for `epoch` (see NOTE [ Runs ]);
         yielded: see limit()."""
         run_id = self.count + 1
-        timeout = self.loader.timeout
+        timeout = self.live.now.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         while run_id - 2 in self.unended:  # its block is about to be reused
             self.route(self.session.receive(deadline, self.copy_out_held))
@@ -206,7 +204,7 @@ class Runs:
         if carried is not None:
             self.session.shared.write_snapshot(run_id, carried)
         self.planner.tell_order(plan)
-        batches = None if self.loader.iterable else plan.progress.batches
+        batches = None if self.live.now.iterable else plan.progress.batches
         run, limit = self._fed_limit(Run(run_id, plan, batches), yielded)
         plan = run.plan
         self.count = run_id
@@ -232,7 +230,7 @@ class Runs:
             for old in [r for r in self.own_books if r < run_id - 2]:
                 del self.own_books[old]
             if own.in_main:
-                own.begin_in_main(self.loader.dataset, plan.own_load)
+                own.begin_in_main(self.live.now.dataset, plan.own_load)
             else:
                 states = plan.own_load
         if plan.snapshot is None and states is None:
@@ -258,12 +256,54 @@ class Runs:
         self.current = None
         snapshot = self.planner.snapshot(epoch)  # the dataset as this epoch starts
         if ahead is not None and resume is None and ahead.plan.epoch == epoch and \
-                ahead.plan.size == self.planner.dataset_len() and ahead.plan.snapshot == snapshot:
+                ahead.plan.size == self.live.now.dataset_len() and ahead.plan.snapshot == snapshot:
             self.current = ahead
             return ahead
         self.end(ahead)
         self.current = self.start(epoch, resume, snapshot)
         return self.current
+
+    def advance(self, run: Run, yielded: int, left: int) -> Run:
+        """`yielded` batches of run were handed out: raise its LIMIT, and
+        that of the run started ahead, which has `left` (minus the batches
+        run has still to hand out) to share.  Returns the run, settled if
+        its sampler (without len()) just ended (NOTE [ Streamed samplers ])."""
+        control = self.session.shared.control
+        control.set_limit(run.id, self.open_limit(run, yielded))
+        current = self.current
+        if current is not run and current is not None and current.id == run.id:
+            run = current  # settled
+        if self.ahead is not None and current is run:
+            control.set_limit(self.ahead.id, self.open_limit(self.ahead, left))
+        return run
+
+    def sample_took_no_row(self, run: Run, yielded: int, left: int) -> Run:
+        """First-ready: a sample of run failed before it took a row, so one
+        more position may load (limit()); as advance()."""
+        self.rowless[run.id] += 1
+        return self.advance(run, yielded, left)
+
+    def start_ahead(self, run: Run, next_epoch: int, left: int) -> None:
+        """Every unit of run is claimed: start the next epoch's run now, if
+        the loader runs ahead and none is started (NOTE [ Runs ])."""
+        if self.ahead is None and self.live.now.runs_ahead() and run.id - 1 not in self.unended:
+            self.ahead = self.start(next_epoch, yielded=left)
+
+    def epoch_closed(self, run: Run, *, finished: bool, pending) -> None:
+        """The iterator of run is done (ran to its end, or dropped early):
+        batches received but not handed out go back, and the run ends
+        unless it ran to its end (a run an iterator made since superseded
+        is that one's)."""
+        if self.current is not run:
+            return
+        if not finished:
+            for msg in pending:
+                self.session.give_back(msg)
+            self.end(run)
+            self.current = None
+        else:
+            self.inboxes.pop(run.id, None)
+            self.rowless.pop(run.id, None)
 
     def index_at(self, run_id: int, pos: int):
         """The dataset index at position pos of a map-style run main still
@@ -274,8 +314,8 @@ class Runs:
             return None
         if run.plan.feed is not None:
             return run.plan.feed.index(pos)
-        planner = self.planner
-        return _order.index_getter(order_of(run.plan, planner.rank, planner.world))(pos)
+        spec = self.live.now
+        return _order.index_getter(order_of(run.plan, spec.rank, spec.world))(pos)
 
 
 class EpochOwner(NamedTuple):
@@ -292,14 +332,14 @@ class EpochHost:
     batches, limits, the run started ahead, and its end.  One per iter(),
     given by the loader exactly what it may use."""
 
-    def __init__(self, *, runs: Runs, session, owner: EpochOwner, tracer, materializer,
-                 autoscaler, in_order: bool, timeout: float | None, streams: int):
+    def __init__(self, spec: LoaderSpec, *, runs: Runs, session, owner: EpochOwner, tracer,
+                 materializer, autoscaler):
         self._runs, self._session, self._owner = runs, session, owner
         self.tracer, self._materializer, self._autoscaler = tracer, materializer, autoscaler
-        self.in_order, self._timeout = in_order, timeout
+        self.in_order, self._timeout = spec.in_order, spec.timeout
         self.control = session.shared.control
-        self.streams = streams                      # an iterable dataset's: one per worker
-        self.per_batch = session.cfg.per_batch      # a row's tag is its unit
+        self.streams = spec.streams                  # an iterable dataset's: one per worker
+        self.per_batch = spec.per_batch              # a row's tag is its unit
 
     @property
     def wait_clocks(self):
@@ -356,31 +396,17 @@ class EpochHost:
         return self._session.tags(msg)
 
     def advance(self, run: Run, yielded: int, left: int) -> Run:
-        """`yielded` batches of run were handed out: raise its LIMIT, and
-        that of the run started ahead, which has `left` (minus the batches
-        run has still to hand out) to share.  Returns the run, settled if
-        its sampler (without len()) just ended (NOTE [ Streamed samplers ])."""
-        runs = self._runs
-        self.control.set_limit(run.id, runs.open_limit(run, yielded))
-        current = runs.current
-        if current is not run and current is not None and current.id == run.id:
-            run = current  # settled
-        if runs.ahead is not None and current is run:
-            self.control.set_limit(runs.ahead.id, runs.open_limit(runs.ahead, left))
-        return run
+        """`yielded` batches of run were handed out (Runs.advance)."""
+        return self._runs.advance(run, yielded, left)
 
     def sample_took_no_row(self, run: Run, yielded: int, left: int) -> Run:
-        """First-ready: a sample of run failed before it took a row, so one
-        more position may load (Runs.limit()); as advance()."""
-        self._runs.rowless[run.id] += 1
-        return self.advance(run, yielded, left)
+        """First-ready: a sample of run failed before it took a row
+        (Runs.sample_took_no_row)."""
+        return self._runs.sample_took_no_row(run, yielded, left)
 
     def run_ahead(self, run: Run, next_epoch: int, left: int) -> None:
-        """Every unit of run is claimed: start the next epoch's run now, if
-        the loader runs ahead and none is started (NOTE [ Runs ])."""
-        runs = self._runs
-        if runs.ahead is None and runs.planner.runs_ahead() and run.id - 1 not in runs.unended:
-            runs.ahead = runs.start(next_epoch, yielded=left)
+        """Every unit of run is claimed (Runs.start_ahead)."""
+        self._runs.start_ahead(run, next_epoch, left)
 
     def epoch_ended(self, epoch: int, msg: _protocol.RunEnded, clock: EpochClock) -> None:
         """The epoch ran to its end: its figures for stats() and the trace."""
@@ -393,14 +419,5 @@ class EpochHost:
         received but not handed out go back, and the run ends unless it ran
         to its end; then the loader hears of it (without persistent
         workers, it stops the processes)."""
-        runs = self._runs
-        if runs.current is run:
-            if not finished:
-                for msg in pending:
-                    self._session.give_back(msg)
-                runs.end(run)
-                runs.current = None
-            else:
-                runs.inboxes.pop(run.id, None)
-                runs.rowless.pop(run.id, None)
+        self._runs.epoch_closed(run, finished=finished, pending=pending)
         self._owner.epoch_closed(epoch)

@@ -31,7 +31,8 @@ from loader.errors import LoaderTimeout, WorkerError
 from loader._native import LeaseBook
 from loader.main.pinning import PinnedChunks, cuda_available
 from loader.main.procs import BATCHER, Role, start_children, start_error, wait_all
-from loader.shared.memory import LoaderConfig, SharedState
+from loader.shared.memory import SharedState
+from loader.shared.spec import LoaderSpec
 from loader.batcher.slabs import CopiedSlab
 from loader.main.stats import Task
 from loader.main.threads import start_threads
@@ -41,15 +42,13 @@ from loader.worker.worker import worker_main
 
 class Session:
     """The processes (or threads) of a started loader and their shared
-    memory.  torch_rules: loader.DataLoader's (torch's words first in
-    errors, torch's seeding advice at fork)."""
+    memory, from the loader's spec as they start with it (its torch rules:
+    torch's words first in errors, torch's seeding advice at fork)."""
 
-    def __init__(self, cfg: LoaderConfig, *, timeout: float | None, torch_rules: bool,
-                 pin_memory: bool):
-        self.cfg, self.timeout, self.torch_rules = cfg, timeout, torch_rules
-        self.pin_memory = pin_memory
+    def __init__(self, spec: LoaderSpec):
+        self.spec = spec
         try:
-            self.shared = SharedState(cfg)
+            self.shared = SharedState(spec)
         except BaseException as e:
             raise start_error(e, "create its shared memory") from e
         try:
@@ -59,12 +58,13 @@ class Session:
             self.shared.close()
             raise start_error(e, "create its shared memory") from e
         try:
-            specs = [(Role(i), worker_main, (cfg, self.shared, i))
-                     for i in range(cfg.num_workers)]
-            specs.append((BATCHER, batcher_main, (self._batchers_config(cfg), self.shared)))
-            self.procs = (start_threads(specs) if cfg.threads
-                          else start_children(specs, cfg.start_method, self.shared,
-                                              advise=not torch_rules))
+            workers_spec = self._workers_spec(spec)
+            children = [(Role(i), worker_main, (workers_spec, self.shared, i))
+                        for i in range(spec.num_workers)]
+            children.append((BATCHER, batcher_main, (self._batchers_spec(spec), self.shared)))
+            self.procs = (start_threads(children) if spec.threads
+                          else start_children(children, spec.start_method, self.shared,
+                                              advise=not spec.torch_rules))
         except BaseException:
             self.shared.close()
             raise
@@ -73,13 +73,22 @@ class Session:
         self.copied_slabs = self.copied_bytes = 0  # batches held back, copied out (copy_out)
 
     @staticmethod
-    def _batchers_config(cfg: LoaderConfig) -> LoaderConfig:
-        """The batcher never calls the dataset or worker_init_fn: a spawned
-        one is not sent them, so it does not import what unpickling them
-        imports (torch, for a torch Dataset: seconds per start)."""
-        if not cfg.passable:
-            return cfg
-        return dataclasses.replace(cfg, dataset=None, worker_init_fn=None)
+    def _workers_spec(spec: LoaderSpec) -> LoaderSpec:
+        """What a spawned worker is sent of the spec: not what only main
+        uses (the sampler, the batch sampler, the generator), which a user
+        need not make picklable."""
+        if not spec.passable:
+            return spec
+        return dataclasses.replace(spec, sampler=None, batch_sampler=None, generator=None)
+
+    @staticmethod
+    def _batchers_spec(spec: LoaderSpec) -> LoaderSpec:
+        """The batcher never calls the dataset or worker_init_fn either: a
+        spawned one is not sent them, so it does not import what unpickling
+        them imports (torch, for a torch Dataset: seconds per start)."""
+        if not spec.passable:
+            return spec
+        return dataclasses.replace(Session._workers_spec(spec), dataset=None, worker_init_fn=None)
 
     # --- the children -------------------------------------------------------------------
 
@@ -93,7 +102,7 @@ class Session:
         batcher, processes or threads, and the training thread that calls
         next(); the loader's pids, this process's first), for NOTE [ CPU
         starvation ] in main/stats.py."""
-        threads = self.cfg.threads
+        threads = self.spec.threads
         stages = {"loop": [Task(threading.get_native_id(), thread=True)],
                   "workers": [Task(c.pid, threads) for c in self.worker_children() if c.pid],
                   "batcher": [Task(c.pid, threads) for c in self.procs
@@ -107,10 +116,11 @@ class Session:
         Returns the number of workers the pool has now."""
         workers = self.worker_children()
         if active > len(workers):
-            specs = [(Role(i), worker_main, (self.cfg, self.shared, i, first_run))
-                     for i in range(len(workers), active)]
-            started = (start_threads(specs) if self.cfg.threads else
-                       start_children(specs, self.cfg.start_method, self.shared))
+            children = [(Role(i), worker_main, (self._workers_spec(self.spec), self.shared, i,
+                                                first_run))
+                        for i in range(len(workers), active)]
+            started = (start_threads(children) if self.spec.threads else
+                       start_children(children, self.spec.start_method, self.shared))
             self.procs[len(workers):len(workers)] = started  # before the batcher
         self.shared.control.set_active(active)
         return max(active, len(workers))
@@ -124,7 +134,7 @@ class Session:
         words = child.last_words()
         text = f"ShmLoader: {child.role} (pid {child.pid}) {child.how_it_ended()}"
         code = child.exitcode
-        if self.torch_rules and code is not None and child.role != BATCHER:
+        if self.spec.torch_rules and code is not None and child.role != BATCHER:
             # torch's own words first, for code that matches them
             if code < 0:
                 torch_text = (f"DataLoader worker (pid {child.pid}) is killed by signal: "
@@ -146,7 +156,7 @@ class Session:
         """Each worker's Python stacks, written by faulthandler on SIGUSR1
         (it works even while the worker is stuck inside a C call)."""
         workers = self.worker_children()
-        if self.cfg.threads:
+        if self.spec.threads:
             return "\n".join(f"--- {c.role} (thread {c.pid}) ---\n{c.stacks()}" for c in workers)
         for c in workers:
             c.report.seek(0)
@@ -211,10 +221,10 @@ class Session:
             except shmq.Empty:
                 self.check_children()
                 if deadline is not None and time.monotonic() > deadline:
-                    torch_text = (f"DataLoader timed out after {self.timeout} seconds. "
-                                  if self.torch_rules else "")
+                    torch_text = (f"DataLoader timed out after {self.spec.timeout} seconds. "
+                                  if self.spec.torch_rules else "")
                     raise LoaderTimeout(
-                        f"{torch_text}ShmLoader: no batch within timeout={self.timeout}s; a "
+                        f"{torch_text}ShmLoader: no batch within timeout={self.spec.timeout}s; a "
                         f"worker may be stuck in dataset[...]. Their stacks:\n"
                         f"{self.worker_stacks()}") from None
                 continue
@@ -303,6 +313,6 @@ class Session:
 
     def _pin_chunks(self) -> PinnedChunks | None:
         """pin_memory: the chunks of the mapping new batches are viewed in."""
-        if not (self.pin_memory and cuda_available()):
+        if not (self.spec.pin_memory and cuda_available()):
             return None
         return PinnedChunks(self.leases.address, self.shared.arena.nbytes)

@@ -1,23 +1,122 @@
-"""Checking a state before load_state_dict() takes it.
+"""A loader's state: `LoaderState`, what state_dict() returns and
+load_state_dict() takes, with its format and its checks in one place.
 
 A state comes from outside: a checkpoint of another run, of another
-version, truncated, edited, or of another loader.  Every field is checked
-against its type, its range and what this loader is (its dataset's length,
-batch size, seed, sampler, generators) before anything of the loader
-changes, so a bad state is one StateError (a ValueError) naming the field
-by its path (map.done_ranges, stream[1].extra) and both values, and the
-loader stays as it was.  A state holds exactly the keys its format
-defines (STATE_KEYS in order/progress.py), at every level: a key it lacks is
-refused, and so is one it does not define (an edited state, or one of
-another version), which would otherwise be ignored silently.  See NOTE
-[ Resuming an epoch ] in order/progress.py for what the fields mean."""
+version, truncated, edited, or of another loader.  `LoaderState.from_dict`
+checks every field against its type, its range and what this loader is
+(its dataset's length, batch size, seed, sampler, generators) before
+anything of the loader changes, so a bad state is one StateError (a
+ValueError) naming the field by its path (map.done_ranges,
+stream[1].extra) and both values, and the loader stays as it was.  A
+state holds exactly the keys its format defines (STATE_KEYS), at every
+level: a key it lacks is refused, and so is one it does not define (an
+edited state, or one of another version), which would otherwise be
+ignored silently.  `LoaderState.to_dict` writes the dict checkpoints
+hold, key for key and in the same order as every version of this format
+wrote it.  See NOTE [ Resuming an epoch ] in order/progress.py for what
+the fields mean."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import copy
+from dataclasses import dataclass, fields, replace
+from typing import Any, NamedTuple
 
 from loader.errors import StateError
-from loader.order.progress import STATE_FORMAT, STATE_FORMATS_READ, STATE_KEYS
+
+# 2: done ranges instead of positions, and the seeded order of NOTE [ The
+# seeded order ] (order/indices.py); 1 is read as long as its order is the same
+STATE_FORMAT = "shmloader-state-2"
+STATE_FORMATS_READ = ("shmloader-state-1", STATE_FORMAT)
+
+
+class StateKeys(NamedTuple):
+    """The keys a state format defines, at each level: what state_dict()
+    writes (ShmLoader.state_dict, MapProgress.state, StreamProgress.state;
+    tests/loader_layer/test_resume.py keeps them equal) and nothing else
+    is loaded (main/state.py)."""
+    required: frozenset        # the state's own keys
+    optional: frozenset        # keys a state of this format may lack (written later)
+    map: frozenset             # "map": a map-style epoch's positions delivered
+    stream: frozenset          # each of "stream": a worker's stream delivered
+
+
+_TOP_KEYS = frozenset({"format", "epoch", "seed", "rank", "world", "workers", "iterable", "rng",
+                       "base_seed", "map", "stream", "complete"})
+_IDENTITY_KEYS = frozenset({"batch_size", "dataset_len", "sampler"})  # format 1: written later
+_STREAM_KEYS = frozenset({"batches", "prefix", "extra"})
+STATE_KEYS = {
+    "shmloader-state-1": StateKeys(_TOP_KEYS, _IDENTITY_KEYS,
+                                   frozenset({"positions", "done_prefix", "done_extra"}),
+                                   _STREAM_KEYS),
+    # "dataset": written for a dataset that keeps its own state (NOTE [ Datasets
+    # that keep their own state ] in datasets/own_state.py)
+    STATE_FORMAT: StateKeys(_TOP_KEYS | _IDENTITY_KEYS, frozenset({"dataset"}),
+                            frozenset({"positions", "done_prefix", "done_ranges"}), _STREAM_KEYS),
+}
+
+
+
+class _Absent:
+    """A key a state of an older version does not have (kept absent when
+    written again)."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT: Any = _Absent()
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderState:
+    """Where a loader is: the epoch in progress and which of its samples
+    the training loop received.  The fields are the dict's keys, in the
+    order to_dict() writes them; map and stream are the progress of the
+    epoch (MapProgress.state, StreamProgress.state in order/progress.py),
+    dataset a dataset's own state (NOTE [ Datasets that keep their own
+    state ]; ABSENT for a dataset that keeps none)."""
+    format: str = STATE_FORMAT
+    epoch: int
+    seed: int
+    rank: int
+    world: int
+    workers: int
+    iterable: bool
+    rng: dict                     # generator key -> its state, bytes
+    base_seed: int | None
+    map: dict | None
+    stream: list | None
+    batch_size: Any = ABSENT      # (ABSENT in format 1 states written before these three)
+    dataset_len: Any = ABSENT
+    sampler: Any = ABSENT
+    complete: bool
+    dataset: Any = ABSENT
+
+    def to_dict(self) -> dict:
+        """The state as state_dict() returns it and checkpoints keep it."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not ABSENT}
+
+    @classmethod
+    def from_dict(cls, state, expected: Expected) -> LoaderState:
+        """The state of a dict from state_dict(), of this version or an
+        earlier one, checked against what this loader is (the module's
+        docstring); the dict itself is left as it is."""
+        check_state(state, expected)
+        return cls(**copy.deepcopy(state))
+
+    @property
+    def own(self) -> dict | None:
+        """The dataset's own state, if it keeps one (None: not recorded)."""
+        return None if self.dataset is ABSENT else self.dataset
+
+    def with_streams_anew(self) -> LoaderState:
+        """This state with every stream begun anew (a dataset that resumes
+        itself drops what was delivered itself: NOTE [ Datasets that
+        resume themselves ])."""
+        return replace(self, stream=[dict(s, batches=0, prefix=0, extra=[])
+                                     for s in self.stream])
 
 _RNG_KEYS = ("generator", "global", "sampler")
 
@@ -26,6 +125,7 @@ class Expected(NamedTuple):
     """What this loader is, as a state must match it (None: not checked)."""
     iterable: bool
     num_workers: int
+    streams: int                  # an iterable dataset's: one per worker (LoaderSpec.streams)
     rank: int
     world: int
     seed: int | None              # None: the loader's seed was not given (it takes the state's)
@@ -270,7 +370,7 @@ def _ranges(field: str, values, low: int, high: int) -> None:
 
 def _check_stream(state: dict, exp: Expected) -> None:
     streams = state.get("stream")
-    workers = max(exp.num_workers, 1)
+    workers = exp.streams
     if not isinstance(streams, list) or len(streams) != workers:
         raise _fail("stream", streams, f"this loader reads {workers} streams: a list of one "
                     f"dict per stream", _FOREIGN)

@@ -1,7 +1,8 @@
 """Planning a run: which indices, in which order, how positions fall into
 batches and what the workers claim (NOTE [ Runs ] in shared/control.py).
 
-`plan_run` decides it from the loader's `PlanRules`, the epoch, a state
+`plan_run` decides it from the loader's spec (`LoaderSpec`, shared/spec.py, as
+it stands now: its ranks, workers and seed), the epoch, a state
 to resume (NOTE [ Resuming an epoch ] in order/progress.py) and the seeds main
 drew; it touches no process and no shared memory, so it is tested on its
 own (tests/loader_layer/test_planning.py).  What it may do is pull a
@@ -14,40 +15,16 @@ once its sampler has ended, and `limit` says how far workers may load.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from loader.shared import control as _control
+from loader.shared.spec import LoaderSpec
 from loader.order import indices as _order
 from loader.order.progress import MapProgress, StreamProgress
 from loader.order.feed import (BatchFeed, ObjectFeed, SamplerFeed, int_indices,
                                   sampler_length)
-
-
-class PlanRules(NamedTuple):
-    """What planning needs of the loader: its arguments and this rank."""
-    iterable: bool
-    num_workers: int
-    batch_size: int | None
-    drop_last: bool
-    per_batch: bool            # a row's tag is its unit: a collate_fn, or batch_size=None
-    claims_batches: bool       # workers claim whole batches (UNITS are batches)
-    sampler: Any
-    batch_sampler: Any
-    sampler_name: str | None
-    shuffle: bool
-    generator: Any             # a torch.Generator: torch's shuffle
-    seed: int
-    torch_rules: bool          # loader.DataLoader: its samplers are drawn as torch draws them
-    rank: int
-    world: int
-    dataset_len: Callable[[], int]
-
-    @property
-    def rows(self) -> int:
-        """Samples per batch (1 unbatched)."""
-        return 1 if self.batch_size is None else self.batch_size
 
 
 class Plan(NamedTuple):
@@ -92,14 +69,15 @@ class _Order(NamedTuple):
         return self.stream is not None or self.batch_stream is not None
 
 
-def plan_run(rules: PlanRules, *, epoch: int, resume: dict | None, base_seed: int,
+def plan_run(spec: LoaderSpec, *, epoch: int, resume, base_seed: int,
              rng: dict) -> Plan:
-    """The plan of epoch's run; with `resume`, of what the state says is
-    left of it.  base_seed and rng: what main drew for the epoch."""
-    if rules.iterable:
-        return _stream_plan(rules, epoch, resume, base_seed, rng)
-    order = _order_source(rules)
-    kept = _kept(rules, order)
+    """The plan of epoch's run; with `resume` (a LoaderState, main/state.py),
+    of what the state says is left of it.  base_seed and rng: what main
+    drew for the epoch."""
+    if spec.iterable:
+        return _stream_plan(spec, epoch, resume, base_seed, rng)
+    order = _order_source(spec)
+    kept = _kept(spec, order)
     if order.shipped is not None:  # drop_last's short batch
         order = order._replace(shipped=order.shipped[:kept])
     open_ended = order.fed and (order.length is None or order.batch_stream is not None)
@@ -107,39 +85,39 @@ def plan_run(rules: PlanRules, *, epoch: int, resume: dict | None, base_seed: in
         kept = _order.OPEN_POSITIONS
     done = remaining = None
     if resume is not None:  # the epoch's remaining positions, in its order
-        done = MapProgress.done_of(resume["map"])
-        positions = resume["map"]["positions"]
+        done = MapProgress.done_of(resume.map)
+        positions = resume.map["positions"]
         if positions != kept and not open_ended:
             raise ValueError(f"this state is of an epoch of {positions} samples, but the "
                              f"loader's epoch {epoch} has {kept}: load it into a loader of "
                              f"the same dataset, sampler and batching")
         remaining = _order.Remaining(kept, *done.state())
         order, kept = _resumed(order, kept, remaining)
-    feed, geometry = _feed_and_geometry(rules, order, kept, remaining)
-    nbatches = (kept if rules.batch_size is None or order.batch_stream is not None
-                else -(-kept // rules.batch_size))
-    units = nbatches if rules.claims_batches else kept
+    feed, geometry = _feed_and_geometry(spec, order, kept, remaining)
+    nbatches = (kept if spec.batch_size is None or order.batch_stream is not None
+                else -(-kept // spec.batch_size))
+    units = nbatches if spec.claims_batches else kept
     if units >= 1 << _control.RUN_SHIFT:  # the cursor counts a run's units in 32 bits
         raise ValueError(f"an epoch of {kept:,} samples is {units:,} units for the workers "
                          f"to claim, and a run holds fewer than 2**32: pass a larger "
                          f"batch_size with a collate_fn (workers then claim whole batches), "
                          f"or split the dataset")
-    epoch_positions = kept if resume is None or open_ended else resume["map"]["positions"]
-    progress = MapProgress(epoch_positions, done, remaining, geometry, rules.per_batch)
+    epoch_positions = kept if resume is None or open_ended else resume.map["positions"]
+    progress = MapProgress(epoch_positions, done, remaining, geometry, spec.per_batch)
     computed = order.kind in (_order.ORDER_RANGE, _order.ORDER_PERMUTATION)
     return Plan(epoch=epoch, size=order.size, kept=kept, units=units, nbatches=nbatches,
                 order_kind=order.kind, order_seed=order.seed, shipped=order.shipped,
                 base_seed=base_seed, rng=rng, progress=progress,
                 remaining=remaining if computed else None, feed=feed,
-                claims_batches=rules.claims_batches)
+                claims_batches=spec.claims_batches)
 
 
-def _stream_plan(rules: PlanRules, epoch: int, resume: dict | None, base_seed: int,
+def _stream_plan(spec: LoaderSpec, epoch: int, resume, base_seed: int,
                  rng: dict) -> Plan:
     """An iterable dataset's run: each worker's stream; resumed, the samples
     each stream skips (shipped)."""
-    progress = StreamProgress(max(rules.num_workers, 1), rules.rows,
-                              None if resume is None else resume["stream"])
+    progress = StreamProgress(spec.streams, spec.rows,
+                              None if resume is None else resume.stream)
     skips = None if resume is None else progress.skips()
     return Plan(epoch=epoch, size=-1, kept=-1 if skips is None else len(skips), units=-1,
                 nbatches=-1,
@@ -148,42 +126,42 @@ def _stream_plan(rules: PlanRules, epoch: int, resume: dict | None, base_seed: i
                 progress=progress)
 
 
-def _order_source(rules: PlanRules) -> _Order:
+def _order_source(spec: LoaderSpec) -> _Order:
     """A user's batch sampler or sampler (streamed, or drawn whole), torch's
     shuffle of a generator, or an order the workers compute (NOTE [ Runs ])."""
     SHIPPED = _order.ORDER_SHIPPED
-    if rules.batch_sampler is not None:
+    if spec.batch_sampler is not None:
         # streamed, its batches pulled as LIMIT moves: OPEN, as the positions
         # it covers are known only once it ends, even with a len()
-        it, pulling = _pulled(rules, rules.batch_sampler)
+        it, pulling = _pulled(spec, spec.batch_sampler)
         return _Order(SHIPPED, 0, _order.OPEN_POSITIONS, batch_stream=it, pulling=pulling)
-    if rules.sampler is not None:
-        return _sampler_order(rules)
-    if rules.shuffle and rules.generator is not None:
+    if spec.sampler is not None:
+        return _sampler_order(spec)
+    if spec.shuffle and spec.generator is not None:
         import torch
 
         # torch's RandomSampler(generator=...) yields randperm(n) of its
         # generator (and draws the next randperm only once exhausted,
         # which this loader, like np.fromiter of it, never asks for):
         # the same draw, in one call, with no Python int per index
-        n = rules.dataset_len()
-        shipped = torch.randperm(n, generator=rules.generator).numpy()
-        shipped = _order.shard(shipped, rules.rank, rules.world)
+        n = spec.dataset_len()
+        shipped = torch.randperm(n, generator=spec.generator).numpy()
+        shipped = _order.shard(shipped, spec.rank, spec.world)
         return _Order(SHIPPED, 0, len(shipped), shipped=shipped)
     # computed by the workers from the dataset's length (SIZE), then cut
     # into this rank's share
-    if rules.shuffle:
-        return _Order(_order.ORDER_PERMUTATION, _order.order_seed_word(rules.seed),
-                      rules.dataset_len())
-    return _Order(_order.ORDER_RANGE, 0, rules.dataset_len())
+    if spec.shuffle:
+        return _Order(_order.ORDER_PERMUTATION, _order.order_seed_word(spec.seed),
+                      spec.dataset_len())
+    return _Order(_order.ORDER_RANGE, 0, spec.dataset_len())
 
 
-def _sampler_order(rules: PlanRules) -> _Order:
+def _sampler_order(spec: LoaderSpec) -> _Order:
     """A user's sampler: streamed when its indices are ints (without len():
     to a provisional bound until it ends, OPEN), else drawn whole; torch's
     own samplers under loader.DataLoader are drawn in one call."""
-    length = sampler_length(rules.sampler)
-    it, pulling = _pulled(rules, rules.sampler)
+    length = sampler_length(spec.sampler)
+    it, pulling = _pulled(spec, spec.sampler)
     if isinstance(it, np.ndarray):  # torch's own sampler, drawn in one call
         return _Order(_order.ORDER_SHIPPED, 0, len(it), shipped=it, length=length)
     with pulling or contextlib.nullcontext():
@@ -194,25 +172,25 @@ def _sampler_order(rules: PlanRules) -> _Order:
     return _Order(kind, 0, size, stream=stream, length=length, pulling=pulling)
 
 
-def _pulled(rules: PlanRules, sampler):
+def _pulled(spec: LoaderSpec, sampler):
     """(an iterator of the sampler, what each pull of it runs inside or
     None).  loader.DataLoader's samplers are drawn as torch draws them
     (NOTE [ Drawing the order as torch does ] in torch/order.py): `draw()`
     gives an int64 array for torch's own samplers, drawn in one call (and
     None), else the iterator and its generator sandbox."""
-    if rules.torch_rules:
+    if spec.torch_rules:
         return sampler.draw()
     return iter(sampler), None
 
 
-def _kept(rules: PlanRules, order: _Order) -> int:
+def _kept(spec: LoaderSpec, order: _Order) -> int:
     """Positions of this rank's share the run delivers (drop_last drops a
     short last batch)."""
     computed = order.kind in (_order.ORDER_RANGE, _order.ORDER_PERMUTATION)
-    share = _order.shard_size(order.size, rules.world) if computed else order.size
-    if rules.batch_size is None:
+    share = _order.shard_size(order.size, spec.world) if computed else order.size
+    if spec.batch_size is None:
         return share
-    return _order.kept_of(share, rules.batch_size, rules.drop_last)
+    return _order.kept_of(share, spec.batch_size, spec.drop_last)
 
 
 def _resumed(order: _Order, kept: int, remaining: _order.Remaining) -> tuple[_Order, int]:
@@ -233,37 +211,37 @@ def _resumed(order: _Order, kept: int, remaining: _order.Remaining) -> tuple[_Or
     return order._replace(seed=seed, size=size, shipped=shipped), kept
 
 
-def _feed_and_geometry(rules: PlanRules, order: _Order, kept: int, remaining):
+def _feed_and_geometry(spec: LoaderSpec, order: _Order, kept: int, remaining):
     """(the streamed sampler's feed or None, how the run's positions fall
     into batches)."""
     if order.batch_stream is not None:
-        feed = BatchFeed(order.batch_stream, rules.sampler_name, kept, remaining, order.pulling)
+        feed = BatchFeed(order.batch_stream, spec.sampler_name, kept, remaining, order.pulling)
         return feed, feed.batches()
-    geometry = _order.Batches(kept, rules.rows)
+    geometry = _order.Batches(kept, spec.rows)
     if order.stream is not None:
         feed_type = ObjectFeed if order.kind == _order.ORDER_OBJECTS else SamplerFeed
-        return feed_type(order.stream, rules.sampler_name, order.length, kept, remaining,
+        return feed_type(order.stream, spec.sampler_name, order.length, kept, remaining,
                          order.pulling), geometry
     return None, geometry
 
 
-def settled_plan(plan: Plan, rules: PlanRules) -> Plan | None:
+def settled_plan(plan: Plan, spec: LoaderSpec) -> Plan | None:
     """An OPEN plan (a sampler without len()) whose sampler has ended, with
     its final length (and its progress told it); None otherwise."""
     feed = plan.feed
     if feed is None or feed.settled:
         return None
-    end = feed.end(rules.batch_size, rules.drop_last)
+    end = feed.end(spec.batch_size, spec.drop_last)
     if end is None:
         return None
     feed.settled = True
     epoch_kept, kept = end
     if isinstance(feed, BatchFeed):
         nbatches = feed.batches_fed
-        batches = _order.Batches(kept, rules.rows, feed.offsets[:nbatches + 1].copy())
+        batches = _order.Batches(kept, spec.rows, feed.offsets[:nbatches + 1].copy())
     else:
-        nbatches = kept if rules.batch_size is None else -(-kept // rules.batch_size)
-        batches = _order.Batches(kept, rules.rows)
+        nbatches = kept if spec.batch_size is None else -(-kept // spec.batch_size)
+        batches = _order.Batches(kept, spec.rows)
     units = nbatches if plan.claims_batches else kept
     plan.progress.kept = epoch_kept
     plan.progress.batches = batches

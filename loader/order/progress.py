@@ -44,41 +44,8 @@ gone, which no loader can restore without pausing its workers.
 from __future__ import annotations
 
 import bisect
-from typing import NamedTuple
 
 import numpy as np
-
-# 2: done ranges instead of positions, and the seeded order of NOTE [ The
-# seeded order ] (order/indices.py); 1 is read as long as its order is the same
-STATE_FORMAT = "shmloader-state-2"
-STATE_FORMATS_READ = ("shmloader-state-1", STATE_FORMAT)
-
-
-class StateKeys(NamedTuple):
-    """The keys a state format defines, at each level: what state_dict()
-    writes (ShmLoader.state_dict, MapProgress.state, StreamProgress.state;
-    tests/loader_layer/test_resume.py keeps them equal) and nothing else
-    is loaded (main/state.py)."""
-    required: frozenset        # the state's own keys
-    optional: frozenset        # keys a state of this format may lack (written later)
-    map: frozenset             # "map": a map-style epoch's positions delivered
-    stream: frozenset          # each of "stream": a worker's stream delivered
-
-
-_TOP_KEYS = frozenset({"format", "epoch", "seed", "rank", "world", "workers", "iterable", "rng",
-                       "base_seed", "map", "stream", "complete"})
-_IDENTITY_KEYS = frozenset({"batch_size", "dataset_len", "sampler"})  # format 1: written later
-_STREAM_KEYS = frozenset({"batches", "prefix", "extra"})
-STATE_KEYS = {
-    "shmloader-state-1": StateKeys(_TOP_KEYS, _IDENTITY_KEYS,
-                                   frozenset({"positions", "done_prefix", "done_extra"}),
-                                   _STREAM_KEYS),
-    # "dataset": written for a dataset that keeps its own state (NOTE [ Datasets
-    # that keep their own state ] in datasets/own_state.py)
-    STATE_FORMAT: StateKeys(_TOP_KEYS | _IDENTITY_KEYS, frozenset({"dataset"}),
-                            frozenset({"positions", "done_prefix", "done_ranges"}), _STREAM_KEYS),
-}
-
 
 class DonePositions:
     """Positions of an epoch delivered: all below `prefix`, and the few

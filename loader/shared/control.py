@@ -169,8 +169,8 @@ class Control:
     def __init__(self, num_workers: int, passable: bool = False):
         # passable: start_method="spawn" (NOTE [ Starting clean ] in shared/passable.py)
         self.ctl = shared_array(CTL_WORDS, np.int64, passable)
-        self.limits = shared_array(2 * max(num_workers, 1), np.int64, passable)
-        self.num_workers = num_workers
+        self.streams = max(num_workers, 1)  # LIMIT words per run parity (LoaderSpec.streams)
+        self.limits = shared_array(2 * self.streams, np.int64, passable)
         self.bells = shared_array(BELL_WORDS, np.int32, passable)
         self.run_bell = Bell(self.bells, RUN_BELL)
         self.limit_bell = Bell(self.bells, LIMIT_BELL)
@@ -199,7 +199,7 @@ class Control:
                              (ARRIVED, tagged(run))):
             c[word(run, which)] = value
         if per_worker:
-            first = (run % 2) * max(self.num_workers, 1)
+            first = (run % 2) * self.streams
             self.limits[first:first + len(limit)] = limit
         sync.atomic_store(c, word(run, CURSOR), tagged(run))
         sync.atomic_store(c, LATEST_RUN, run)  # SYNC POINT: last; pairs with latest_run()
@@ -238,7 +238,7 @@ class Control:
 
     def raise_worker_limit(self, run: int, worker: int) -> None:
         """An iterable run: worker may fill one more batch."""
-        sync.atomic_add(self.limits, (run % 2) * max(self.num_workers, 1) + worker, 1)
+        sync.atomic_add(self.limits, (run % 2) * self.streams + worker, 1)
         self.limit_bell.ring()
 
     def set_active(self, active: int) -> None:

@@ -1,14 +1,12 @@
-"""What the loader's processes share: the configuration every process reads
-(one frozen object instead of a dozen positional arguments) and the shared
-memory main creates before it forks."""
+"""What the loader's processes share: the shared memory main creates before
+it forks (what every process knows from the start is the loader's spec,
+shared/spec.py)."""
 
 from __future__ import annotations
 
 import mmap
 import os
 import pickle
-from dataclasses import dataclass
-from typing import Any, Callable
 
 import numpy as np
 
@@ -17,6 +15,7 @@ from loader.shared import messages as _protocol
 from loader.shared import passable as passable_memory
 from loader.shared.control import Control
 from loader.shared.passable import shared_array
+from loader.shared.spec import LoaderSpec
 from loader._native import arena_array
 from loader.batcher.slabs import MAX_LEASES, Slab
 from loader.shared.layout import ArrayLeaf, Spec, Value, with_values
@@ -35,127 +34,15 @@ TO_BATCHER_BYTES = 1 << 20
 TO_MAIN_BYTES = 1 << 20
 
 
-@dataclass(frozen=True)
-class LoaderConfig:
-    """What every process of one loader knows from the start."""
-    dataset: Any
-    batch_size: int | None       # None: samples one by one, unbatched
-    num_workers: int
-    prefetch: int                # batches loaded ahead of main (per worker: iterable datasets)
-    drop_last: bool
-    in_order: bool
-    iterable: bool
-    collate_fn: Callable | None
-    worker_init_fn: Callable | None
-    seed: int
-    reproducible: bool           # seed the generators before every sample
-    torch_seeding: bool          # seed workers exactly as torch's DataLoader does
-    memory_cap_bytes: int
-    parent_pid: int
-    rank: int = 0                # distributed=True: this process's share of each epoch
-    world: int = 1
-    whole_batches: bool = False   # a worker loads whole batches of samples (torch's way):
-                                  # in order, worker w batches w, w + W, ...; else as claimed
-    shuffle_buffer: int = 0       # iterable datasets: samples mixed in each worker's window
-    threads: bool = False         # worker_mode="thread": workers and batcher are threads
-    max_workers: int = 0          # num_workers="auto": the most workers there can be (else 0)
-    batched_fetch: bool = False   # one dataset.__getitems__ call per batch (NOTE [ Batched
-                                  # fetch ] in worker/fetch.py)
-    trace: Any = None             # a TraceLog (trace=PATH): NOTE [ Trace records ] in shared/trace.py
-    own_state: bool = False       # the dataset keeps its own state, which the workers report
-                                  # (NOTE [ Datasets that keep their own state ])
-    start_method: str = "fork"    # "spawn": processes started clean (NOTE [ Starting clean ]
-                                  # in shared/passable.py)
-
-    @property
-    def passable(self) -> bool:
-        """Shared memory must be reachable by descriptor (start_method="spawn")."""
-        return self.start_method == "spawn" and not self.threads
-
-    @property
-    def per_batch(self) -> bool:
-        """Workers load and collate whole batches (a collate_fn, as torch
-        runs it, or batch_size=None) instead of placing samples in rows."""
-        return self.collate_fn is not None or self.batch_size is None
-
-    @property
-    def claims_batches(self) -> bool:
-        """A run's units are batches, not positions."""
-        return self.per_batch or self.whole_batches or self.batched_fetch
-
-    @property
-    def rows_per_batch(self) -> int:
-        return 1 if self.batch_size is None else self.batch_size
-
-    @property
-    def worker_prefetch(self) -> int:
-        """Iterable datasets: batches each worker may fill ahead of main."""
-        return max(1, -(-self.prefetch // max(self.num_workers, 1)))
-
-    @property
-    def shuffle_batches(self) -> int:
-        """shuffle_buffer: the batches of each worker's window (its share of
-        the buffer, in batches)."""
-        if not self.shuffle_buffer:
-            return 0
-        share = -(-self.shuffle_buffer // max(self.num_workers, 1))
-        return max(1, -(-share // self.rows_per_batch))
-
-    @property
-    def slabs_to_progress(self) -> int:
-        """The fewest batches in memory at once that let loading go on.  A
-        shuffle buffer fills each worker's window of `shuffle_batches`
-        batches at once; memory goes to batches in order (NOTE [ Memory
-        goes to batches in order ] in batcher/runs.py), so one worker with
-        its whole window, and every other short of one, is enough: the
-        first completes its lowest batch, and main moves out what it holds
-        back of it until its turn."""
-        if not self.shuffle_batches:
-            return 1
-        return max(self.num_workers, 1) * (self.shuffle_batches - 1) + 1
-
-    @property
-    def publish_window(self) -> int:
-        """How many batches past those sent the batcher lays out ahead:
-        workers load units below main's limit, `prefetch` batches past what
-        it has yielded, plus one claim each that waits; two more batches
-        of slack let the next be ready as the window moves.  (Iterable
-        datasets: per worker, past that worker's batches sent.)"""
-        if self.iterable:
-            return self.worker_prefetch + self.shuffle_batches + 2
-        return self.prefetch + 2
-
-    @property
-    def slabs_in_flight(self) -> int:
-        """The slabs a steady loop keeps alive, which the batcher faults in
-        ahead (NOTE [ Warming the arena ]): map-style, `prefetch` loading, one
-        laid out past main's limit and two the loop holds as next() hands
-        out a batch (runs started ahead share the prefetch); iterable, two
-        runs' windows and those two."""
-        if self.iterable:
-            return 2 * self.publish_window + 2
-        return self.prefetch + 3
-
-    @property
-    def table_per_run(self) -> int:
-        """Batch table entries per run.  A multiple of the worker count, so
-        that the batches of an iterable run's workers (ids j * W + w) never
-        share an entry across workers, and large enough for the batches in
-        flight (see NOTE [ Runs ])."""
-        w = max(self.num_workers, 1)
-        return w * max(-(-64 // w), -(-2 * self.publish_window // w),
-                       self.worker_prefetch + self.shuffle_batches + 3)
-
-
 class SharedState:
     """Shared memory and rings, made by main before it forks; every child
     inherits them (or, started clean, opens them by descriptor: NOTE
     [ Starting clean ] in shared/passable.py).  Nothing here has a name."""
 
-    def __init__(self, cfg: LoaderConfig):
-        passable = cfg.passable
-        self.control = Control(cfg.num_workers, passable)
-        self.table = BatchTable(cfg.table_per_run, passable)
+    def __init__(self, spec: LoaderSpec):
+        passable = spec.passable
+        self.control = Control(spec.num_workers, passable)
+        self.table = BatchTable(spec.table_per_run, passable)
         # The batch memory, in a memfd: main maps it again to view slabs, and
         # again after moving kept batches out of it (NOTE [ Kept batch memory ]).
         self.arena_fd = os.memfd_create("shmloader-arena", os.MFD_CLOEXEC)
@@ -165,27 +52,27 @@ class SharedState:
         self.snapshot_fds: list[int] = []
         self.rings: list[shmq.Queue] = []
         try:  # (whatever fails, close() closes what was made: at a low `ulimit -n` any may)
-            os.ftruncate(self.arena_fd, cfg.memory_cap_bytes)
-            self.arena = arena_array(self.arena_fd, cfg.memory_cap_bytes)
+            os.ftruncate(self.arena_fd, spec.memory_cap_bytes)
+            self.arena = arena_array(self.arena_fd, spec.memory_cap_bytes)
             if passable:
                 passable_memory.register(self.arena, os.dup(self.arena_fd))
             self.warm_fd = os.dup(self.arena_fd)
             self.released = shared_array(MAX_LEASES, np.int64, passable)
-            workers = max(cfg.num_workers, cfg.max_workers, 1)  # ids of workers added later too
+            workers = max(spec.num_workers, spec.max_workers, 1)  # ids of workers added later too
             self.hazards = shared_array(workers, np.int64, passable)
             # wait clocks, one per worker id and the batcher's last (NOTE [ Wait clocks ]
             # in main/stats.py): for stats() and num_workers="auto"
             self.waited = shared_array(workers + 1, np.int64, passable)
             start_idle(self.waited)
             # Process mode: a spill region per worker id, and the batcher's last.
-            self.spill = None if cfg.threads else SpillHeap(workers + 1, passable=passable)
+            self.spill = None if spec.threads else SpillHeap(workers + 1, passable=passable)
             self.batcher_region = workers
             # Per run parity (NOTE [ Runs ]): the order shipped to the
             # workers, and the dataset's snapshot of the epoch.
             for _ in range(2):
                 self.order_fds.append(os.memfd_create("shmloader-order", os.MFD_CLOEXEC))
                 self.snapshot_fds.append(os.memfd_create("shmloader-snapshot", os.MFD_CLOEXEC))
-            if cfg.threads:  # in one process: queues with the rings' interface
+            if spec.threads:  # in one process: queues with the rings' interface
                 self.rings += [ThreadRing(), ThreadRing()]
             else:
                 self.rings.append(shmq.Queue(TO_BATCHER_BYTES, multi_producer=True,

@@ -50,7 +50,7 @@ from torch.utils.data.dataloader import (_BaseDataLoaderIter, _DatasetKind,
 
 from loader.errors import LoaderTimeout, StateError, WorkerError
 from loader.main.lookahead import FrozenState
-from loader.main.loader import (ShmLoader, continue_from, follow_torch_rules, stop_workers,
+from loader.main.loader import (ShmLoader, TorchRulesLoader, continue_from, stop_workers,
                                 worker_children)
 from loader.main.procs import wait_all
 from loader.torch.order import TorchOrder, epoch_sampler
@@ -138,7 +138,7 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
         custom = self._user_collate_fn not in (None, default_collate, default_convert)
         workers = self.num_workers
         pipe = _PipeEpochs(self.dataset) if isinstance(self.dataset, IterDataPipe) else None
-        shm = ShmLoader(
+        shm = TorchRulesLoader(
             self.dataset if pipe is None else pipe, num_workers=workers,
             collate_fn=self.collate_fn if custom else None,
             in_order=self.in_order,
@@ -149,7 +149,6 @@ class DataLoader(FrozenState, _TorchDataLoader[_T_co]):
             output="keep" if custom else "torch", pin_memory=self.pin_memory,
             trace=self._trace if traced else None, start_method=self._start_method(),
             **sampling.loader_arguments(order))
-        follow_torch_rules(shm)
         return _Pool(shm, order, pipe, sampling)
 
     def _start_method(self) -> str:

@@ -12,8 +12,8 @@ slice is many times faster than a Python call per row.
 
 Here the same rule holds with workers (ShmLoader, in order and first-ready,
 and loader.DataLoader) and with num_workers=0.  With workers, a run whose
-dataset fetches in batches claims whole batches (LoaderConfig.claims_batches),
-and the worker writes each returned sample straight into its row (NOTE
+dataset fetches in batches claims whole batches (LoaderSpec.claims_batches in
+shared/spec.py), and the worker writes each returned sample straight into its row (NOTE
 [ Direct row writes ] in shared/table.py), tagged with its position as a
 per-sample load is, so state_dict() resumes mid-epoch exactly as before.
 

@@ -97,7 +97,7 @@ class WholeBatches:
         cfg = worker.cfg
         self.worker, self.run, self.count, self.own = worker, run, count, worker.own
         self.assigned = cfg.in_order and cfg.whole_batches
-        self.assigned_next, self.assigned_step = worker.id, max(cfg.num_workers, 1)
+        self.assigned_next, self.assigned_step = worker.id, cfg.streams
 
     def next(self) -> int | None:
         run, worker = self.run, self.worker
@@ -169,7 +169,7 @@ class MapRun:
         units = worker.control.read(run, _control.UNITS)
         if cfg.per_batch:
             return ClaimedUnits(worker, run, units, 1), self.samples, self.place_collated, _raise
-        return (ClaimedUnits(worker, run, units, cfg.rows_per_batch), self.load_position,
+        return (ClaimedUnits(worker, run, units, cfg.rows), self.load_position,
                 self.place_row, self.row_failed)
 
     def blamed(self, unit: int) -> int | None:
@@ -280,14 +280,14 @@ class StreamRun:
     def __init__(self, worker, run: int, point: dict | None):
         cfg, c = worker.cfg, worker.control
         self.worker, self.run, self.point, self.own = worker, run, point, worker.own
-        self.N, self.w, self.in_order = max(cfg.num_workers, 1), worker.id, cfg.in_order
+        self.N, self.w, self.in_order = cfg.streams, worker.id, cfg.in_order
         self.epoch = epoch = c.read(run, _control.EPOCH)
         j0, self.done_below, self.done_past = 0, 0, set()  # a resumed epoch: what was delivered
         if c.read(run, _control.ORDER) == _order.ORDER_SHIPPED:
             words, _ = worker.shared.read_order(run, c.read(run, _control.KEPT), 0, False)
             j0, self.done_below, self.done_past = stream_skips(words, self.N, self.w)
         self.slots = None if cfg.per_batch else StreamSlots(
-            j0, cfg.rows_per_batch, cfg.shuffle_batches,
+            j0, cfg.rows, cfg.shuffle_batches,
             derived_seeds(cfg.seed & U64, epoch, self.w + 1, 1 << 62)[0],
             lambda j: worker.wait_for_room(run, j))
         self.j, self.pending = j0, []  # per_batch: this worker's batch j's samples so far
@@ -343,7 +343,7 @@ class StreamRun:
         """per_batch: collect the sample; place the batch once it is full.
         False: the run ended (or the batch could not be placed)."""
         self.pending.append(sample)
-        if len(self.pending) < self.worker.cfg.rows_per_batch:
+        if len(self.pending) < self.worker.cfg.rows:
             return True
         if not self.worker.wait_for_room(self.run, self.j) or not self._place_batch():
             return False
@@ -358,7 +358,7 @@ class StreamRun:
             return False
         batch, row = slot[0] * self.N + self.w, slot[1]
         try:
-            if self.worker.writer.place(self.run, batch, row, cfg.rows_per_batch, pos,
+            if self.worker.writer.place(self.run, batch, row, cfg.rows, pos,
                                         sample) in (ENDED, DROPPED):
                 # ended, or the batcher gave up a batch of this stream (it cannot
                 # collate it): the stream is over for this epoch; main raises the

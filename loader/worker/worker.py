@@ -23,7 +23,8 @@ from loader.worker.fetch import Fetcher
 from loader.worker.seeding import (U64, Generators, SampleSeeder, WorkerInfo, seed_worker,
                              set_worker_info)
 from loader.worker.units import FAILED, MapRun, StreamRun
-from loader.shared.memory import LoaderConfig, SharedState
+from loader.shared.memory import SharedState
+from loader.shared.spec import LoaderSpec
 from loader.main.stats import WaitClock
 from loader.shared.table import SEQ
 from loader.shared.trace import TracedWriter
@@ -132,7 +133,7 @@ class Channel:
 
 
 class Worker:
-    def __init__(self, cfg: LoaderConfig, shared: SharedState, worker_id: int,
+    def __init__(self, cfg: LoaderSpec, shared: SharedState, worker_id: int,
                  joining_run: int = 0):
         self.cfg, self.shared, self.id = cfg, shared, worker_id
         # a worker added while the loader runs (num_workers="auto") starts with
@@ -151,7 +152,7 @@ class Worker:
         self.autoscaled = bool(cfg.max_workers)  # num_workers="auto" (see main/autoscale.py)
         self.own = None  # NOTE [ Datasets that keep their own state ]: this worker's copy's
         if cfg.own_state:
-            self.own = CopyState(cfg.dataset, worker_id, cfg.iterable, cfg.rows_per_batch,
+            self.own = CopyState(cfg.dataset, worker_id, cfg.iterable, cfg.rows,
                                  self.channel.send,
                                  lambda e, where, run: self.channel.failed(e, where, run=run))
         self.failed = Failures(self.channel, worker_id)
@@ -195,7 +196,7 @@ class Worker:
             seed = (base_seed + self.id) & U64
             rng = Generators(seed)
         else:
-            seed = seed_worker(base_seed, self.id, cfg.torch_seeding)
+            seed = seed_worker(base_seed, self.id, cfg.torch_rules)
             rng = Generators(None)
         info = WorkerInfo(id=self.id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset,
                           rank=cfg.rank, world_size=cfg.world, rng=rng,
@@ -265,8 +266,8 @@ class Worker:
                                           c.read(run, _control.EPOCH), cfg.rank, cfg.world, kept,
                                           remaining)
         if c.read(run, _control.OPEN):  # its length is learnt late: KEPT is read at every use
-            return order, _order.OpenBatches(cfg.rows_per_batch, lambda: c.kept(run))
-        return order, _order.Batches(kept, cfg.rows_per_batch)
+            return order, _order.OpenBatches(cfg.rows, lambda: c.kept(run))
+        return order, _order.Batches(kept, cfg.rows)
 
     def wait_to_load(self, run: int, unit: int) -> bool:
         """Until unit is below main's limit (prefetch); False if the run ended."""
@@ -318,7 +319,7 @@ class Worker:
         """Until this worker may fill its j-th batch of the run; False if
         the run ended."""
         c = self.control
-        i = (run % 2) * max(c.num_workers, 1) + self.id
+        i = (run % 2) * c.streams + self.id
 
         def ready():
             return sync.atomic_load(c.limits, i) > j or not c.live(run) or c.stopped
@@ -327,7 +328,7 @@ class Worker:
         return c.live(run) and not c.stopped
 
 
-def worker_main(cfg: LoaderConfig, shared: SharedState, worker_id: int,
+def worker_main(cfg: LoaderSpec, shared: SharedState, worker_id: int,
                 joining_run: int = 0) -> None:
     Worker(cfg, shared, worker_id, joining_run).run()
     shared.to_batcher.close()

@@ -712,3 +712,33 @@ def test_worker_init_fn_error_is_reraised_with_its_traceback():
         with pytest.raises(OSError, match=r"OSError: cannot open the shard of worker \d") as info:
             list(loader)
     assert "failing_init" in str(info.value)
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_ctrl_c_between_a_runs_start_and_its_clock_then_del(monkeypatch, mode):
+    """A Ctrl-C that lands in the first next() after the run started and
+    before its clock was made (test_suite_conditions' start-up loop hit it):
+    the KeyboardInterrupt reaches the caller, dropping the iterator ends
+    its run with nothing raised in __del__ (warnings are errors: an
+    exception ignored there fails the test), and the loader's next epoch
+    yields all 64 samples exactly."""
+    from loader.main import epochs as _epochs
+
+    real = _epochs.EpochClock
+    calls = []
+
+    def interrupted(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(_epochs, "EpochClock", interrupted)
+    with ShmLoader(np.arange(64), batch_size=8, num_workers=2, worker_mode=mode) as ld:
+        it = iter(ld)
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        del it
+        gc.collect()
+        assert [b.tolist() for b in ld] == [list(range(k, k + 8)) for k in range(0, 64, 8)]
+    assert len(calls) == 2

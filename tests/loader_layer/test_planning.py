@@ -1,5 +1,5 @@
 """plan_run() on its own: a run's order, positions, batches and units,
-decided from PlanRules without a process or shared memory (order/planning.py)."""
+decided from a LoaderSpec without a process or shared memory (order/planning.py)."""
 
 from __future__ import annotations
 
@@ -7,20 +7,26 @@ import numpy as np
 import pytest
 
 from loader.order import indices as _order
-from loader.order.planning import PlanRules, order_of, plan_run, settled_plan
+from loader.order.planning import order_of, plan_run, settled_plan
+from loader.shared.spec import SHM_RULES, TORCH_RULES, LoaderSpec
 from loader.order.feed import BatchFeed, ObjectFeed, SamplerFeed
 
 
-def rules(n=10, **kw) -> PlanRules:
-    base = dict(iterable=False, num_workers=2, batch_size=4, drop_last=False, per_batch=False,
-                claims_batches=False, sampler=None, batch_sampler=None, sampler_name=None,
-                shuffle=False, generator=None, seed=7, torch_rules=False, rank=0, world=1,
-                dataset_len=lambda: n)
+def rules(n=10, *, per_batch=False, torch_rules=False, **kw) -> LoaderSpec:
+    """A spec over a dataset of n (per_batch: with a collate_fn, whose
+    workers claim whole batches)."""
+    base = dict(dataset=range(n), batch_size=4, shuffle=False, sampler=None, batch_sampler=None,
+                num_workers=2, collate_fn=list if per_batch else None, drop_last=False,
+                in_order=True, prefetch=3, persistent_workers=True, worker_init_fn=None, seed=7,
+                generator=None, reproducible=False, timeout=None, output="numpy",
+                pin_memory=False, memory_cap_bytes=1 << 30, distributed=False, shuffle_buffer=0,
+                worker_mode="process", max_workers=0, trace=None, auto=False, seed_given=True,
+                iterable=False, rules=TORCH_RULES if torch_rules else SHM_RULES)
     base.update(kw)
-    return PlanRules(**base)
+    return LoaderSpec(**base)
 
 
-def plan(r: PlanRules, resume=None):
+def plan(r: LoaderSpec, resume=None):
     return plan_run(r, epoch=3, resume=resume, base_seed=11, rng={})
 
 
@@ -33,7 +39,7 @@ def test_a_range_order_of_ten_in_batches_of_four():
 
 
 def test_drop_last_and_whole_batch_claims():
-    p = plan(rules(10, drop_last=True, claims_batches=True, per_batch=True))
+    p = plan(rules(10, drop_last=True, per_batch=True))
     assert (p.kept, p.nbatches, p.units, p.claims_batches) == (8, 2, 2, True)
 
 

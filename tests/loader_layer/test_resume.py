@@ -518,7 +518,7 @@ def test_every_modes_state_has_its_formats_keys_and_round_trips(mode):
     pulled ahead): exactly the keys STATE_KEYS defines for its format at
     every level (plus loader.DataLoader's sampler_epoch), and a new loader
     given it, pickled, yields exactly what the original went on to yield."""
-    from loader.order.progress import STATE_FORMAT, STATE_KEYS
+    from loader.main.state import STATE_FORMAT, STATE_KEYS
 
     state, rest = _state_and_rest(mode)
     keys = STATE_KEYS[STATE_FORMAT]
@@ -647,3 +647,121 @@ def test_a_dataloader_state_into_a_shmloader_names_sampler_epoch():
         assert "field 'sampler_epoch'" in text and "load this state into a loader.DataLoader" \
             in text, text
         assert sum(len(b) for b in loader) == 100
+
+
+# States as ShmLoader's state_dict() wrote them before LoaderState
+# (main/state.py) took them over (main at 9f3ccd2), pasted as they were
+# saved: checkpoints hold these, and must load, and be written again byte
+# for byte.  Each: (how its loader was made and run, the state).
+class Hundred:
+    def __len__(self):
+        return 100
+
+    def __getitem__(self, i):
+        return np.int64(i)
+
+
+class Forty:
+    """A stream of 0..39, split between the workers."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, n = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(range(w, 40, n))
+
+
+SAVED_BEFORE = {
+    "map_mid": (3, {
+        'format': 'shmloader-state-2', 'epoch': 1, 'seed': 5, 'rank': 0, 'world': 1,
+        'workers': 2, 'iterable': False, 'rng': {}, 'base_seed': 3925597770706564026,
+        'map': {'positions': 100, 'done_prefix': 24, 'done_ranges': []}, 'stream': None,
+        'batch_size': 8, 'dataset_len': 100, 'sampler': None, 'complete': False}),
+    "map_fresh": (None, {
+        'format': 'shmloader-state-2', 'epoch': 0, 'seed': 5, 'rank': 0, 'world': 1,
+        'workers': 2, 'iterable': False, 'rng': {}, 'base_seed': None, 'map': None,
+        'stream': None, 'batch_size': 8, 'dataset_len': 100, 'sampler': None,
+        'complete': True}),
+    "map_complete": (13, {
+        'format': 'shmloader-state-2', 'epoch': 1, 'seed': 5, 'rank': 0, 'world': 1,
+        'workers': 2, 'iterable': False, 'rng': {}, 'base_seed': 3925597770706564026,
+        'map': {'positions': 100, 'done_prefix': 100, 'done_ranges': []}, 'stream': None,
+        'batch_size': 8, 'dataset_len': 100, 'sampler': None, 'complete': True}),
+    "stream_mid": (3, {
+        'format': 'shmloader-state-2', 'epoch': 1, 'seed': 5, 'rank': 0, 'world': 1,
+        'workers': 2, 'iterable': True, 'rng': {}, 'base_seed': 3925597770706564026,
+        'map': None, 'stream': [{'batches': 2, 'prefix': 8, 'extra': []},
+                                {'batches': 1, 'prefix': 4, 'extra': []}],
+        'batch_size': 4, 'dataset_len': None, 'sampler': None, 'complete': False}),
+}
+
+
+def _saved_loader(name):
+    if name.startswith("stream"):
+        return ShmLoader(Forty(), batch_size=4, num_workers=2, seed=5)
+    return ShmLoader(Hundred(), batch_size=8, num_workers=2, seed=5, shuffle=True)
+
+
+@pytest.mark.parametrize("name", list(SAVED_BEFORE))
+def test_a_state_is_written_byte_for_byte_as_the_previous_version_wrote_it(name):
+    """The loader run to where each saved state was taken: its state_dict()
+    pickles to the same bytes as the saved one (the same keys, values and
+    order)."""
+    batches, saved = SAVED_BEFORE[name]
+    with _saved_loader(name) as loader:
+        if batches is not None:
+            it = iter(loader)
+            got = [next(it) for _ in range(batches)]
+            assert len(got) == batches
+        assert pickle.dumps(loader.state_dict()) == pickle.dumps(saved)
+
+
+@pytest.mark.parametrize("name", list(SAVED_BEFORE))
+def test_a_state_the_previous_version_saved_resumes_exactly(name):
+    """Each saved state, loaded into a new loader, yields exactly what the
+    uninterrupted loader went on to yield: the rest of its epoch, then the
+    next epoch (the next epoch, for a state taken before the first or at an
+    epoch's end); the dict loaded is left as it was."""
+    batches, saved = SAVED_BEFORE[name]
+    with _saved_loader(name) as loader:
+        first = [rows(b) for b in loader]
+        second = [rows(b) for b in loader]
+    if name == "map_fresh":
+        expected = first
+    elif name == "map_complete":
+        expected = second
+    else:
+        expected = first[batches:] + second
+    given = pickle.loads(pickle.dumps(saved))
+    with _saved_loader(name) as resumed:
+        resumed.load_state_dict(given)
+        got = [rows(b) for b in resumed]
+        if saved["complete"] is False:  # and the epoch after it
+            got += [rows(b) for b in resumed]
+    assert given == saved
+    if name.startswith("stream"):  # one epoch's stream: the rest of it, then all of it again
+        assert sorted(got) == sorted(expected) and len(got) == len(expected)
+    else:
+        assert got == expected
+
+
+def test_loader_state_from_dict_checks_and_to_dict_gives_the_dict_back():
+    """LoaderState.from_dict() refuses what check_state refuses (a StateError
+    naming the field) and to_dict() of what it takes is the dict, key for key
+    and in order; a format 1 state keeps lacking the keys it lacked."""
+    from loader.errors import StateError
+    from loader.main.state import Expected, LoaderState
+
+    saved = SAVED_BEFORE["map_mid"][1]
+    expected = Expected(iterable=False, num_workers=2, streams=2, rank=0, world=1, seed=5,
+                        batch_size=8, positions=100, dataset_len=100, sampler=None,
+                        rng_bytes={}, seeded_shuffle=True)
+    state = LoaderState.from_dict(saved, expected)
+    assert (state.epoch, state.map["done_prefix"], state.complete) == (1, 24, False)
+    assert list(state.to_dict().items()) == list(saved.items())
+    with pytest.raises(StateError, match="field 'map.done_prefix' is 100"):
+        LoaderState.from_dict(dict(saved, map=dict(saved["map"], done_prefix=100)), expected)
+    old = {k: v for k, v in SAVED_BEFORE["map_complete"][1].items()
+           if k not in ("batch_size", "dataset_len", "sampler")}
+    old = dict(old, format="shmloader-state-1", map={"positions": 100, "done_prefix": 100,
+                                                     "done_extra": []})
+    assert list(LoaderState.from_dict(old, expected).to_dict().items()) == list(old.items())

@@ -80,7 +80,7 @@ def wait_for(predicate, timeout):
 def test_pages_are_resident_ahead_of_the_writers():
     rows, prefetch = 16, 3
     slab = slab_bytes(rows * ROW * 4 + 8 * rows)   # the rows and their int64 tags
-    target = (prefetch + 3) * slab                  # LoaderConfig.slabs_in_flight, map-style
+    target = (prefetch + 3) * slab                  # LoaderSpec.slabs_in_flight, map-style
     with ShmLoader(Big(40 * rows), batch_size=rows, num_workers=2, prefetch=prefetch,
                    memory_cap_bytes=1 << 30) as ld:
         it = iter(ld)

@@ -55,7 +55,7 @@ def parse(paths) -> dict[Path, ast.Module]:
 def test_records_in_loader_are_built_with_keywords():
     trees = parse(sorted(LOADER.rglob("*.py")))
     records = record_classes(trees)
-    assert {"Failed", "BatchReady", "LoaderConfig", "WorkerInfo"} <= records  # the check sees them
+    assert {"Failed", "BatchReady", "LoaderSpec", "WorkerInfo"} <= records  # the check sees them
     bad = positional_record_calls(trees, records)
     assert not bad, "build these records with keywords:\n" + "\n".join(bad)
 
