@@ -176,7 +176,7 @@ class InlineEpoch:
         try:
             samples = self.fetch(indices)
         except Exception as e:
-            e.add_note(_fetch.where(self.loader.dataset, indices))
+            _fetch.add_note(e, _fetch.where(self.loader.dataset, indices))
             raise
         return _fetch.checked(self.loader.dataset, indices, samples)
 
