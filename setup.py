@@ -53,7 +53,7 @@ extensions = [
 ]
 
 # The generated C depends on the interpreter and on the numpy it compiles
-# against (numpy's __init__.pxd changes with numpy's C API), yet cythonize
+# against (the declarations numpy ships for Cython follow its C API), yet cythonize
 # regenerates it only when a source is newer: one .c beside the .pyx, shared by
 # every Python building in this tree, then no longer compiles for the next
 # Python whose numpy is older.  So each (Python, numpy) pair gets its own.
