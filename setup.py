@@ -13,6 +13,7 @@ Environment switches:
 """
 
 import os
+import sys
 
 import numpy as np
 from Cython.Build import cythonize
@@ -51,9 +52,17 @@ extensions = [
     ),
 ]
 
+# The generated C depends on the interpreter and on the numpy it compiles
+# against (the declarations numpy ships for Cython follow its C API), yet cythonize
+# regenerates it only when a source is newer: one .c beside the .pyx, shared by
+# every Python building in this tree, then no longer compiles for the next
+# Python whose numpy is older.  So each (Python, numpy) pair gets its own.
+generated_c_dir = os.path.join("build", "cython", f"{sys.implementation.cache_tag}-numpy{np.__version__}")
+
 setup(
     ext_modules=cythonize(
         extensions,
+        build_dir=generated_c_dir,
         compiler_directives={"language_level": "3", "embedsignature": True},
     ),
 )

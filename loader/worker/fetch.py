@@ -90,7 +90,7 @@ class Fetcher:
             samples = dataset.__getitems__(indices)
         except Exception as e:
             if self.noted:
-                e.add_note(where(dataset, indices))
+                add_note(e, where(dataset, indices))
             raise
         samples = checked(dataset, indices, samples)
         if self.tracer is not None:
@@ -155,3 +155,15 @@ def checked(dataset, indices: list, samples):
 def where(dataset, indices: list) -> str:
     """Where an error in a batch call happened, for its report."""
     return f"in {type(dataset).__qualname__}.__getitems__ on indices {describe(indices)}"
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """error.add_note(note) where Python has it (3.11+).  Python 3.10 has no
+    add_note, and calling it there raised AttributeError in place of the
+    dataset's own error; PEP 678's convention for 3.10 is the same
+    __notes__ list (3.10's traceback does not print it; code that reads
+    notes, and backports such as exceptiongroup, do)."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", ()), note]

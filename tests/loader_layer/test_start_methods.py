@@ -14,6 +14,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from extras import import_or_skip_on_older_python  # tests/support
 
 from killkit import Program, assert_nothing_left, loader_program
 # (not DataLoader here: it imports torch, and spawned workers import this
@@ -502,7 +503,7 @@ def test_a_jitted_jax_loop_gets_no_fork_warning_and_the_fork_starts_values():
     none on stderr) and the jitted loop's result is the fork start's
     batches' (computed here without JAX, so nothing forks a JAX process);
     with start_method="fork", JAX's warning does come (the check can fail)."""
-    pytest.importorskip("jax")
+    import_or_skip_on_older_python("jax")
     support = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support")
     code = JAX_LOOP.format(support=support)
     expected = np.zeros(16, np.float32) + np.float32(4.0)

@@ -20,7 +20,9 @@ from loader.errors import (AccessDenied, EndpointUnreachable, FetcherDied,
                                            ObjectChanged, ObjectNotFound, RemoteError, Throttled,
                                            TruncatedObject)
 
-pytest.importorskip("obstore")
+from extras import import_or_skip_on_older_python  # (tests/support)
+
+import_or_skip_on_older_python("obstore")
 from faultproxy import FaultProxy  # noqa: E402  (tests/support)
 
 pytestmark = [

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from conftest import descendants, wait_until
+from extras import import_or_skip_on_older_python
 from faultproxy import FaultProxy, Rule
 from s3server import S3Server, S3ServerError, weed_executable
 
@@ -109,7 +110,7 @@ def test_env_is_all_a_client_needs(s3_server, s3_bucket, monkeypatch):
         monkeypatch.setenv(name, value)
     import boto3
     assert boto3.session.Session().client("s3").get_object(Bucket=s3_bucket, Key="a/b.bin")["Body"].read() == b"12345"
-    obstore = pytest.importorskip("obstore")
+    obstore = import_or_skip_on_older_python("obstore")
     from obstore.store import S3Store
     store = S3Store(s3_bucket)
     assert bytes(obstore.get(store, "a/b.bin").bytes()) == b"12345"

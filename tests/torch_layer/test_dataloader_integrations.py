@@ -13,6 +13,8 @@ import warnings
 
 import pytest
 
+from extras import import_or_skip_on_older_python
+
 torch = pytest.importorskip("torch")
 import torch.utils.data.datapipes as dp  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
@@ -370,7 +372,7 @@ def test_trainers_resume_keeps_the_loader_in_either_import_order(trainer_first):
     loader as torch's class, silently.  Now the integration points that
     reference at its wrapper, in either order (LoaderReplacedWarning is an
     error here)."""
-    pytest.importorskip("transformers")
+    import_or_skip_on_older_python("transformers")
     imports = ["from transformers import Trainer", "from loader import DataLoader"]
     if not trainer_first:
         imports.reverse()

@@ -21,8 +21,10 @@ import sys
 
 import pytest
 
+from extras import import_or_skip_on_older_python
+
 pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import_or_skip_on_older_python("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "hf_trainer_run.py")
