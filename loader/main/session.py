@@ -88,7 +88,8 @@ class Session:
         them imports (torch, for a torch Dataset: seconds per start)."""
         if not spec.passable:
             return spec
-        return dataclasses.replace(Session._workers_spec(spec), dataset=None, worker_init_fn=None)
+        return dataclasses.replace(spec, dataset=None, worker_init_fn=None, sampler=None,
+                                   batch_sampler=None, generator=None)
 
     # --- the children -------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ def rules(n=10, *, per_batch=False, torch_rules=False, **kw) -> LoaderSpec:
                 in_order=True, prefetch=3, persistent_workers=True, worker_init_fn=None, seed=7,
                 generator=None, reproducible=False, timeout=None, output="numpy",
                 pin_memory=False, memory_cap_bytes=1 << 30, distributed=False, shuffle_buffer=0,
-                worker_mode="process", max_workers=0, trace=None, auto=False, seed_given=True,
+                worker_mode="process", max_workers=0, trace=None, start_method="fork",
+                auto=False, seed_given=True,
                 iterable=False, rules=TORCH_RULES if torch_rules else SHM_RULES)
     base.update(kw)
     return LoaderSpec(**base)

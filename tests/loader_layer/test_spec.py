@@ -63,7 +63,8 @@ def _spec(**kw) -> LoaderSpec:
                 persistent_workers=True, worker_init_fn=None, seed=7, generator=None,
                 reproducible=False, timeout=None, output="numpy", pin_memory=False,
                 memory_cap_bytes=1 << 30, distributed=False, shuffle_buffer=0,
-                worker_mode="process", max_workers=0, trace=None, auto=False, seed_given=True,
+                worker_mode="process", max_workers=0, trace=None, start_method="fork",
+                auto=False, seed_given=True,
                 iterable=False)
     base.update(kw)
     return LoaderSpec(**base)
