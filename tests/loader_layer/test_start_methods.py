@@ -295,6 +295,29 @@ def test_an_unpicklable_dataset_is_a_typed_error_naming_it():
         assert [b.tolist() for b in ld] == [[1, 2, 3, 4], [5, 6, 7, 8]]
 
 
+def test_a_sampler_and_generator_only_main_uses_need_not_pickle():
+    """The sampler, batch sampler and generator stay in main (it plans the
+    epochs): a spawn start does not send them, so one holding a lambda
+    works as under fork, batch for batch."""
+    class Reversed:
+        def __init__(self, n):
+            self.n, self.key = n, lambda i: -i     # a lambda: not picklable
+
+        def __len__(self):
+            return self.n
+
+        def __iter__(self):
+            return iter(sorted(range(self.n), key=self.key))
+
+    got = {}
+    for start in ("fork", "spawn"):
+        with ShmLoader(Filled(40), batch_size=8, num_workers=2, sampler=Reversed(40),
+                       start_method=start) as ld:
+            got[start] = [[b[:, 0].tolist() for b in ld] for _ in range(2)]
+    want = [[[39 - 8 * k - j for j in range(8)] for k in range(5)]] * 2
+    assert got["spawn"] == got["fork"] == want
+
+
 def test_an_unpicklable_worker_init_fn_is_named():
     ld = ShmLoader(Filled(8), batch_size=4, num_workers=1, start_method="spawn",
                    worker_init_fn=lambda wid: None)
