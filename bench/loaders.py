@@ -44,6 +44,7 @@ AUTO: num_workers="auto" against the best fixed count, on a sleeping
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import threading
@@ -114,6 +115,9 @@ def numpy_collate(samples):
 
 
 def grain_available():
+    # Grain looks for JAX's profiler and logs "Failed to load jax profiler" where
+    # JAX is not installed: noise of the peer's (here; its workers' own: see main())
+    logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         import grain.python  # noqa: F401
     except ImportError:
@@ -879,8 +883,17 @@ def main(argv=None):
     # W9's PyTorch peer collates pyarrow's read-only arrays; torch says so once per worker
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     print(f"{machine()}; peers: {', '.join(kinds()[1:])}")
+    grain = grain_available()
+    if grain:
+        print("(Grain's worker processes each log \"WARNING:absl:Failed to load jax profiler\" "
+              "when JAX is not installed: those lines are Grain's)")
     for w in chosen:
         WORKLOADS[w](args)
+    if grain:
+        # (Python's resource_tracker reports them after this process has ended)
+        print("\nIf Python's resource_tracker now warns of leaked shared_memory objects, they "
+              "are Grain's (its worker processes' shared_memory); ShmLoader's segments are "
+              "named shmq-* and checked by its test suite.")
     if args.plot:
         from plot import plot_ratios
 

@@ -417,6 +417,8 @@ class Fetcher:
         from loader.datasets.remote import store as S
 
         with self.lock:
+            if slot not in self.active:
+                return None   # its epoch was retired by a newer one's adoption meanwhile
             try:
                 got = self.cache.reserve(url, etag, size, slot, self._spare(slot, index, size))
             except NoRoom:
