@@ -5,7 +5,7 @@ Every transport moves the same numpy array from forked producer processes
 to the consumer (this process) and is timed the same way: producers are
 started first and wait on an event; the clock runs from the event to the
 consumer holding the last message.  Used by bench/test_ipc.py
-(pytest-benchmark) and bench/demo.py (the README's headline table).
+(pytest-benchmark) and bench/demo.py (docs/benchmarks.md, W5).
 """
 
 from __future__ import annotations

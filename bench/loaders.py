@@ -257,7 +257,7 @@ def ready_batch_cpu(loader, rounds=3, per_round=3):
     warm: the pipeline fills during a busy pause, then `per_round` batches
     are taken back to back (both loaders keep at least 3 in flight).  Warm,
     because on this kind of VM any ~20 us of Python work costs 100-300 us
-    right after 0.2 s of other activity (see the README), whatever runs."""
+    right after 0.2 s of other activity, whatever runs."""
     cpu = []
     it = iter(loader)
     for _ in range(rounds):

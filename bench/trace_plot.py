@@ -1,5 +1,5 @@
 """One W11 run's timeline, drawn from its trace (ShmLoader(trace=PATH)):
-the picture in the README (issue 16).
+the picture in docs/where-the-time-goes.md (issue 16).
 
     python bench/trace_plot.py [--images 640] [--epochs 2] [--step-ms 0]
                                [--json /tmp/w11-trace.json] [--png docs/trace_w11.png]

@@ -376,7 +376,7 @@ cdef cnp.dtype _dtype_from_code(bytes code, Ring ring, uint64_t pos):
 # Then everything the stream itself builds is bounded by its length: at most
 # one object per opcode, strings no longer than their bytes.  What the
 # stream CALLS (REDUCE/NEWOBJ/BUILD of any importable name) is not bounded:
-# a pickle is code.  The trust model (README "Trust") covers that: segments
+# a pickle is code.  The trust model (docs/guarantees.md, "Trust") covers that: segments
 # are 0600, writable only by the same user, who can run code as us anyway,
 # and attach refuses any other (NOTE [ Whose segment ] in segment.py).
 

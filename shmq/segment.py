@@ -209,7 +209,7 @@ def _check_trusted(name: str, st: os.stat_result) -> None:
     path = SHM_DIR + name
     why = ("its records would be unpickled here, and a pickle can run any code as this "
            "process: shmq attaches only to segments of your own user that no other user can "
-           "write (README, \"Trust\")")
+           "write (docs/guarantees.md, \"Trust\")")
     if st.st_uid != me:
         raise UntrustedSegment(
             f"refusing to attach to {name!r}: it belongs to {user_name(st.st_uid)}, not to this "

@@ -297,7 +297,7 @@ def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
 from s3server import s3_bucket, s3_server  # noqa: E402,F401
 
 
-# The long tier: cases the default run leaves to `-m stress` (README, "Tests"),
+# The long tier: cases the default run leaves to `-m stress` (docs/developing.md),
 # each beside a shorter case of the same behaviour that stays in the default run,
 # so that the default run keeps to about ten minutes on two cores.  By node id
 # (a parameter's id included); a whole module by its path.

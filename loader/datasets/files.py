@@ -315,8 +315,7 @@ class FileDataset:
         FileDataset(url, decode=None, *, cache_dir=None, cache_limit_bytes=None,
                     train_on="all", storage_options=None)
 
-    (NOTE [ Remote data ] in loader/datasets/remote/__init__.py; README, "Data in an
-    object store")."""
+    (NOTE [ Remote data ] in loader/datasets/remote/__init__.py; docs/object-stores.md)."""
 
     def __new__(cls, pattern=None, decode=None, **remote):
         if isinstance(pattern, str) and _REMOTE.match(pattern):

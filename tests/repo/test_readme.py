@@ -1,23 +1,37 @@
-"""The README's examples run as written (each in a fresh interpreter)."""
+"""The examples of the README and of docs/ run as written (each in a fresh
+interpreter, from the repository's root, warnings as errors).
+
+A block fenced as ```python runs; one fenced as ```py is a fragment that
+needs a launcher, a model or a cluster (the tests named beside it run those
+lines)."""
 
 import ast
 import importlib.util
-import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                      "README.md")
-with open(README) as f:
-    BLOCKS = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
+
+def _blocks() -> list[tuple[str, str]]:
+    """(id, code) of every runnable block: README-block0, frameworks-block1..."""
+    found = []
+    for page in PAGES:
+        for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S)):
+            found.append((f"{page.stem}-block{i}", code))
+    return found
+
+
+BLOCKS = _blocks()
 
 # what an example needs beyond the package and numpy: the extras it imports
 EXTRAS = {"torch", "pytorch_lightning", "lightning", "accelerate", "ray", "datasets", "pyarrow",
-          "tqdm", "jax"}
+          "tqdm", "jax", "obstore"}
 
 
 def missing_extras(code: str) -> list[str]:
@@ -29,15 +43,25 @@ def missing_extras(code: str) -> list[str]:
             needed.add(node.module.split(".")[0])
     if re.search(r"\bDataLoader\b|output=.torch.", code):
         needed.add("torch")  # loader.DataLoader is torch's; so are tensors out
+    if "s3://" in code:
+        needed.add("obstore")  # the object-store client (the remote extra)
     return sorted(m for m in needed & EXTRAS if importlib.util.find_spec(m) is None)
 
 
+def test_every_page_has_its_examples_found():
+    """The pages that teach by example keep runnable blocks (a fence typo
+    would silently drop a page's examples from the test)."""
+    pages = {block_id.split("-block")[0] for block_id, _ in BLOCKS}
+    assert {"README", "data-sources", "resume", "where-the-time-goes", "object-stores",
+            "frameworks", "jax"} <= pages, sorted(pages)
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
-def test_readme_example_runs(code):
+@pytest.mark.parametrize("code", [code for _, code in BLOCKS], ids=[i for i, _ in BLOCKS])
+def test_example_runs(code):
     missing = missing_extras(code)
     if missing:
         pytest.skip(f"the example needs {', '.join(missing)}, not installed here")
     out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
-                         text=True, timeout=200)  # (a loaded 2-core machine)
+                         text=True, timeout=200, cwd=ROOT)  # (a loaded 2-core machine)
     assert out.returncode == 0, out.stderr

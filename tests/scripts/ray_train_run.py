@@ -16,7 +16,7 @@ Three TorchTrainer runs, 2 workers each (gloo):
   loaders from its own states (ray.train.get_checkpoint()).  The ids
   trained before a checkpoint travel in it, so OUT/resume_rank<r>.npz holds
   what a real run trained on.
-- readme: the README's "Training on a Ray cluster" block (README_CODE), as
+- readme: docs/frameworks.md's "Training on a Ray cluster" block (README_CODE), as
   written.
 OUT/driver.json: the ranks' warnings, loader classes, Ray's worker pids, and
 what was left in /dev/shm or alive after ray.shutdown().
@@ -313,7 +313,7 @@ def main():
             code = f.read()
         os.chdir(storage)  # where the recipe's run keeps its results
         namespace = {"__name__": "__main__"}
-        exec(compile(code, "README.md (Training on a Ray cluster)", "exec"), namespace)
+        exec(compile(code, "docs/frameworks.md (Training on a Ray cluster)", "exec"), namespace)
         result = namespace["result"]
         with result.checkpoint.as_directory() as d:
             readme_files = sorted(os.listdir(d))

@@ -40,8 +40,8 @@ OURS = "loader.torch.dataloader.DataLoader"
 
 
 def _readme_block() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Training on a Ray cluster"):]
+    text = (ROOT / "docs" / "frameworks.md").read_text()
+    section = text[text.index("## Training on a Ray cluster"):]
     return re.search(r"```py\n(.*?)```", section, re.S).group(1)
 
 
@@ -175,7 +175,7 @@ def test_no_warnings_and_nothing_left_after_shutdown(ray_runs):
 
 
 def test_readme_recipe_runs_as_written(ray_runs):
-    """The README's block ran on the cluster and its last checkpoint holds
+    """docs/frameworks.md's block ran on the cluster and its last checkpoint holds
     each rank's model, optimizer and loader state."""
     _, driver = ray_runs
     assert driver["readme_checkpoint"] == ["rank0.pt", "rank1.pt"]

@@ -1808,7 +1808,7 @@ def test_in_order_index_ds(impl):
 
 def _deliberate_difference(impl):
     if impl.name == "loader":
-        pytest.xfail("deliberate difference (README, 'Switching from PyTorch's DataLoader'): with "
+        pytest.xfail("deliberate difference (docs/switching-from-torch.md): with "
                      "in_order=False torch hands each worker its next batches in advance, so item "
                      "2 waits behind the slow item 0 on worker 0; here a batch is taken by the "
                      "first free worker and waits behind nothing: [1, 2, 3, ..., 9, 0]")

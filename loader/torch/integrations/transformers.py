@@ -15,7 +15,7 @@ version that builds loaders another way) gives a LoaderReplacedWarning.
 
 The other way needs nothing from here: a Trainer subclass whose
 get_train_dataloader() returns
-`self.accelerator.prepare(loader.DataLoader(...))` (the README's
+`self.accelerator.prepare(loader.DataLoader(...))` (docs/frameworks.md,
 "HF Trainer").  Importing this module imports transformers.
 """
 
