@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from loader import InexactResumeWarning, ShmLoader, StateError
+from epoch_rows import cut, epochs  # tests/support
 from shared_datasets import CountsItsEpochs
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,23 +34,6 @@ MODES = {"processes": dict(num_workers=2),
 
 def make(dataset, mode, **kw):
     return ShmLoader(dataset, batch_size=BATCH, **MODES[mode], **kw)
-
-
-def rows(batch) -> list:
-    return [tuple(r) for r in np.asarray(batch).tolist()]
-
-
-def epochs(loader, n) -> list:
-    return [[r for b in loader for r in rows(b)] for _ in range(n)]
-
-
-def cut(loader, epoch: int, batches: int):
-    """Run `epoch` whole epochs, then `batches` of the next: (what those
-    batches held, the state then)."""
-    epochs(loader, epoch)
-    it = iter(loader)
-    got = [r for _ in range(batches) for r in rows(next(it))]
-    return got, loader.state_dict()
 
 
 def same_epoch(mode, got: list, expected: list) -> None:

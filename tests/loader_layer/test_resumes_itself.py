@@ -14,6 +14,7 @@ import pytest
 
 from loader import InexactResumeWarning, ShmLoader
 from loader.order.progress import StreamProgress
+from epoch_rows import cut, epochs, rows  # tests/support
 from shared_datasets import ResumesItself
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,24 +33,9 @@ def make(dataset, mode, **kw):
     return ShmLoader(dataset, batch_size=BATCH, **MODES[mode], **kw)
 
 
-def rows(batch) -> list:
-    return [tuple(r) for r in np.asarray(batch).tolist()]
-
-
-def epochs(loader, n) -> list:
-    return [[r for b in loader for r in rows(b)] for _ in range(n)]
-
-
 def expected(epoch: int, shuffle: bool = True) -> list:
     """The uninterrupted run's epoch: the dataset's order, round-robin."""
     return [(int(i), epoch) for i in ResumesItself(N, BATCH, shuffle).order(epoch)]
-
-
-def cut(loader, epoch: int, batches: int):
-    epochs(loader, epoch)
-    it = iter(loader)
-    got = [r for _ in range(batches) for r in rows(next(it))]
-    return got, loader.state_dict()
 
 
 def resume(mode, state, shuffle=True):

@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -457,12 +458,19 @@ def test_sigkill_of_main_leaves_no_spawned_process_and_nothing_in_dev_shm():
     """R4/R22 for start_method="spawn": the spawned workers and batcher die
     with main (the parent-death signal they ask for first thing), and
     nothing has a name in /dev/shm."""
-    prog = Program(KILLED)
+    _kill_main_once_it_says(KILLED, "iterating", children=3)
+
+
+def _kill_main_once_it_says(code: str, line: str, children: int | None = None) -> None:
+    """SIGKILL the program's main process (only it) once it prints `line`;
+    then nothing of its tree is left, in the process table or /dev/shm."""
+    prog = Program(code)
     try:
-        prog.wait_for("iterating", 60)
-        assert len(prog.reported_pids()) == 3
+        prog.wait_for(line, 60)
+        if children is not None:
+            assert len(prog.reported_pids()) == children
         prog.signal(signal.SIGKILL, group=False)
-        sent = __import__("time").monotonic()
+        sent = time.monotonic()
         assert prog.wait(10) == -signal.SIGKILL
         assert_nothing_left(prog, since=sent, within=5.0)
     finally:
@@ -482,15 +490,7 @@ STARTING = loader_program("""
 def test_sigkill_of_main_while_spawned_children_start_leaves_nothing():
     """Killed while its children are still starting (importing the
     loader): they ask to die with main before anything slow, so they go."""
-    prog = Program(STARTING)
-    try:
-        prog.wait_for("pids", 60)  # a start just began: the next children are importing
-        prog.signal(signal.SIGKILL, group=False)
-        sent = __import__("time").monotonic()
-        assert prog.wait(10) == -signal.SIGKILL
-        assert_nothing_left(prog, since=sent, within=5.0)
-    finally:
-        prog.cleanup()
+    _kill_main_once_it_says(STARTING, "pids")  # a start just began: the next children import
 
 
 JAX_LOOP = textwrap.dedent("""
