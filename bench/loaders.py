@@ -58,6 +58,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ipc  # noqa: E402
 from loader import ShmLoader  # noqa: E402
+from peer_noise import (PeerStderr, QuietStart, resource_tracker_note,  # noqa: E402
+                        start_resource_tracker)
 from report import RATIOS, machine, record_ratio  # noqa: E402
 
 BATCH = 128
@@ -114,9 +116,13 @@ def numpy_collate(samples):
     return np.stack(samples)
 
 
+# main(): where Grain's processes write their stderr (bench/peer_noise.py)
+PEER_STDERR: PeerStderr | None = None
+
+
 def grain_available():
     # Grain looks for JAX's profiler and logs "Failed to load jax profiler" where
-    # JAX is not installed: noise of the peer's (here; its workers' own: see main())
+    # JAX is not installed: noise of the peer's (here; its workers' own: PEER_STDERR)
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         import grain.python  # noqa: F401
@@ -140,8 +146,9 @@ def make(kind, dataset_kwargs, workers, dataset=W1, batch_size=BATCH):
         source = dataset(**dataset_kwargs)
         sampler = pygrain.IndexSampler(num_records=len(source), shard_options=pygrain.NoSharding(),
                                        shuffle=False, num_epochs=1, seed=0)
-        return pygrain.DataLoader(data_source=source, sampler=sampler, worker_count=workers,
-                                  operations=[pygrain.Batch(batch_size=batch_size)])
+        grain = pygrain.DataLoader(data_source=source, sampler=sampler, worker_count=workers,
+                                   operations=[pygrain.Batch(batch_size=batch_size)])
+        return grain if PEER_STDERR is None else QuietStart(grain, PEER_STDERR)
     if kind.startswith("ShmLoader"):
         return ShmLoader(dataset(**dataset_kwargs), batch_size=batch_size, num_workers=workers,
                          memory_cap_bytes=4 << 30, seed=0,
@@ -883,17 +890,15 @@ def main(argv=None):
     # W9's PyTorch peer collates pyarrow's read-only arrays; torch says so once per worker
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     print(f"{machine()}; peers: {', '.join(kinds()[1:])}")
-    grain = grain_available()
-    if grain:
-        print("(Grain's worker processes each log \"WARNING:absl:Failed to load jax profiler\" "
-              "when JAX is not installed: those lines are Grain's)")
+    global PEER_STDERR
+    if grain_available():
+        PEER_STDERR = PeerStderr()
+        start_resource_tracker()
     for w in chosen:
         WORKLOADS[w](args)
-    if grain:
-        # (Python's resource_tracker reports them after this process has ended)
-        print("\nIf Python's resource_tracker now warns of leaked shared_memory objects, they "
-              "are Grain's (its worker processes' shared_memory); ShmLoader's segments are "
-              "named shmq-* and checked by its test suite.")
+    if PEER_STDERR is not None:
+        said = PEER_STDERR.report()
+        print("\n" + (said + "\n" if said else "") + resource_tracker_note())
     if args.plot:
         from plot import plot_ratios
 
