@@ -1,5 +1,5 @@
 """A pause in the fetcher process, for a test that needs one interleaving
-every time (tests/remote_layer/test_fetcher_races.py).
+every time (tests/remote_layer/test_remote_files.py).
 
 A test puts this folder first on the fetcher's PYTHONPATH (the fetcher is a
 fresh interpreter: Python imports `sitecustomize` at its start) and names a
