@@ -346,6 +346,86 @@ def test_train_on_cached_trains_on_a_set_that_grows(store):
             ds.close()
 
 
+# --- races made to happen every time -------------------------------------------------------
+
+PAUSE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "fetcher_pause")
+
+
+@pytest.fixture
+def paused_fetch(monkeypatch, tmp_path):
+    """The fetcher of the next dataset made stops its first fetch for board
+    slot 0 just before Fetcher._get (tests/support/fetcher_pause): yields
+    (wait, go): wait() -> the object's index once it has stopped there;
+    go() lets it on."""
+    import socket
+
+    path = str(tmp_path / "pause.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.settimeout(60)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (PAUSE, os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("SHMQ_TEST_PAUSE_SOCKET", path)
+    monkeypatch.setenv("SHMQ_TEST_PAUSE_SLOT", "0")
+    held = []
+
+    def wait() -> int:
+        conn, _ = listener.accept()
+        conn.settimeout(60)
+        held.append(conn)
+        slot, index = conn.makefile().readline().split()
+        assert slot == "0"
+        return int(index)
+
+    def go() -> None:
+        held[0].sendall(b"g")
+
+    try:
+        yield wait, go
+    finally:
+        for conn in held:
+            conn.close()
+        listener.close()
+
+
+def test_a_fetch_whose_epoch_was_retired_meanwhile_is_dropped(store, paused_fetch):
+    """train_on="cached", epochs of a few batches: a fetch for the listing
+    adopted at construction (board slot 0) has looked its slot up and let go
+    of the fetcher's lock when two newer epochs are adopted (slots 1 and 2:
+    slot 0 is retired); then it goes on.  It is dropped (the object is
+    fetched for the newest epoch instead): the fetcher lives on (it died of
+    a KeyError before commit 97109e4), every epoch delivers its set exactly
+    once in order, the paused object in none before it is released, and
+    the sets grow until all 120 objects are trained in one epoch."""
+    wait, go = paused_fetch
+    store.fill(120)
+    ds = store.dataset(train_on="cached", cache_limit_bytes=1 << 30, requests_in_flight=8)
+    try:
+        paused = wait()
+        epochs = []
+        deadline = time.monotonic() + 90
+        with ShmLoader(ds, batch_size=10, num_workers=2, timeout=60) as ld:
+            for _ in range(2):   # epochs 1 and 2: slots 1 and 2 adopted, slot 0 retired
+                epochs.append(one_epoch(ld))
+            assert ds._turn in (2, 3)   # (3: the next epoch's run was started ahead)
+            released_after = len(epochs)
+            go()
+            while time.monotonic() < deadline and epochs[-1] != list(range(120)):
+                epochs.append(one_epoch(ld))
+            remote = ld.stats()["remote"]
+        assert epochs[-1] == list(range(120)), [len(e) for e in epochs]
+        for got in epochs:   # each epoch: the objects cached as it began, once each, in order
+            assert got == sorted(set(got)) and len(got) >= 10 and set(got) <= set(range(120)), (
+                [len(e) for e in epochs], got)
+        assert [len(e) for e in epochs] == sorted(len(e) for e in epochs)
+        assert all(paused not in got for got in epochs[:released_after])
+        assert ds._proc.poll() is None and remote["fetch_errors"] == 0
+        assert remote["objects_fetched"] == 120
+    finally:
+        ds.close()
+
+
 # --- faults -------------------------------------------------------------------------------
 
 def test_a_missing_object_is_object_not_found_on_its_batch_and_the_epoch_goes_on(store):
