@@ -9,10 +9,8 @@ cache id looked up and the complete ones pinned for the epoch
 (`ObjectCache.pin_epoch`).  This times that on a cache index holding
 `--cached` complete objects, for a listing of `--objects`, three times
 (two slots, then the first again, as epochs alternate), and the rest of
-the adoption the fetcher does in Python (the board state), without a
-server: the index and the board are the whole cost.  The (url, etag)
-pairs the index is asked about are made once, as the listing lands (the
-fetcher's listing thread), and timed apart: they are not the boundary's.
+the adoption the fetcher does in Python (urls, board state), without a
+server: the index and the board are the whole cost.
 
     python bench/remote_listing.py --objects 1000000 --cached 200000
 """
@@ -58,13 +56,10 @@ def main() -> None:
             "INSERT INTO objects (url, etag, size, state, fetched_at) VALUES (?, ?, 1, ?, 0)",
             ((f"{root}/{keys[i]}", etags[i], COMPLETE) for i in cached.tolist()))
         cache.db.execute("COMMIT")
-        t0 = time.perf_counter()
-        objects = list(zip([f"{root}/{k}" for k in keys], etags))   # as the listing lands
-        print(f"(url, etag) pairs of {args.objects:,} objects, made as the listing lands: "
-              f"{time.perf_counter() - t0:.2f} s")
         for slot in (0, 1, 0):
             t0 = time.perf_counter()
-            ids = cache.pin_epoch(slot, objects)          # what the fetcher's _adopt does
+            urls = [f"{root}/{k}" for k in keys]          # what the fetcher's _adopt does
+            ids = cache.pin_epoch(slot, list(zip(urls, etags)))
             state = np.where(ids >= 0, 1, 0).astype(np.int32)
             took = time.perf_counter() - t0
             print(f"adopt {args.objects:,} objects ({int((state == 1).sum()):,} complete) "

@@ -124,7 +124,6 @@ class Listing(NamedTuple):
     keys: list
     sizes: np.ndarray
     etags: list
-    objects: list           # (url, etag) of each: what the cache's index knows it by
     digests: np.ndarray     # (n, 32) uint8 and
     exts: np.ndarray        # (n, 16) uint8: the cache's file names
 
@@ -288,8 +287,7 @@ class Fetcher:
             exts = np.frombuffer(b"".join(extension(u).encode().ljust(B.EXT, b"\0")
                                           for u in urls), np.uint8).reshape(n, B.EXT)
             listing = Listing(gen=gen, keys=listed.keys, sizes=np.array(listed.sizes, np.int64),
-                              etags=listed.etags, objects=list(zip(urls, listed.etags)),
-                              digests=digests, exts=exts)
+                              etags=listed.etags, digests=digests, exts=exts)
             with self.lock:
                 latest = self.latest
                 if latest is not None and latest.keys == listing.keys and \
@@ -304,9 +302,8 @@ class Fetcher:
 
     def _adopt(self, s: int, gen: int) -> None:
         listing = self.listings[gen]
-        # (the (url, etag) pairs were made as the listing landed: a second of
-        # an epoch boundary's wait at a million objects)
-        ids = self.cache.pin_epoch(s, listing.objects)
+        urls = [f"{self.pattern.root}/{k}" for k in listing.keys]
+        ids = self.cache.pin_epoch(s, list(zip(urls, listing.etags)))
         state = np.where(ids >= 0, B.COMPLETE, B.ABSENT).astype(np.int32)
         slot = self.board.fill(s, gen, listing.digests, listing.exts, listing.sizes, state)
         active = Active(slot, listing)
