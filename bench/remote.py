@@ -64,7 +64,6 @@ import argparse
 import io
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -76,6 +75,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SUPPORT = os.path.join(ROOT, "tests", "support")
+
+from report import cpu_model, loadavg  # noqa: E402  (bench/; stdlib only, as every cell needs)
 
 BUCKET = "bench"
 KiB, MiB = 1024, 1024 * 1024
@@ -338,18 +339,7 @@ def proxy_main(upstream: str, delay_ms: float) -> None:
 # --- the parent ------------------------------------------------------------------------------
 
 def machine() -> str:
-    model = platform.processor() or "?"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, {os.cpu_count()} logical CPUs"
-
-
-def loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
+    return f"{cpu_model()}, {os.cpu_count()} logical CPUs"
 
 
 class Children:

@@ -50,7 +50,6 @@ import concurrent.futures
 import json
 import multiprocessing as mp
 import os
-import platform
 import re
 import resource
 import signal
@@ -62,6 +61,8 @@ from datetime import timedelta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))
+
+from report import cpu_model, loadavg  # noqa: E402  (bench/)
 
 BUCKET = "bench"
 KiB, MiB = 1024, 1024 * 1024
@@ -439,18 +440,7 @@ def _outcome(name: str, call, proxy) -> dict:
 # --- the parent: server, data, cells -----------------------------------------------------
 
 def machine() -> str:
-    model = platform.processor() or "?"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, {os.cpu_count()} logical CPUs"
-
-
-def loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
+    return f"{cpu_model()}, {os.cpu_count()} logical CPUs"
 
 
 def upload(server, sizes: dict[str, int], counts: dict[str, int]) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -27,14 +26,7 @@ import time
 import numpy as np
 
 from loader.datasets.remote.cache import COMPLETE, ObjectCache
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+from report import cpu_model  # bench/
 
 
 def main() -> None:

@@ -11,14 +11,23 @@ def record(workload, transport, nbytes, count, seconds):
     RESULTS.setdefault(workload, {})[transport] = (count / seconds, count * nbytes / seconds / 1e9)
 
 
-def machine() -> str:
-    cpu = "?"
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it: every figure names it."""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}"
+        return platform.processor() or "?"
+
+
+def machine() -> str:
+    return f"{cpu_model()}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}"
+
+
+def loadavg() -> str:
+    """The 1-, 5- and 15-minute load averages: every figure gives the load."""
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
 
 
 def format_table(results, baseline="shmq get") -> list[str]:
