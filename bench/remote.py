@@ -76,7 +76,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SUPPORT = os.path.join(ROOT, "tests", "support")
 
-from report import cpu_model, loadavg  # noqa: E402  (bench/; stdlib only, as every cell needs)
+from report import cpu_model, loadavg, read_reports  # noqa: E402  (bench/; stdlib only, as every cell needs)
 
 BUCKET = "bench"
 KiB, MiB = 1024, 1024 * 1024
@@ -662,11 +662,7 @@ def main(argv=None) -> None:
     if args.markdown:
         from remote_report import markdown
 
-        reports = []
-        for path in args.markdown:
-            with open(path) as f:
-                reports.append(json.load(f))
-        print(markdown(reports))
+        print(markdown(read_reports(args.markdown)))
         return
     run(args)
 

@@ -62,7 +62,7 @@ from datetime import timedelta
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))
 
-from report import cpu_model, loadavg  # noqa: E402  (bench/)
+from report import cpu_model, loadavg, read_reports  # noqa: E402  (bench/)
 
 BUCKET = "bench"
 KiB, MiB = 1024, 1024 * 1024
@@ -643,11 +643,7 @@ def main(argv=None) -> None:
         exit_child(args.exit_child)
         return
     if args.markdown:
-        reports = []
-        for path in args.markdown:
-            with open(path) as f:
-                reports.append(json.load(f))
-        print(markdown(reports))
+        print(markdown(read_reports(args.markdown)))
         return
     from faultproxy import FaultProxy
     from s3server import S3Server

@@ -24,6 +24,17 @@ def machine() -> str:
     return f"{cpu_model()}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}"
 
 
+def read_reports(paths) -> list[dict]:
+    """The JSON reports a benchmark wrote with --json, for --markdown."""
+    import json
+
+    reports = []
+    for path in paths:
+        with open(path) as f:
+            reports.append(json.load(f))
+    return reports
+
+
 def loadavg() -> str:
     """The 1-, 5- and 15-minute load averages: every figure gives the load."""
     with open("/proc/loadavg") as f:
