@@ -295,12 +295,17 @@ def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
 # and `s3_bucket` (a fresh bucket per test). See tests/support/s3server.py,
 # also for why the module-scoped server does not trip no_leftover_processes.
 from s3server import s3_bucket, s3_server  # noqa: E402,F401
+from pairwise import covering_subset, parameters_of  # noqa: E402
 
 
 # The long tier: cases the default run leaves to `-m stress` (docs/developing.md),
 # each beside a shorter case of the same behaviour that stays in the default run,
 # so that the default run keeps to about ten minutes on two cores.  By node id
-# (a parameter's id included); a whole module by its path.
+# (a parameter's id included), with a comment naming the sibling that stays; a
+# whole module by its path.  A parametrized grid whose cases are all long is
+# marked `@pytest.mark.pairwise` in its file instead: the default run keeps a
+# pairwise-covering subset of it (mark_beyond_a_pairwise_subset below,
+# tests/support/pairwise.py), the long tier the rest.  See tests/README.md.
 LONG_TIER = {
     "tests/torch_layer/test_ray.py",  # a Ray cluster's start alone is a minute and a half
     "tests/loader_layer/test_hostile_limits.py::test_a_3_gib_single_sample_arrives_whole",
@@ -333,6 +338,14 @@ LONG_TIER = {
     # siblings in the default run: [True-None-2] (unbatched, 2 workers) and
     # [False-64-2] (torch's global generator, 2 workers)
     "tests/loader_layer/test_stream_samplers.py::test_dataloader_shuffle_is_torchs_order_without_iterating_its_sampler[False-None-2]",
+    # two workers of 1 MB texts; [1] and [8] (more workers than cores) stay
+    "tests/loader_layer/test_kept_batches.py::test_batches_of_64_texts_of_1_mb[2]",
+    # 2**31 - 1 stays beside 2**31 + 1 ([2147483649]), which crosses int32
+    "tests/loader_layer/test_scale.py::test_the_order_near_2_31_and_2_33_is_injective_on_large_samples[2147483647]",
+    # first-ready with two workers; [True-2] (workers) and [False-0] (first-ready) stay
+    "tests/loader_layer/test_scale.py::test_a_billion_index_sampler_starts_at_once_and_resumes[False-2]",
+    # eight ranks; [1], [2] and [3] (an uneven share) stay
+    "tests/loader_layer/test_scale.py::test_distributed_loaders_share_each_epoch_exactly[8]",
 }
 
 
@@ -341,3 +354,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in LONG_TIER or item.nodeid.split("::")[0] in LONG_TIER:
             item.add_marker(pytest.mark.stress)
+    mark_beyond_a_pairwise_subset(items)
+
+
+def mark_beyond_a_pairwise_subset(items) -> None:
+    """A test marked `pairwise` keeps a covering subset of its grid's default
+    cases in the default run and gives the rest to the long tier
+    (tests/support/pairwise.py).  Cases already in the long tier are not
+    counted: what they hold must meet again in a default case."""
+    grids = {}
+    for item in items:
+        if (item.get_closest_marker("pairwise") and hasattr(item, "callspec")
+                and not item.get_closest_marker("stress")):
+            grids.setdefault(item.nodeid.split("[")[0], []).append(item)
+    for grid in grids.values():
+        among = grid[0].get_closest_marker("pairwise").kwargs.get("among")
+        kept = set(covering_subset([parameters_of(item) for item in grid], among))
+        for i, item in enumerate(grid):
+            if i not in kept:
+                item.add_marker(pytest.mark.stress)

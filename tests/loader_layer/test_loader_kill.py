@@ -138,6 +138,7 @@ def _child_noise(err: str) -> list[str]:
     return [line for line in err.splitlines() if any(m in line for m in markers)]
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("count", reps(1, 14))
 @pytest.mark.parametrize("target", ["group", "main"])
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
@@ -302,6 +303,7 @@ def _forked_without_fault_dumps(config):
                 faulthandler.enable(file=sys.__stderr__)
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("count", reps(1, 10))
 @pytest.mark.parametrize("moment", ["between-batches", "while-main-waits"])
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSEGV], ids=["SIGKILL", "SIGSEGV"])

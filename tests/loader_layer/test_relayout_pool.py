@@ -233,6 +233,7 @@ def every_pool_size(ds, make_loader, in_order: bool, expected=fitting, numbered=
 MODES = [(0, "process")] + [(w, m) for w in (1, 2) for m in ("process", "thread")]
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("in_order", [True, False], ids=["in_order", "first_ready"])
 @pytest.mark.parametrize("workers,mode", MODES, ids=[f"{w}{m[0]}" for w, m in MODES])
 @pytest.mark.parametrize("batch_size", [1, 4, 32])
@@ -248,6 +249,7 @@ def test_a_batch_laid_out_again_in_every_pool_size(kind, batch_size, workers, mo
         expected=fitting if workers else lambda ds, cap: (list(range(BATCHES)), []))
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("in_order", [True, False], ids=["in_order", "first_ready"])
 @pytest.mark.parametrize("mode", ["process", "thread"])
 @pytest.mark.parametrize("kind", ["bucketed", "both"])
@@ -259,6 +261,7 @@ def test_collated_batches_laid_out_again_in_every_pool_size(kind, mode, in_order
         memory_cap_bytes=cap, timeout=20), in_order, numbered=in_order)
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("in_order", [True, False], ids=["in_order", "first_ready"])
 @pytest.mark.parametrize("mode", ["process", "thread"])
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -329,6 +332,7 @@ class Mixed:
         return np.dtype(np.float32 if i % 7 == 3 else np.int32)
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("in_order", [True, False], ids=["in_order", "first_ready"])
 @pytest.mark.parametrize("mode", ["process", "thread"])
 @pytest.mark.parametrize("batch_size", [1, 4])

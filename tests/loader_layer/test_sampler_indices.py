@@ -136,6 +136,9 @@ def test_an_integer_outside_int64_is_an_index_error(mode, value):
 
 # --- every mode, past the first window --------------------------------------------------
 
+# the default run: every mode once and both samplers (each value: the test
+# names no pair of them); all 8 with -m stress
+@pytest.mark.pairwise(among=())
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("sized", [True, False], ids=["len", "no-len"])
 def test_a_non_int_far_into_a_long_sampler_in_every_mode(mode, sized):
@@ -196,6 +199,7 @@ class SizedTurningBatches(TurningBatches):
         return self.n // 10
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("mode", ["inline", "processes", "threads"])
 @pytest.mark.parametrize("sized", [True, False], ids=["len", "no-len"])
 @pytest.mark.parametrize("value", [2.5, "7", np.float64(4.0)], ids=["float", "str", "np-float"])

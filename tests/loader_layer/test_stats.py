@@ -72,6 +72,7 @@ def test_counts_bytes_and_pool_per_epoch():
     assert inline_stats["summary"].startswith("epoch 1: 200 batches, 20000 samples in ")
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("prefetch", [1, 3])
 @pytest.mark.parametrize("step", [0.0, 0.005])
 @pytest.mark.parametrize("in_order", [True, False])

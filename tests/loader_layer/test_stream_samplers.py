@@ -51,6 +51,7 @@ def epochs_of(ld, epochs):
 MODES = [dict(num_workers=0), dict(num_workers=2), dict(num_workers=2, worker_mode="thread")]
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("mode", MODES, ids=["inline", "processes", "threads"])
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("n", [20_000, 20_003])
@@ -152,6 +153,7 @@ def test_an_infinite_sampler_resumes_from_a_state_taken_between_steps():
 
 # --- resuming --------------------------------------------------------------------------
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("epoch", [1, 2])
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -252,6 +254,7 @@ def batches_of(sampler, count=None):
     return [np.asarray(b, np.int64) for b in itertools.islice(sampler, count)]
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("sized", [False, True], ids=["no-len", "len"])
 @pytest.mark.parametrize("mode", MODES + [dict(num_workers=2, in_order=False)],
                          ids=["inline", "processes", "threads", "first-ready"])

@@ -46,6 +46,7 @@ def samples(batch) -> list:
     return i
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("mode", ["process", "thread"])
 @pytest.mark.parametrize("workers", [2, 3])
 @pytest.mark.parametrize("batch_size", [1, 3])

@@ -113,6 +113,7 @@ SAMPLERS = {
 }
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("how", [left_by_break, left_by_peek, left_by_exception],
                          ids=["break", "peek", "exception"])
 @pytest.mark.parametrize("case", list(SAMPLERS))
@@ -733,6 +734,7 @@ def state_if_any(loader):
         loader.state_dict()
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("workers,persistent", WORKERS_AND_PERSISTENCE,
                          ids=["nw0", "nw2", "nw2-persistent"])
 @pytest.mark.parametrize("before", list(ORDERS_BEFORE))

@@ -225,6 +225,7 @@ class ShardsWithLen(Shards):
         return self.n
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("in_order", [True, False])
 @pytest.mark.parametrize("num_workers", [0, 1, 3])
 @pytest.mark.parametrize("drop_last", [False, True])

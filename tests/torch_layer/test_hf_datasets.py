@@ -65,6 +65,7 @@ def expected_rows(order) -> dict:
             "weight": c["weight"][order].tolist()}
 
 
+@pytest.mark.pairwise  # the default run: a pairwise-covering subset (conftest.py); all with -m stress
 @pytest.mark.parametrize("kind", ["memory", "parquet", "arrow"])
 @pytest.mark.parametrize("fmt", ["numpy", "torch"])
 @pytest.mark.parametrize("workers", [0, 2])
