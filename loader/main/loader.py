@@ -403,7 +403,8 @@ class ShmLoader(FrozenState):
         loaded = LoaderState.from_dict(state, self._expected_state())
         own_load = self._own_states_to_load(loaded)
         self._freeze_loaded(state)
-        self._runs.abandon()
+        if self._session is not None:
+            self._runs.abandon()
         if loaded.seed != self.seed:
             self._shutdown()  # the workers know the old seed: new ones start at iter()
         self._steps_epoch = None

@@ -89,10 +89,9 @@ class Runs:
 
     def abandon(self) -> None:
         """A state was loaded: main reads neither the current run nor the
-        one started ahead any more."""
-        if self.session is not None:
-            self.end(self.current)
-            self.end(self.ahead)
+        one started ahead any more (without a session, there is none)."""
+        self.end(self.current)
+        self.end(self.ahead)
         self.current = self.ahead = None
 
     def route(self, msg) -> None:
