@@ -231,6 +231,39 @@ class _Epoch:
         if self.run is None:
             self._begin()
 
+    def _next(self):
+        """The next batch: handed out if it is here, else the run's
+        messages taken until it is (or the epoch ends)."""
+        self._resumed()
+        while True:
+            batch = self._next_ready()
+            if batch is not NOT_READY:
+                return batch
+            self._nothing_ready()
+            self._file(self._receive())
+
+    def _next_ready(self):
+        """The next batch to hand out, if it is here, else NOT_READY (or
+        raise its error: the next call goes on with the following batch)."""
+        raise NotImplementedError
+
+    def _nothing_ready(self) -> None:
+        """No batch to hand out yet: end the epoch if nothing more can come
+        (StopIteration), or raise what stops it."""
+        raise NotImplementedError
+
+    def _file(self, msg) -> None:
+        """A message of the run: a batch kept until its turn, a failure, an end."""
+        raise NotImplementedError
+
+    def _take(self, turn: int):
+        """The BatchReady to hand out next (in order: batch `turn`;
+        first-ready: the first here), taken from pending, or None."""
+        if self.in_order:
+            return self.pending.pop(turn, None)
+        key = next(iter(self.pending), None)
+        return None if key is None else self.pending.pop(key)
+
     def _failed(self, msg: _protocol.Failed) -> None:
         """In order, a batch's error is raised when its turn comes; else at
         once (and again at every next() if it ends the run)."""
@@ -297,37 +330,33 @@ class MapEpoch(_Epoch):
     def _started(self) -> None:
         self.total = self.run.plan.nbatches
 
-    def _next(self):
-        self._resumed()
-        while True:
-            batch = self._next_ready()
-            if batch is not NOT_READY:
-                return batch
-            if self.ended:
-                if not self.in_order or self.yielded == self.total:
-                    self._done()
-                raise WorkerError(f"ShmLoader: the run ended without batch {self.yielded} of "
-                                  f"{self.total} and without an error for it")
-            self._raise_feed_failure()
-            msg = self._receive()
-            self._maybe_run_ahead()
-            kind = type(msg)
-            if kind is _protocol.Failed:
-                self._batch_lost(msg)
-                self._failed(msg)
-            elif kind is _protocol.RunEnded:
-                if self.in_order and msg.batches != self.total - len(self.failed):
-                    raise WorkerError(
-                        f"ShmLoader: epoch {self.epoch} ended after {msg.batches} of "
-                        f"{self.total - len(self.failed)} batches without an error; its shared "
-                        f"state was changed from outside (another process writing into this "
-                        f"process's memory?)")
-                self._run_ended(msg)
-                if not self.in_order:  # fewer batches than planned came: _left() is exact now
-                    self.run = self.host.advance(self.run, self.yielded, self._left(),
-                                                 self.rowless)
-            else:
-                self.pending[msg.batch] = msg
+    def _nothing_ready(self) -> None:
+        if self.ended:
+            if not self.in_order or self.yielded == self.total:
+                self._done()
+            raise WorkerError(f"ShmLoader: the run ended without batch {self.yielded} of "
+                              f"{self.total} and without an error for it")
+        self._raise_feed_failure()
+
+    def _file(self, msg) -> None:
+        self._maybe_run_ahead()
+        kind = type(msg)
+        if kind is _protocol.Failed:
+            self._batch_lost(msg)
+            self._failed(msg)
+        elif kind is _protocol.RunEnded:
+            if self.in_order and msg.batches != self.total - len(self.failed):
+                raise WorkerError(
+                    f"ShmLoader: epoch {self.epoch} ended after {msg.batches} of "
+                    f"{self.total - len(self.failed)} batches without an error; its shared "
+                    f"state was changed from outside (another process writing into this "
+                    f"process's memory?)")
+            self._run_ended(msg)
+            if not self.in_order:  # fewer batches than planned came: _left() is exact now
+                self.run = self.host.advance(self.run, self.yielded, self._left(),
+                                             self.rowless)
+        else:
+            self.pending[msg.batch] = msg
 
     def _batch_lost(self, msg: _protocol.Failed) -> None:
         """A batch the failure spoils will never come.  In order, it counts
@@ -380,19 +409,14 @@ class MapEpoch(_Epoch):
         self.total = self.run.plan.nbatches  # a run settled once its sampler ended
 
     def _next_ready(self):
-        """The next batch to hand out, if it is here, else NOT_READY (or
-        raise its error: the next call goes on with the following batch)."""
         if self.in_order:
             failed = self.errors.pop(self.yielded, None)
             if failed is not None:
                 self._advance()
                 self.host.raise_failed(failed)
-            key = self.yielded if self.yielded in self.pending else None
-        else:
-            key = next(iter(self.pending), None)
-        if key is None:
+        msg = self._take(self.yielded)
+        if msg is None:
             return NOT_READY
-        msg = self.pending.pop(key)
         batch = self._hand_out(msg)
         if self.in_order:
             self.progress.mark_batch(msg.batch)
@@ -435,29 +459,25 @@ class StreamEpoch(_Epoch):
         return len(self.ends) == self.workers and self.next_id > max(
             (k - 1) * self.workers + w for w, (k, _) in self.ends.items())
 
-    def _next(self):
-        self._resumed()
-        while True:
-            batch = self._next_ready()
-            if batch is not NOT_READY:
-                return batch
-            if self.ended and not self.pending:
-                if self.errors:
-                    self.host.raise_failed(self.errors.pop(min(self.errors)))
-                self.progress.complete = True
-                self._done()
-            msg = self._receive()
-            kind = type(msg)
-            if kind is _protocol.Failed:
-                if not self.in_order:
-                    self._batch_lost(msg.batch)
-                self._failed(msg)
-            elif kind is _protocol.StreamEnded:
-                self.ends[msg.worker] = (msg.batches, set(msg.dropped))
-            elif kind is _protocol.RunEnded:
-                self._run_ended(msg)
-            else:
-                self.pending[msg.batch] = msg
+    def _nothing_ready(self) -> None:
+        if self.ended and not self.pending:
+            if self.errors:
+                self.host.raise_failed(self.errors.pop(min(self.errors)))
+            self.progress.complete = True
+            self._done()
+
+    def _file(self, msg) -> None:
+        kind = type(msg)
+        if kind is _protocol.Failed:
+            if not self.in_order:
+                self._batch_lost(msg.batch)
+            self._failed(msg)
+        elif kind is _protocol.StreamEnded:
+            self.ends[msg.worker] = (msg.batches, set(msg.dropped))
+        elif kind is _protocol.RunEnded:
+            self._run_ended(msg)
+        else:
+            self.pending[msg.batch] = msg
 
     def _next_ready(self):
         if self.in_order:
@@ -471,16 +491,13 @@ class StreamEpoch(_Epoch):
                     self.next_id += 1  # a batch that stream will never fill
                     continue
                 break
-            key = self.next_id if self.next_id in self.pending else None
-        else:
-            key = next(iter(self.pending), None)
-        if key is None:
+        msg = self._take(self.next_id)
+        if msg is None:
             return NOT_READY
-        msg = self.pending.pop(key)
         batch = self._hand_out(msg)
         if self.in_order:
             self.next_id += 1
-        worker = key % self.workers
+        worker = msg.batch % self.workers
         self.control.raise_worker_limit(self.run.id, worker)
         if self.host.per_batch:
             self.progress.mark_batch(worker)
