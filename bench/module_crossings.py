@@ -14,7 +14,8 @@ other processes).
     PYTHONPATH=$PWD python bench/module_crossings.py [--batches N] [--detail]
 
 prints, for each of the two, the entries and the distinct modules entered
-(the batch's are the most common count over N steady-state batches).
+(the batch's are the most common count over N steady-state batches), and
+the Python-level calls made meanwhile, of any module.
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ class Crossings:
 
     def __init__(self):
         self.entries: collections.Counter = collections.Counter()
+        self.calls = 0  # Python-level calls of any module (the cost W12 counts)
 
     def _profile(self, frame, event, arg):
         if event == "call":
+            self.calls += 1
             callee = module_of(frame.f_code.co_filename)
             if callee is None:
                 return
@@ -108,7 +111,8 @@ def state_round_trip() -> Crossings:
 
 
 def show(title: str, c: Crossings, detail: bool) -> None:
-    print(f"{title}: {c.total} module entries, {len(c.entries)} modules")
+    print(f"{title}: {c.total} module entries, {len(c.entries)} modules "
+          f"({c.calls} Python calls)")
     if detail:
         for name, n in sorted(c.entries.items()):
             print(f"    {name}: {n}")
