@@ -198,7 +198,7 @@ class Runs:
         if feed is None or run.batches is None:
             return run, self.limit(run, yielded, rowless)
         # (needed=0: a failure is kept in the feed, not raised here: the epoch
-        # that owns the run raises it at the batch it stopped (EpochHost))
+        # that owns the run raises it at the batch it stopped: MapEpoch._raise_feed_failure)
         if isinstance(feed, BatchFeed):  # its batches' offsets first: limit() reads them
             feed.feed_batches(max(min(yielded + self.live.now.prefetch, run.plan.nbatches), 0),
                               needed=0)
