@@ -14,7 +14,8 @@ import numpy as np
 from loader.shared.spec import LoaderSpec
 from loader.worker import fetch as _fetch
 from loader.order import indices as _order
-from loader.main.stats import EpochClock, Task
+from loader.main.epochs import CurrentEpoch
+from loader.main.stats import EpochClock, StatsBook, Task
 from loader.shared.layout import LayoutCache, signature_and_leaves, stack
 from loader.main.materialize import materialize
 from loader.order.planning import order_of, settled_plan
@@ -59,12 +60,13 @@ class InlineEpoch:
     goes on with the following batch, as PyTorch's DataLoader does."""
 
     def __init__(self, spec: LoaderSpec, epoch: int, resume: dict | None, *, planner, tracer,
-                 owner):
+                 current: CurrentEpoch, stats: StatsBook):
         """spec: the loader's (shared/spec.py) as the epoch begins; planner,
-        tracer, owner: what the loader gives its epochs (main/planner.py,
-        shared/trace.py, EpochOwner in main/runs.py)."""
+        tracer, current, stats: what the loader gives its epochs
+        (main/planner.py, shared/trace.py; NOTE [ Who decides on main's
+        batch path ] in main/epochs.py)."""
         self.spec, self.epoch, self.resume = spec, epoch, resume
-        self.planner, self.tracer, self.owner = planner, tracer, owner
+        self.planner, self.tracer, self.current, self.stats = planner, tracer, current, stats
         self.torch_rules = spec.torch_rules
         self.cache = LayoutCache()
         self.seeder = SampleSeeder(spec.seed) if spec.reproducible else None
@@ -85,7 +87,8 @@ class InlineEpoch:
         ld = self.spec
         plan = self.plan = self.planner.plan(self.epoch, self.resume)
         self.planner.tell_order(plan)
-        self.progress = self.owner.track(plan)
+        self.current.plan = plan  # the plan state_dict() now describes
+        self.progress = plan.progress
         self.k = 0                      # the next batch
         own = None  # NOTE [ Datasets that keep their own state ]: main's copy
         if plan.own is not None and not ld.iterable:
@@ -124,7 +127,8 @@ class InlineEpoch:
                 t1 = time.perf_counter_ns()
                 clock.loop_wait_ns += t1 - t0
                 self.tracer.wait(t0, t1, epoch=self.epoch)
-                self.owner.record_stats(self.epoch, None, clock, self.batches, self.samples)
+                self.stats.record(self.epoch, None, clock, self.spec.num_workers, self.batches,
+                                  self.samples)
                 self.tracer.epoch(clock.t0, t1, epoch=self.epoch, batches=self.batches,
                                   samples=self.samples, complete=True)
             raise

@@ -10,25 +10,22 @@ import warnings
 import weakref
 
 from loader.order import indices as _order
-from loader.shared import messages as _protocol
 from loader.main.arguments import check_arguments, positive_int, torch_positions
 from loader.main.autoscale import Autoscaler
-from loader.main.epochs import MapEpoch, StreamEpoch
+from loader.main.epochs import CurrentEpoch, EpochHost, MapEpoch, StreamEpoch
 from loader.main.lookahead import FrozenState
 from loader.main.inline import InlineEpoch
 from loader.main.materialize import Materializer
 from loader.main.pinning import cuda_available
-from loader.main.procs import this_pid
 from loader.torch.integrations import install_imported
 from loader.main.planner import EpochPlanner
 from loader.order.planning import Plan
-from loader.main.runs import EpochHost, EpochOwner, Runs
+from loader.main.runs import Runs
 from loader.order.progress import MapProgress
 from loader.order.feed import sampler_length
-from loader.main.session import Session
 from loader.shared.spec import SHM_RULES, TORCH_RULES, LiveSpec, public_fields
 from loader.main.state import ABSENT, Expected, LoaderState
-from loader.main.stats import EpochClock, stall_advice, summary_line, warn_stalled
+from loader.main.stats import StatsBook
 from loader.shared.trace import ROLE_MAIN, tracer_of
 from loader.datasets import own_state as _own_state
 
@@ -119,18 +116,15 @@ class ShmLoader(FrozenState):
         # builds batches for this loader's output (its leaf plans kept across batches)
         self._materializer = Materializer(spec.output, spec.torch_rules)
         self._planner = EpochPlanner(self._live)  # seeds, generators, each epoch's plan
-        self._epoch = 0          # epochs started by iter(): they pick the order and the seeds
-        self._runs = Runs(self._planner)  # NOTE [ Runs ]
         self._owner_pid = os.getpid()
-        self._session = None     # the processes and shared memory, once started (main/session.py)
+        # which epoch is current, and the plan state_dict() describes (NOTE [ Who
+        # decides on main's batch path ] in main/epochs.py)
+        self._current = CurrentEpoch(self._owner_pid)
+        self._runs = Runs(self._planner, self._current)  # NOTE [ Runs ]; the session's owner
+        self._stats = StatsBook(spec.memory_cap_bytes, warn_stalls=not spec.torch_rules)
         self._autoscaler = None  # num_workers="auto": its decisions (main/autoscale.py)
         self._resume = None           # a state to resume at the next iter()
         self._steps_epoch = None      # (epoch, its iterator) that steps() goes on with
-        self._progress = self._progress_plan = None  # of the epoch state_dict() describes
-        self._closed = False
-        self._stats = None
-        self._moved_out = (0, 0)  # kept slabs and bytes moved out by lease books closed
-        self._warned_stall = False
         _live_loaders.add(self)
 
     # --- sizes ----------------------------------------------------------------------
@@ -199,11 +193,11 @@ class ShmLoader(FrozenState):
 
         The busy shares include the next epoch's loading once it starts
         early (persistent workers run ahead into it)."""
-        if self._stats is None:
+        if self._stats.last is None:
             return None
-        out = dict(self._stats)
+        out = dict(self._stats.last)
         out["workers"] = self._workers_loading()
-        out["kept_slabs_moved_out"], out["kept_bytes_moved_out"] = self._kept_moved_out()
+        out["kept_slabs_moved_out"], out["kept_bytes_moved_out"] = self._runs.kept_moved_out()
         remote = getattr(self.dataset, "remote_stats", None)
         if callable(remote):  # FileDataset over an object store (NOTE [ Remote data ])
             out["remote"] = remote()
@@ -211,29 +205,21 @@ class ShmLoader(FrozenState):
             out["worker_counts"] = list(self._autoscaler.history)
         return out
 
-    def _kept_moved_out(self) -> tuple[int, int]:
-        slabs, nbytes = self._moved_out
-        if self._session is not None:  # the pool's book now
-            now = self._session.kept_moved_out()
-            slabs, nbytes = slabs + now[0], nbytes + now[1]
-        return slabs, nbytes
-
     # --- processes ----------------------------------------------------------------------
 
-    def _check_owner(self):
-        if this_pid() != self._owner_pid and os.getpid() != self._owner_pid:
-            raise RuntimeError(
-                f"this ShmLoader belongs to process {self._owner_pid}; a process forked from it "
-                f"(this is {os.getpid()}) cannot use it: create a new ShmLoader here")
+    @property
+    def _session(self):
+        """The processes and shared memory, once started (main/session.py;
+        Runs owns them)."""
+        return self._runs.session
 
     def _start(self):
         spec = self._live.update(parent_pid=0 if self._live.now.threads else os.getpid())
-        self._session = Session(spec)
-        self._runs.session = self._session
+        session = self._runs.open(spec)
         if spec.auto:
-            self._session.shared.control.set_active(spec.num_workers)
+            session.shared.control.set_active(spec.num_workers)
             set_active = weakref.WeakMethod(self._set_active_workers)  # (no cycle: see Runs)
-            self._autoscaler = Autoscaler(self._session.shared.waited,
+            self._autoscaler = Autoscaler(session.shared.waited,
                                           lambda count: set_active()(count), spec.num_workers,
                                           spec.max_workers)
 
@@ -251,18 +237,8 @@ class ShmLoader(FrozenState):
         self._live.update(num_workers=self._session.add_workers(active, first_run))
 
     def _shutdown(self):
-        """Stop the session (NOTE [ ShmLoader processes and shutdown ] in
-        shared/messages.py).  Interrupted (a Ctrl-C while it waits for the
-        children), it is done by the next call: close() again, __del__ or
-        interpreter exit."""
-        session = self._session
-        if session is None:
-            return
-        session.stop(self._runs.count)
-        moved = session.kept_moved_out()
-        self._moved_out = (self._moved_out[0] + moved[0], self._moved_out[1] + moved[1])
-        self._session = None
-        self._runs.stopped()
+        """Stop the session (Runs.stop)."""
+        self._runs.stop()
 
     def close(self):
         """Stop the workers and the batcher.  Batches you hold stay valid.
@@ -270,9 +246,9 @@ class ShmLoader(FrozenState):
         trace=PATH, then write the trace; if that fails (a full disk), raise
         TraceWriteError, everything stopped all the same and the records
         kept: close() again writes them."""
-        self._closed = True
+        self._current.closed = True
         if os.getpid() != self._owner_pid:
-            self._session = None  # a forked copy: its parent's processes
+            self._runs.forget()  # a forked copy: its parent's processes
             return
         self._shutdown()
         trace = self._live.now.trace
@@ -296,44 +272,34 @@ class ShmLoader(FrozenState):
     # --- iteration ----------------------------------------------------------------------
 
     def __iter__(self):
-        if self._closed:
+        if self._current.closed:
             raise ValueError("this ShmLoader is closed; create a new one")
-        self._check_owner()
+        self._current.check_owner()
         self.thaw_state()  # a pass of its own, or a wrapper's (which freezes it again)
         if self._session is None:  # (re)starting: the ranks are taken now
             self._planner.take_ranks()
         resume, self._resume = self._resume, None
+        current = self._current
         if resume is not None:
-            self._epoch = resume.epoch - 1  # the epoch the state is in
-        self._epoch += 1
+            current.number = resume.epoch - 1  # the epoch the state is in
+        current.number += 1  # every iterator made before is superseded
         spec = self._live.now
         if spec.torch_rules and resume is None:  # as torch's iterator is made
-            self._planner.draw_at_iter(self._epoch)
+            self._planner.draw_at_iter(current.number)
         if spec.pin_memory and not spec.torch_rules and not cuda_available():
             warnings.warn("ShmLoader: pin_memory=True, but CUDA is not available: batches are not "
                           "pinned (pin_memory=False says the same without this warning)",
                           UserWarning, stacklevel=2)
         if spec.num_workers == 0:
-            return InlineEpoch(spec, self._epoch, resume, planner=self._planner,
-                               tracer=self._tracer, owner=self._epoch_owner())
+            return InlineEpoch(spec, current.number, resume, planner=self._planner,
+                               tracer=self._tracer, current=current, stats=self._stats)
         if self._session is None:
             self._start()
         spec = self._live.now
-        host = EpochHost(spec, runs=self._runs, session=self._session,
-                         owner=self._epoch_owner(), tracer=self._tracer,
+        host = EpochHost(spec, current=current, runs=self._runs, session=self._session,
+                         stats=self._stats, tracer=self._tracer,
                          materializer=self._materializer, autoscaler=self._autoscaler)
-        return (StreamEpoch if spec.iterable else MapEpoch)(host, self._epoch, resume)
-
-    def _epoch_owner(self) -> EpochOwner:
-        """What this loader's epochs tell it (main/runs.py)."""
-        return EpochOwner(track=self._track, check_current=self._check_current,
-                          record_stats=self._record_stats, epoch_closed=self._epoch_closed)
-
-    def _epoch_closed(self, epoch: int) -> None:
-        """An epoch's iterator is done: without persistent workers, the
-        processes stop (unless a newer iterator, already made, owns them)."""
-        if not self.persistent_workers and self._epoch == epoch:
-            self._shutdown()
+        return (StreamEpoch if spec.iterable else MapEpoch)(host, current.number, resume)
 
     def steps(self, n: int | None = None):
         """Yield n batches (None: for ever), going from one epoch into the
@@ -347,9 +313,10 @@ class ShmLoader(FrozenState):
         count = 0
         while n is None or count < n:
             current = self._steps_epoch
-            if current is None or current[0] != self._epoch or self._resume is not None:
+            if current is None or current[0] != self._current.number or \
+                    self._resume is not None:
                 it = iter(self)  # the next epoch (or the one a loaded state is in)
-                current = self._steps_epoch = (self._epoch, it)
+                current = self._steps_epoch = (self._current.number, it)
             got = False
             for batch in current[1]:
                 got = True
@@ -358,7 +325,7 @@ class ShmLoader(FrozenState):
                 if n is not None and count >= n:
                     return  # the epoch's iterator stays suspended here for the next call
             self._steps_epoch = None
-            if not got and current[0] == self._epoch:
+            if not got and current[0] == self._current.number:
                 raise ValueError("ShmLoader.steps(): an epoch yielded no batch (an empty dataset, "
                                  "or drop_last with fewer samples than a batch); there is nothing "
                                  "to step through")
@@ -367,46 +334,7 @@ class ShmLoader(FrozenState):
         scaler = self._autoscaler
         return scaler.active if scaler is not None else self._live.now.num_workers
 
-    def _record_stats(self, epoch: int, msg: _protocol.RunEnded | None, clock: EpochClock,
-                      batches: int = 0, samples: int = 0) -> None:
-        """An epoch ran to its end: keep its figures for stats() (msg: the
-        batcher's account; None when the epoch was loaded in this process,
-        which counted `batches` and `samples` itself)."""
-        by_batcher = relayouts = peak = cap = 0
-        if msg is not None:
-            batches, samples, by_batcher, relayouts = (msg.batches, msg.samples,
-                                                       msg.rows_by_batcher, msg.relayouts)
-            peak, cap = msg.peak_slab_bytes, self.memory_cap_bytes
-        workers = self._workers_loading()
-        s = {"epoch": epoch, "batches": batches, "samples": samples,
-             "samples_written_by_workers": samples - by_batcher,
-             "samples_written_by_batcher": by_batcher, "relayouts": relayouts,
-             "workers": workers, **clock.figures(workers, peak, cap)}
-        s["summary"] = summary_line(s)
-        self._stats = s
-        # once per loader; loader.DataLoader keeps torch's behaviour (no warning)
-        if not self._warned_stall and not self._live.now.torch_rules:
-            advice = stall_advice(s)
-            if advice is not None:
-                self._warned_stall = True  # (before: with -W error the warning raises)
-                warn_stalled(advice)
-
-    def _check_current(self, epoch):
-        """An iterator is resumed: it must still be the loader's current one,
-        in the process that owns the loader."""
-        self._check_owner()
-        if self._closed:
-            raise ValueError("this ShmLoader is closed; create a new one")
-        if self._epoch != epoch:
-            raise RuntimeError("this ShmLoader iterator was superseded: iter(loader) was called "
-                               "again, which starts a new epoch; use one iterator at a time")
-
     # --- resuming ---------------------------------------------------------------------
-
-    def _track(self, plan: Plan):
-        """The epoch of this plan is the one state_dict() describes now."""
-        self._progress, self._progress_plan = plan.progress, plan
-        return plan.progress
 
     def state_dict(self) -> dict:
         """Where the loader is: the epoch in progress and which of its
@@ -424,7 +352,8 @@ class ShmLoader(FrozenState):
 
     def _state(self) -> LoaderState:
         """The state state_dict() returns, of the epoch it describes now."""
-        spec, progress, plan = self._live.now, self._progress, self._progress_plan
+        spec, plan = self._live.now, self._current.plan
+        progress = plan.progress if plan is not None else None
         epoch = {"rng": {}, "base_seed": None, "map": None, "stream": None, "complete": True}
         if progress is not None:  # (else no epoch started: the next is the first)
             epoch.update(rng=dict(plan.rng), base_seed=plan.base_seed)
@@ -433,7 +362,7 @@ class ShmLoader(FrozenState):
             else:
                 epoch.update(stream=progress.state(), complete=progress.complete)
         return LoaderState(
-            epoch=self._epoch, seed=spec.seed, rank=spec.rank, world=spec.world,
+            epoch=self._current.number, seed=spec.seed, rank=spec.rank, world=spec.world,
             workers=spec.num_workers, iterable=spec.iterable, batch_size=spec.batch_size,
             dataset_len=spec.map_len(), sampler=spec.sampler_name,
             dataset=self._own_state_entry(epoch["complete"], plan), **epoch)
@@ -448,7 +377,7 @@ class ShmLoader(FrozenState):
         if not _own_state.keeps_state(dataset):
             return ABSENT
         if spec.resumes_itself():
-            progress = self._progress if plan is not None else None
+            progress = plan.progress if plan is not None else None
             return _own_state.pass_entry(
                 dataset, plan.pass_start if progress is not None else None,
                 progress, world=spec.world, in_order=spec.in_order,
@@ -469,28 +398,26 @@ class ShmLoader(FrozenState):
     def load_state_dict(self, state: dict) -> None:
         """Resume from state_dict(): the next iter() yields the rest of the
         epoch the state was taken in (or the next epoch, if it was over)."""
-        self._check_owner()
+        self._current.check_owner()
         # checked before anything changes (main/state.py)
         loaded = LoaderState.from_dict(state, self._expected_state())
         own_load = self._own_states_to_load(loaded)
         self._freeze_loaded(state)
         if self._session is not None:
-            self._runs.end(self._runs.current)
-            self._runs.end(self._runs.ahead)
-            if loaded.seed != self.seed:
-                self._shutdown()  # the workers know the old seed: new ones start at iter()
-        self._runs.current = self._runs.ahead = None
+            self._runs.abandon()
+        if loaded.seed != self.seed:
+            self._shutdown()  # the workers know the old seed: new ones start at iter()
         self._steps_epoch = None
         self._planner.own_load = own_load
         self._live.update(seed=loaded.seed)
         if loaded.complete:
-            self._epoch, self._resume = loaded.epoch, None
+            self._current.number, self._resume = loaded.epoch, None
         elif self._live.now.resumes_itself():
             # the dataset drops what was delivered itself: the streams begin anew
             self._resume = loaded.with_streams_anew()
         else:
             self._resume = loaded
-        self._progress = None
+        self._current.plan = None
 
     def _own_states_to_load(self, loaded: LoaderState) -> list | None:
         """What the dataset's copies load as the next run begins (NOTE
@@ -565,7 +492,7 @@ def continue_from(loader: ShmLoader, previous: ShmLoader) -> None:
     between two passes (its samplers changed: NOTE [ The samplers a pass
     takes ] in torch/dataloader.py): the epochs go on counting, and the base
     seed a persistent iterator drew once stays drawn."""
-    loader._epoch = previous._epoch
+    loader._current.number = previous._current.number
     loader._planner.drawn_base_seed = previous._planner.drawn_base_seed
 
 

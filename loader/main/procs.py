@@ -286,25 +286,6 @@ def _pids_cgroup() -> str | None:
     return None
 
 
-# This process's id, kept by a fork hook: main checks it on every batch
-# (ShmLoader._check_owner), and os.getpid() is a system call each time.
-_this_pid = os.getpid()
-
-
-def _note_fork() -> None:
-    global _this_pid
-    _this_pid = os.getpid()
-
-
-os.register_at_fork(after_in_child=_note_fork)
-
-
-def this_pid() -> int:
-    """os.getpid(), as of the last os.fork() (a fork outside os.fork, from
-    C, is not seen: use it only where os.getpid() would do as well)."""
-    return _this_pid
-
-
 def _fork(role, target, args, children: list[Child]) -> None:
     """Fork one child and append it to children before anything can raise
     in this process (a Ctrl-C held back across the fork is raised when the

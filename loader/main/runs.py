@@ -1,14 +1,14 @@
-"""The runs main reads, and all an epoch may ask of its loader.
+"""The runs main reads, and the session that runs them.
 
 `Runs` keeps the runs of one loader (NOTE [ Runs ] in shared/control.py): the
 current one and the next epoch's, started ahead; the messages of each,
 filed as they come; which have not ended.  It starts a run from a plan
 (order/planning.py), raises its LIMIT as the loop takes batches, feeding a
 streamed sampler first and settling a run whose sampler ended (NOTE
-[ Streamed samplers ] in order/feed.py), and ends it.
-
-`EpochHost` is the handful of methods an epoch iterator (main/epochs.py)
-calls; it reads nothing else of the loader.
+[ Streamed samplers ] in order/feed.py), and ends it.  It holds the
+loader's Session (main/session.py) from its start to its stop, and stops
+it when an epoch ends without persistent workers (NOTE [ Who decides on
+main's batch path ] in main/epochs.py).
 """
 
 from __future__ import annotations
@@ -17,17 +17,13 @@ import collections
 import time
 from typing import Callable, NamedTuple
 
-import numpy as np
-
 from loader.order import indices as _order
 from loader.shared import messages as _protocol
 from loader.shared.control import RunWords
 from loader.shared.spec import LoaderSpec
-from loader.errors import raise_reported
 from loader.order.planning import Plan, offsets_word, order_of, settled_plan
 from loader.order.feed import BatchFeed
-from loader.main.stats import EpochClock
-from loader.shared.trace import EPOCH
+from loader.main.session import Session
 from loader.datasets.own_state import RunDataset
 
 
@@ -40,27 +36,62 @@ class Run(NamedTuple):
 class Runs:
     """The runs of one loader, which owns them.  Plans come from the
     loader's EpochPlanner (main/planner.py); the loader's spec as it stands
-    now (prefetch, timeout, ranks) is the planner's LiveSpec."""
+    now (prefetch, timeout, ranks) is the planner's LiveSpec; which epoch
+    is the loader's current one, its CurrentEpoch (main/epochs.py)."""
 
-    def __init__(self, planner):
+    def __init__(self, planner, current_epoch):
         self.planner = planner
         self.live = planner.live
+        self.current_epoch = current_epoch
         self.count = 0           # runs started (ids are never reused)
         self.current = None      # the run of the latest iter()
         self.ahead = None        # the next epoch's run, started before its iter()
         self.inboxes: dict[int, collections.deque] = {}  # messages of the runs main reads
         self.unended: set[int] = set()                     # runs whose RunEnded has not come
-        self.session = None      # the loader's Session while it runs
+        self.session = None      # the loader's Session while it runs (open() to stop())
+        self.moved_out = (0, 0)  # kept slabs and bytes moved out by the sessions stopped
         self.own_books: dict = {}  # run -> RunStates of the latest runs (NOTE [ Datasets that
                                    # keep their own state ])
-        self.rowless: collections.Counter = collections.Counter()  # run -> its first-ready
-        # samples that failed before taking a row: each widens the run's LIMIT (limit())
 
-    def stopped(self) -> None:
-        """The session stopped: no run is live any more."""
+    def open(self, spec: LoaderSpec) -> Session:
+        """Start the loader's processes and shared memory for its runs."""
+        self.session = Session(spec)
+        return self.session
+
+    def stop(self) -> None:
+        """Stop the session (NOTE [ ShmLoader processes and shutdown ] in
+        shared/messages.py): no run is live any more.  Interrupted (a
+        Ctrl-C while it waits for the children), it is done by the next
+        call: close() again, __del__ or interpreter exit."""
+        session = self.session
+        if session is None:
+            return
+        session.stop(self.count)
+        moved = session.kept_moved_out()
+        self.moved_out = (self.moved_out[0] + moved[0], self.moved_out[1] + moved[1])
+        self.forget()
+
+    def forget(self) -> None:
+        """The session is gone, or not this process's to stop (a forked
+        copy of the loader): no run is live any more."""
         self.session = None
         self.inboxes.clear()
         self.unended.clear()
+        self.current = self.ahead = None
+
+    def kept_moved_out(self) -> tuple[int, int]:
+        """Slabs (and their bytes) moved out of the pool since the loader started."""
+        slabs, nbytes = self.moved_out
+        if self.session is not None:  # the pool's book now
+            now = self.session.kept_moved_out()
+            slabs, nbytes = slabs + now[0], nbytes + now[1]
+        return slabs, nbytes
+
+    def abandon(self) -> None:
+        """A state was loaded: main reads neither the current run nor the
+        one started ahead any more (without a session, there is none)."""
+        self.end(self.current)
+        self.end(self.ahead)
         self.current = self.ahead = None
 
     def route(self, msg) -> None:
@@ -119,11 +150,13 @@ class Runs:
             for key, msg in held.items():
                 held[key] = copy_out(msg)
 
-    def limit(self, run: Run, yielded: int) -> int:
+    def limit(self, run: Run, yielded: int, rowless: int = 0) -> int:
         """Units workers may load once `yielded` batches were yielded: those
         of the next `prefetch` batches.  (Iterable runs: per worker.)  A run
         started ahead shares `prefetch` with the epoch still running: it is
-        given a negative `yielded`, minus the batches that epoch has left."""
+        given a negative `yielded`, minus the batches that epoch has left.
+        rowless: first-ready, the run's samples that failed before they
+        took a row (its epoch counts them: MapEpoch.rowless)."""
         if run.batches is None:  # each stream's next batches (a resumed one starts further)
             ahead = self.session.spec.worker_prefetch + self.session.spec.shuffle_batches
             return [j + ahead for j in run.plan.progress.first_batches()]
@@ -139,16 +172,16 @@ class Runs:
         # failed took no row, so the positions that fill the next `prefetch`
         # batches reach one further for each (else, once as many failed as a
         # batch has rows, no batch could fill and the workers would wait).
-        return run.batches.span(upto - 1)[1] + self.rowless[run.id]
+        return run.batches.span(upto - 1)[1] + rowless
 
-    def open_limit(self, run: Run, yielded: int) -> int:
+    def open_limit(self, run: Run, yielded: int, rowless: int = 0) -> int:
         """limit(), once a streamed sampler has written the indices of
         every position below it (NOTE [ Streamed samplers ]), or below its
         failure (NOTE [ Int indices ]: the epoch raises it).  A run whose
         sampler (without len()) ended there is settled first: its final
         length is stored before the LIMIT that reaches it, and the run main
         holds (current, ahead) is replaced by the settled one."""
-        settled, limit = self._fed_limit(run, yielded)
+        settled, limit = self._fed_limit(run, yielded, rowless)
         if settled is not run:
             plan = settled.plan
             self.session.shared.control.settle_run(run.id, plan.kept, plan.units, plan.nbatches)
@@ -158,24 +191,24 @@ class Runs:
                 self.ahead = settled
         return limit
 
-    def _fed_limit(self, run: Run, yielded: int) -> tuple[Run, int]:
+    def _fed_limit(self, run: Run, yielded: int, rowless: int = 0) -> tuple[Run, int]:
         """(the run, settled if its sampler just ended; its limit()), the
         indices below that limit written."""
         feed = run.plan.feed
         if feed is None or run.batches is None:
-            return run, self.limit(run, yielded)
+            return run, self.limit(run, yielded, rowless)
         # (needed=0: a failure is kept in the feed, not raised here: the epoch
-        # that owns the run raises it at the batch it stopped (EpochHost))
+        # that owns the run raises it at the batch it stopped: MapEpoch._raise_feed_failure)
         if isinstance(feed, BatchFeed):  # its batches' offsets first: limit() reads them
             feed.feed_batches(max(min(yielded + self.live.now.prefetch, run.plan.nbatches), 0),
                               needed=0)
         else:
-            feed.feed(self._positions_below(run, self.limit(run, yielded)), needed=0)
+            feed.feed(self._positions_below(run, self.limit(run, yielded, rowless)), needed=0)
         feed.release_below(run.plan.progress.run_prefix())
         plan = settled_plan(run.plan, self.live.now)
         if plan is not None:
             run = run._replace(plan=plan, batches=plan.progress.batches)
-        return run, self.limit(run, yielded)
+        return run, self.limit(run, yielded, rowless)
 
     @staticmethod
     def _positions_below(run: Run, limit: int) -> int:
@@ -243,7 +276,6 @@ class Runs:
         if run is None:
             return
         self.session.shared.control.end_run(run.id)
-        self.rowless.pop(run.id, None)
         for msg in self.inboxes.pop(run.id, ()):
             if type(msg) is _protocol.BatchReady:
                 self.session.give_back(msg)
@@ -263,13 +295,15 @@ class Runs:
         self.current = self.start(epoch, resume, snapshot)
         return self.current
 
-    def advance(self, run: Run, yielded: int, left: int) -> Run:
-        """`yielded` batches of run were handed out: raise its LIMIT, and
-        that of the run started ahead, which has `left` (minus the batches
-        run has still to hand out) to share.  Returns the run, settled if
-        its sampler (without len()) just ended (NOTE [ Streamed samplers ])."""
+    def advance(self, run: Run, yielded: int, left: int, rowless: int = 0) -> Run:
+        """`yielded` batches of run were handed out (or, first-ready,
+        `rowless` samples of it failed before they took a row: limit()):
+        raise its LIMIT, and that of the run started ahead, which has
+        `left` (minus the batches run has still to hand out) to share.
+        Returns the run, settled if its sampler (without len()) just ended
+        (NOTE [ Streamed samplers ])."""
         control = self.session.shared.control
-        control.set_limit(run.id, self.open_limit(run, yielded))
+        control.set_limit(run.id, self.open_limit(run, yielded, rowless))
         current = self.current
         if current is not run and current is not None and current.id == run.id:
             run = current  # settled
@@ -277,33 +311,29 @@ class Runs:
             control.set_limit(self.ahead.id, self.open_limit(self.ahead, left))
         return run
 
-    def sample_took_no_row(self, run: Run, yielded: int, left: int) -> Run:
-        """First-ready: a sample of run failed before it took a row, so one
-        more position may load (limit()); as advance()."""
-        self.rowless[run.id] += 1
-        return self.advance(run, yielded, left)
-
     def start_ahead(self, run: Run, next_epoch: int, left: int) -> None:
         """Every unit of run is claimed: start the next epoch's run now, if
         the loader runs ahead and none is started (NOTE [ Runs ])."""
         if self.ahead is None and self.live.now.runs_ahead() and run.id - 1 not in self.unended:
             self.ahead = self.start(next_epoch, yielded=left)
 
-    def epoch_closed(self, run: Run, *, finished: bool, pending) -> None:
-        """The iterator of run is done (ran to its end, or dropped early):
-        batches received but not handed out go back, and the run ends
-        unless it ran to its end (a run an iterator made since superseded
-        is that one's)."""
-        if self.current is not run:
-            return
-        if not finished:
-            for msg in pending:
-                self.session.give_back(msg)
-            self.end(run)
-            self.current = None
-        else:
-            self.inboxes.pop(run.id, None)
-            self.rowless.pop(run.id, None)
+    def epoch_closed(self, epoch: int, run: Run, *, finished: bool, pending) -> None:
+        """The iterator of `epoch` and its run is done (ran to its end, or
+        dropped early): batches received but not handed out go back, and
+        the run ends unless it ran to its end (a run an iterator made since
+        superseded is that one's).  Without persistent workers, the
+        processes stop then, unless a newer iterator, already made, owns
+        them."""
+        if self.current is run:
+            if not finished:
+                for msg in pending:
+                    self.session.give_back(msg)
+                self.end(run)
+                self.current = None
+            else:
+                self.inboxes.pop(run.id, None)
+        if not self.live.now.persistent_workers and self.current_epoch.is_current(epoch):
+            self.stop()
 
     def index_at(self, run_id: int, pos: int):
         """The dataset index at position pos of a map-style run main still
@@ -316,108 +346,3 @@ class Runs:
             return run.plan.feed.index(pos)
         spec = self.live.now
         return _order.index_getter(order_of(run.plan, spec.rank, spec.world))(pos)
-
-
-class EpochOwner(NamedTuple):
-    """What an epoch tells the loader that owns it (ShmLoader's methods)."""
-    track: Callable           # (plan) -> its progress, the one state_dict() describes now
-    check_current: Callable   # (epoch): raise if a newer iter() superseded this one
-    record_stats: Callable    # (epoch, RunEnded | None, EpochClock, ...): for stats()
-    epoch_closed: Callable    # (epoch): its iterator is done
-
-
-class EpochHost:
-    """What an epoch iterator (main/epochs.py) may ask of its loader, and
-    nothing else: the run for its epoch, the next message of that run,
-    batches, limits, the run started ahead, and its end.  One per iter(),
-    given by the loader exactly what it may use."""
-
-    def __init__(self, spec: LoaderSpec, *, runs: Runs, session, owner: EpochOwner, tracer,
-                 materializer, autoscaler):
-        self._runs, self._session, self._owner = runs, session, owner
-        self.tracer, self._materializer, self._autoscaler = tracer, materializer, autoscaler
-        self.in_order, self._timeout = spec.in_order, spec.timeout
-        self.control = session.shared.control
-        self.streams = spec.streams                  # an iterable dataset's: one per worker
-        self.per_batch = spec.per_batch              # a row's tag is its unit
-
-    @property
-    def wait_clocks(self):
-        """The children's wait clocks (NOTE [ Wait clocks ] in main/stats.py)."""
-        return self._session.shared.waited
-
-    def cpu_tasks(self) -> tuple[dict, list]:
-        """Whose CPU time and waits to read (NOTE [ CPU starvation ] in main/stats.py)."""
-        return self._session.cpu_tasks()
-
-    def begin(self, epoch: int, resume: dict | None):
-        """(the run of the epoch, its progress, which state_dict() now describes)."""
-        run = self._runs.run_for(epoch, resume)
-        return run, self._owner.track(run.plan)
-
-    def check_current(self, epoch: int) -> None:
-        self._owner.check_current(epoch)
-
-    def raise_failed(self, msg: _protocol.Failed):
-        index = None
-        if msg.index is None and msg.pos is not None:
-            index = self._runs.index_at(msg.run, msg.pos)  # the batcher knows positions only
-        raise_reported(msg, index)
-
-    def next_message(self, run: Run, held: dict):
-        """The run's next message, within the loader's timeout; held: the
-        batches the epoch received ahead of their turn (Runs.next_of)."""
-        deadline = None if self._timeout is None else time.monotonic() + self._timeout
-        scaler = self._autoscaler
-        if scaler is None:
-            return self._runs.next_of(run.id, deadline, held)
-        t0 = time.perf_counter()  # the training loop waits for data from here (main/autoscale.py)
-        try:
-            return self._runs.next_of(run.id, deadline, held)
-        finally:
-            scaler.waited_for(time.perf_counter() - t0)
-
-    def raise_feed_failure(self, run: Run, yielded: int) -> None:
-        """The loop asks for the run's batch `yielded` (first-ready: one
-        more than the `yielded` it had): if its streamed sampler failed
-        before that batch, raise what it raised (NOTE [ Int indices ])."""
-        feed = run.plan.feed
-        if feed is not None and feed.failure is not None and \
-                yielded >= feed.whole_batches(run.batches):
-            raise feed.failure.with_traceback(None)
-
-    def hand_out(self, msg: _protocol.BatchReady):
-        """The user's batch of msg."""
-        if self._autoscaler is not None:
-            self._autoscaler.batch_handed_out()
-        return self._session.batch(msg, self._materializer)
-
-    def tags(self, msg: _protocol.BatchReady) -> np.ndarray:
-        return self._session.tags(msg)
-
-    def advance(self, run: Run, yielded: int, left: int) -> Run:
-        """`yielded` batches of run were handed out (Runs.advance)."""
-        return self._runs.advance(run, yielded, left)
-
-    def sample_took_no_row(self, run: Run, yielded: int, left: int) -> Run:
-        """First-ready: a sample of run failed before it took a row
-        (Runs.sample_took_no_row)."""
-        return self._runs.sample_took_no_row(run, yielded, left)
-
-    def run_ahead(self, run: Run, next_epoch: int, left: int) -> None:
-        """Every unit of run is claimed (Runs.start_ahead)."""
-        self._runs.start_ahead(run, next_epoch, left)
-
-    def epoch_ended(self, epoch: int, msg: _protocol.RunEnded, clock: EpochClock) -> None:
-        """The epoch ran to its end: its figures for stats() and the trace."""
-        self._owner.record_stats(epoch, msg, clock)
-        self.tracer.epoch(clock.t0, time.perf_counter_ns(), epoch=epoch, batches=msg.batches,
-                          samples=msg.samples, complete=True)
-
-    def epoch_closed(self, epoch: int, run: Run, *, finished: bool, pending) -> None:
-        """The iterator is done (ran to its end, or dropped early): batches
-        received but not handed out go back, and the run ends unless it ran
-        to its end; then the loader hears of it (without persistent
-        workers, it stops the processes)."""
-        self._runs.epoch_closed(run, finished=finished, pending=pending)
-        self._owner.epoch_closed(epoch)

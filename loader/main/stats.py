@@ -271,6 +271,41 @@ class EpochClock:
         return out
 
 
+class StatsBook:
+    """The figures stats() reports: those of the last epoch that ran to its
+    end.  The loader keeps the book and reads it; each epoch is given it
+    and records itself as it ends (NOTE [ Who decides on main's batch
+    path ] in main/epochs.py)."""
+
+    def __init__(self, memory_cap_bytes: int, warn_stalls: bool):
+        self.memory_cap_bytes = memory_cap_bytes
+        self.warn_stalls = warn_stalls  # loader.DataLoader keeps torch's behaviour: no warning
+        self.last: dict | None = None   # None before the end of the first epoch
+        self.warned_stall = False        # a DataStallWarning is given once per loader
+
+    def record(self, epoch: int, msg, clock: EpochClock, workers: int, batches: int = 0,
+               samples: int = 0) -> None:
+        """An epoch ran to its end: keep its figures (msg: the batcher's
+        RunEnded; None when the epoch was loaded in this process, which
+        counted `batches` and `samples` itself; workers: those loading)."""
+        by_batcher = relayouts = peak = cap = 0
+        if msg is not None:
+            batches, samples, by_batcher, relayouts = (msg.batches, msg.samples,
+                                                       msg.rows_by_batcher, msg.relayouts)
+            peak, cap = msg.peak_slab_bytes, self.memory_cap_bytes
+        s = {"epoch": epoch, "batches": batches, "samples": samples,
+             "samples_written_by_workers": samples - by_batcher,
+             "samples_written_by_batcher": by_batcher, "relayouts": relayouts,
+             "workers": workers, **clock.figures(workers, peak, cap)}
+        s["summary"] = summary_line(s)
+        self.last = s
+        if self.warn_stalls and not self.warned_stall:
+            advice = stall_advice(s)
+            if advice is not None:
+                self.warned_stall = True  # (before: with -W error the warning raises)
+                warn_stalled(advice)
+
+
 def _share(x: float) -> float:
     return min(max(x, 0.0), 1.0)
 

@@ -26,8 +26,8 @@ another's position (a retried next() would pull the values after it into
 the failed positions).  The next() of the batch that holds it raises it,
 in every mode, after exactly the batches before it: with workers, main
 stops LIMIT at the last whole batch before it (Runs.limit) and the epoch
-raises it when the loop asks for the next one (EpochHost.
-raise_feed_failure); with num_workers=0, the pull for that batch.  Every
+raises it when the loop asks for the next one (MapEpoch.
+_raise_feed_failure); with num_workers=0, the pull for that batch.  Every
 later next() of the epoch raises it again; iter(loader) starts a new run
 with a new feed.
 """

@@ -19,7 +19,7 @@ from loader.shared.spec import LoaderSpec
 from loader._native import arena_array
 from loader.batcher.slabs import MAX_LEASES, Slab
 from loader.shared.layout import ArrayLeaf, Spec, Value, with_values
-from loader.shared.spill import SpillHeap, SpillWriter
+from loader.shared.spill import Spilled, SpillHeap, SpillWriter
 from loader.main.stats import start_idle
 from loader.shared.table import BatchTable
 from loader.main.threads import ThreadRing
@@ -107,7 +107,8 @@ class SharedState:
         messages ])."""
         if self.spill is None:
             return msg
-        msg = self.spill.receive(msg)
+        if type(msg) is Spilled:  # (few are: the others go on without a call)
+            msg = self.spill.receive(msg)
         if type(msg) is tuple:
             msg = batch_ready_from_wire(msg)
         if type(msg) is _protocol.BatchReady and msg.spec.rows_values is not None:

@@ -742,3 +742,70 @@ def test_ctrl_c_between_a_runs_start_and_its_clock_then_del(monkeypatch, mode):
         gc.collect()
         assert [b.tolist() for b in ld] == [list(range(k, k + 8)) for k in range(0, 64, 8)]
     assert len(calls) == 2
+
+
+def _path_to(start, target):
+    """The attributes by which `start` holds `target` (strong references
+    only: no weakref is followed, nor a function's module globals), else None."""
+    import types
+    seen, stack = set(), [(start, "epoch")]
+    while stack:
+        obj, path = stack.pop()
+        if obj is target:
+            return path
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, np.ndarray, str, bytes,
+                                               int, float)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, types.FunctionType):
+            refs = [c.cell_contents for c in obj.__closure__ or () if c.cell_contents is not None]
+        else:
+            refs = gc.get_referents(obj)
+        stack.extend((r, f"{path} > {type(r).__name__}") for r in refs)
+    return None
+
+
+class Stream:
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, k = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(np.arange(self.n)[w::k])
+
+
+@pytest.mark.parametrize("workers,iterable,persistent", [
+    (2, False, True), (2, False, False), (2, True, True), (0, False, True), (0, True, False)],
+    ids=["map", "map-not-persistent", "stream", "inline", "inline-stream"])
+def test_an_epoch_holds_nothing_that_leads_back_to_its_loader(workers, iterable, persistent):
+    """No callback climbs from an epoch to its loader (NOTE [ Who decides on
+    main's batch path ]): nothing an iterator holds, however deep, is the
+    ShmLoader or one of its bound methods; yet the iterator works as it
+    did: all 96 samples in order, the loader's state_dict() in the middle
+    counts the 4 batches handed out, stats() after the end counts all 12,
+    a superseded iterator raises, and without persistent workers the
+    processes stop when the epoch ends."""
+    data = Stream(96) if iterable else np.arange(96)
+    with ShmLoader(data, batch_size=8, num_workers=workers,
+                   persistent_workers=persistent) as ld:
+        it = iter(ld)
+        got = [next(it) for _ in range(4)]
+        assert _path_to(it, ld) is None
+        state = ld.state_dict()
+        if iterable:
+            assert sum(s["prefix"] for s in state["stream"]) == 32
+        else:
+            assert state["map"]["done_prefix"] == 32
+        got += list(it)
+        assert sorted(np.concatenate(got).tolist()) == list(range(96))
+        if not iterable:
+            assert np.concatenate(got).tolist() == list(range(96))
+        assert ld.stats()["batches"] == 12 and ld.stats()["samples"] == 96
+        assert (ld._session is None) == (not persistent or workers == 0)
+        old = iter(ld)
+        new = iter(ld)
+        next(new)
+        if workers:  # (num_workers=0 has never checked: nothing runs between its batches)
+            with pytest.raises(RuntimeError, match="superseded"):
+                next(old)

@@ -1,7 +1,7 @@
 """No module in loader/ reads another object's private attributes: what one
 part of the loader may ask of another is that part's public methods and
-attributes (an epoch talks to its loader through EpochHost and EpochOwner,
-main/runs.py; planning through EpochPlanner, main/planner.py), so a newcomer
+attributes (an epoch asks the loader's parts through EpochHost,
+main/epochs.py; planning through EpochPlanner, main/planner.py), so a newcomer
 can change a class without grepping the package for its insides (issue
 17, point 1).  A read `x._name` is allowed when x is self or cls, a module
 (a private module of this package, or a library's), or the object is of a
