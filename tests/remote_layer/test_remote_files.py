@@ -9,6 +9,7 @@ import io
 import os
 import select
 import signal
+import threading
 import time
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 
 import loader
 from loader import FileDataset, ShmLoader
+from loader.datasets.remote.dataset import RemoteFiles
 from loader.errors import (AccessDenied, EndpointUnreachable, FetcherDied,
                                            ObjectChanged, ObjectNotFound, RemoteError, Throttled,
                                            TruncatedObject)
@@ -347,6 +349,63 @@ def test_train_on_cached_trains_on_a_set_that_grows(store):
 
 
 # --- races made to happen every time -------------------------------------------------------
+
+class HeldForTheNextSnapshot(RemoteFiles):
+    """In a worker thread, the first sample of each epoch's second-to-last
+    batch waits (at most 30 s) until main has taken the next epoch's
+    snapshot: the other worker claims the rest of the epoch meanwhile, so
+    the next epoch's run is started ahead while it waits (every time)."""
+
+    def epoch_snapshot(self, info=None):
+        snap = super().epoch_snapshot(info)
+        self.taken.setdefault(info.epoch, threading.Event()).set()
+        if info.epoch not in self.holds_made:
+            self.holds_made.add(info.epoch)
+            last_two = (-(-snap.count // self.batch_size) - 2) * self.batch_size
+            self.holds[last_two] = self.taken.setdefault(info.epoch + 1, threading.Event())
+        return snap
+
+    def __getitem__(self, i):
+        info = loader.get_worker_info()
+        hold = self.holds.pop(i, None) if info is not None else None
+        if hold is not None:
+            self.held.append(hold.wait(30))
+        return super().__getitem__(i)
+
+
+def test_thread_workers_read_each_epoch_through_its_own_listing(store):
+    """R161, remote.  Thread workers, train_on="all": 40 objects that sort
+    in front are added in each epoch (and listed, so the run started ahead
+    adopts the grown listing while this epoch's held sample still loads).
+    Every epoch delivers exactly the listing it began with, each object
+    once; before the fix the held sample was read through the next epoch's
+    listing (index i is another object there: one object twice, one
+    missed)."""
+    store.fill(600)
+    ds = HeldForTheNextSnapshot(store.url(), cache_dir=store.cache, cache_limit_bytes=1 << 30)
+    ds.batch_size, ds.holds, ds.held, ds.taken, ds.holds_made = 20, {}, [], {}, set()
+    sets, got = [list(range(600))], []
+    try:
+        with ShmLoader(ds, batch_size=20, num_workers=2, worker_mode="thread",
+                       timeout=60) as ld:
+            for k in range(1, 5):
+                it, epoch = iter(ld), []
+                for n, b in enumerate(it):
+                    epoch += ids(b)
+                    if n == 0:   # the next listing: in front, done before the run ahead
+                        added = {f"sims/0-{k}{j:03}.npy": 1000 * k + j for j in range(40)}
+                        store.server.put_many(store.bucket,
+                                              {key: npy(v) for key, v in added.items()})
+                        _listed_again(ds)
+                        sets.append(sorted(added.values()) + sets[-1])
+                got.append(epoch)
+        for epoch in got:   # each epoch: one listing's objects exactly, once each, in order
+            assert epoch in sets, (len(epoch), len(set(epoch)), [len(s) for s in sets])
+        assert len(ds.held) >= 4 and all(ds.held), ds.held
+    finally:
+        ds.close()
+
+
 
 PAUSE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "fetcher_pause")
 
