@@ -384,7 +384,8 @@ def test_thread_workers_read_each_epoch_through_its_own_listing(store):
     store.fill(600)
     ds = HeldForTheNextSnapshot(store.url(), cache_dir=store.cache, cache_limit_bytes=1 << 30)
     ds.batch_size, ds.holds, ds.held, ds.taken, ds.holds_made = 20, {}, [], {}, set()
-    sets, got = [list(range(600))], []
+    value = {f"sims/{i:05}.npy": i for i in range(600)}
+    sets, got = [list(range(600))], []   # each listing's objects, in its (the keys') order
     try:
         with ShmLoader(ds, batch_size=20, num_workers=2, worker_mode="thread",
                        timeout=60) as ld:
@@ -397,7 +398,8 @@ def test_thread_workers_read_each_epoch_through_its_own_listing(store):
                         store.server.put_many(store.bucket,
                                               {key: npy(v) for key, v in added.items()})
                         _listed_again(ds)
-                        sets.append(sorted(added.values()) + sets[-1])
+                        value.update(added)
+                        sets.append([value[key] for key in sorted(value)])
                 got.append(epoch)
         for epoch in got:   # each epoch: one listing's objects exactly, once each, in order
             assert epoch in sets, (len(epoch), len(set(epoch)), [len(s) for s in sets])
