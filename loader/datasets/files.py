@@ -318,7 +318,8 @@ class FileDataset:
 
     (NOTE [ Remote data ] in loader/datasets/remote/__init__.py; docs/object-stores.md)."""
 
-    files = EpochView()   # the epoch's list: a worker thread's own (NOTE [ Datasets that ... ])
+    # a worker thread's own: NOTE [ Datasets that change with the epoch ]
+    files = EpochView()
 
     def __new__(cls, pattern=None, decode=None, **remote):
         if isinstance(pattern, str) and _REMOTE.match(pattern):

@@ -69,7 +69,8 @@ class ParquetDataset:
     shuffle: shuffle the order of the row groups at every epoch with the
     loader's seed."""
 
-    rows_of_epoch = EpochView()   # a worker thread's own (NOTE [ Datasets that change ... ])
+    # a worker thread's own: NOTE [ Datasets that change with the epoch ]
+    rows_of_epoch = EpochView()
 
     def __init__(self, paths_or_glob, columns=None, shuffle=True):
         _pyarrow()
