@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from loader.datasets.snapshot import EpochView
 from loader.errors import ArgumentTypeError, NotARegularFile
 
 
@@ -316,6 +317,9 @@ class FileDataset:
                     train_on="all", storage_options=None)
 
     (NOTE [ Remote data ] in loader/datasets/remote/__init__.py; docs/object-stores.md)."""
+
+    # a worker thread's own: NOTE [ Datasets that change with the epoch ]
+    files = EpochView()
 
     def __new__(cls, pattern=None, decode=None, **remote):
         if isinstance(pattern, str) and _REMOTE.match(pattern):

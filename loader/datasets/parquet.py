@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from loader.datasets.snapshot import EpochInfo
+from loader.datasets.snapshot import EpochInfo, EpochView
 from loader.errors import ParquetFileChanged, ParquetFileError
 from loader.datasets.files import match_files, open_regular
 
@@ -68,6 +68,9 @@ class ParquetDataset:
     at the start of every epoch).  columns: the columns to read (None: all).
     shuffle: shuffle the order of the row groups at every epoch with the
     loader's seed."""
+
+    # a worker thread's own: NOTE [ Datasets that change with the epoch ]
+    rows_of_epoch = EpochView()
 
     def __init__(self, paths_or_glob, columns=None, shuffle=True):
         _pyarrow()
@@ -118,6 +121,8 @@ class ParquetDataset:
     # --- rows (workers) ----------------------------------------------------------------
 
     def __iter__(self):
+        """This worker's rows of the epoch, as iter() is called (not at the
+        first next(): the epoch's rows are the ones restored before it)."""
         from loader.worker.seeding import get_worker_info
 
         epoch = self.rows_of_epoch if self.rows_of_epoch is not None else self.epoch_snapshot()
@@ -126,7 +131,7 @@ class ParquetDataset:
         # this worker's part of this rank's rows: an even split
         base, extra = divmod(epoch.count, workers)
         first = epoch.start + worker * base + min(worker, extra)
-        yield from self._rows(epoch.groups, first, base + (worker < extra))
+        return self._rows(epoch.groups, first, base + (worker < extra))
 
     def _rows(self, groups, first: int, count: int):
         """count rows of the epoch's order from row `first` (wrapping

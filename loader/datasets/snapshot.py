@@ -24,10 +24,25 @@ epoch_order() gets the dataset indices a run will load, in the order the
 workers load them (an int64 array; a resumed run's: what is left of it),
 for a dataset that fetches ahead of the workers (a remote FileDataset).  It
 is not called for a sampler that streams (no len(), or a window ahead of
-the workers): such a dataset fetches as it is asked."""
+the workers): such a dataset fetches as it is asked.
+
+With worker_mode="thread", main and every worker thread share ONE dataset
+object, and two epochs' runs overlap in it: main takes the next epoch's
+snapshot for a run started ahead (persistent workers) while the threads
+still load this epoch's samples, and a thread that has no more of this run
+to claim restores the next epoch's while the others still load this one's.
+A sample index means something only in its own epoch's snapshot (a file
+list that grew, a cached set that changed), so the view must not be one
+attribute all of them overwrite: FileDataset, its remote form and
+ParquetDataset keep it in an EpochView, whose value a worker thread sets
+(restore_snapshot) and reads for itself alone.  A dataset of your own that
+changes with the epoch and runs in thread workers needs the same (an
+EpochView, or a threading.local)."""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import NamedTuple
 
 
@@ -37,3 +52,43 @@ class EpochInfo(NamedTuple):
     rank: int
     world_size: int
     batch_size: int | None = None
+
+
+class EpochView:
+    """A dataset's attribute that holds its view of the epoch (FileDataset's
+    file list, ParquetDataset's rows of the epoch): assigned in a worker
+    thread (worker_mode="thread"), the value is that thread's alone, and
+    that thread reads it back; in main and in a worker process it is a plain
+    attribute, as before (NOTE [ Datasets that change with the epoch ])."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+        self.threads = threading.local()   # .views: {id(dataset): (weakref, value)}
+
+    def __get__(self, dataset, owner=None):
+        if dataset is None:
+            return self
+        held = getattr(self.threads, "views", {}).get(id(dataset))
+        if held is not None and held[0]() is dataset:
+            return held[1]
+        try:
+            return dataset.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(f"{type(dataset).__name__!r} object has no attribute "
+                                 f"{self.name!r}") from None
+
+    def __set__(self, dataset, value) -> None:
+        if not _in_worker_thread():
+            dataset.__dict__[self.name] = value
+            return
+        views = self.threads.__dict__.setdefault("views", {})
+        for gone in [k for k, (ref, _) in views.items() if ref() is None]:
+            del views[gone]   # (a dataset collected: an id may be reused)
+        views[id(dataset)] = (weakref.ref(dataset), value)
+
+
+def _in_worker_thread() -> bool:
+    from loader.worker.seeding import get_worker_info   # (imports the native module)
+
+    info = get_worker_info()
+    return info is not None and info.worker_method == "thread"

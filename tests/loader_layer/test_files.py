@@ -3,12 +3,13 @@ matches, matched again at the start of every epoch; .npy files read
 straight into their row; other files as bytes, or with decode."""
 
 import os
+import threading
 import warnings
 
 import numpy as np
 import pytest
 
-from loader import FileArray, FileDataset, ShmLoader
+from loader import FileArray, FileDataset, ShmLoader, get_worker_info
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -252,3 +253,91 @@ def test_dataset_getitem_refuses_a_fifo_without_blocking(tmp_path):
     for d in (ds, raw):
         with pytest.raises(NotARegularFile, match=f"^{d.files[0]} is a FIFO, not a regular file"):
             d[0]
+
+
+# --- thread workers: each run through its own epoch's list (R161) ------------------------
+
+HELD_S = 30.0  # bound on a held sample's wait for the next epoch's snapshot
+
+
+class GrowsInFront(FileDataset):
+    """A directory whose list grows in front: each epoch's first snapshot
+    (in main) adds `per_epoch` files whose names sort before every earlier
+    one, so index i names another file in every epoch.  A file's array is
+    8 copies of its value: the first n0 files 0..n0-1, epoch e's
+    100_000 * e + j.
+
+    With hold=True, in thread workers, the first sample of each epoch's
+    second-to-last batch waits (at most HELD_S) until the next epoch's snapshot is taken:
+    the other worker claims the rest of the epoch meanwhile, so main starts
+    the next epoch's run ahead and the held sample is read after it, every
+    time (what a slow sample or a step slower than loading does now and
+    then).  `held` records, per hold, whether that snapshot came.  (Not
+    first-ready: there a run is all claimed once its last row is read, so
+    the next one starts after every sample of this one is loaded.)"""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+    def __init__(self, root, n0: int, per_epoch: int, batch_size: int, hold: bool):
+        self.root, self.per_epoch, self.batch_size, self.hold = root, per_epoch, batch_size, hold
+        self.values = list(range(n0))      # the files' values, in sorted order
+        self.by_epoch = {}                 # epoch -> its values, in sorted order
+        self.holds, self.held = {}, []     # index -> the Event it waits for; waits' outcomes
+        self.taken = {}                    # epoch -> Event: its snapshot is taken
+        for j in range(n0):
+            np.save(os.path.join(root, f"z{j:06d}.npy"), np.full(8, j, np.int64))
+        super().__init__(os.path.join(root, "*.npy"))
+
+    def epoch_snapshot(self, info=None):
+        e = info.epoch
+        if e not in self.by_epoch:
+            added = [100_000 * e + j for j in range(self.per_epoch)]
+            for j, v in enumerate(added):
+                np.save(os.path.join(self.root, f"y{999 - e:03d}_{j:04d}.npy"), np.full(8, v, np.int64))
+            self.values = added + self.values
+            self.by_epoch[e] = list(self.values)
+            n = len(self.values)
+            self.holds[(-(-n // self.batch_size) - 2) * self.batch_size] = \
+                self.taken.setdefault(e + 1, threading.Event())
+            files = super().epoch_snapshot(info)
+            self.taken.setdefault(e, threading.Event()).set()   # (once the list is taken)
+            return files
+        return super().epoch_snapshot(info)
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        hold = self.holds.pop(i, None) if self.hold and info is not None and \
+            info.worker_method == "thread" else None
+        if hold is not None:
+            self.held.append(hold.wait(HELD_S))
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("mode,workers,in_order", [
+    ("thread", 2, True), ("thread", 2, False), ("thread", 3, True),
+    ("process", 2, True), ("process", 2, False), ("process", 0, True)])
+def test_each_epoch_is_its_own_list_while_the_next_epoch_runs_ahead(tmp_path, mode, workers,
+                                                                    in_order):
+    """R161.  Files added between epochs, sorted in front (index i is
+    another file every epoch), the next epoch's run started ahead while
+    this one's samples still load: every epoch delivers its own list
+    exactly, each file once.  Thread workers share one dataset object: main
+    took the next epoch's list into it and this epoch's held sample read
+    through it (before the fix: a file of the next epoch, another one
+    twice or missed, in every epoch)."""
+    held = mode == "thread" and in_order
+    ds = GrowsInFront(str(tmp_path), n0=1000, per_epoch=48, batch_size=16, hold=held)
+    got = []
+    with ShmLoader(ds, batch_size=16, num_workers=workers, worker_mode=mode,
+                   in_order=in_order, timeout=60) as loader:
+        for _ in range(5):
+            batches = epoch(loader)
+            assert all((b == b[:, :1]).all() for b in batches), "a row mixes two files"
+            got.append(np.concatenate(batches)[:, 0].tolist())
+    want = [ds.by_epoch[e] for e in sorted(ds.by_epoch)][:5]
+    assert [len(g) for g in got] == [len(w) for w in want] == [1048 + 48 * k for k in range(5)]
+    for g, w in zip(got, want):
+        assert (g if in_order else sorted(g)) == (w if in_order else sorted(w))
+    if held:   # the overlap happened in every epoch (no hold timed out)
+        assert len(ds.held) >= 5 and all(ds.held), ds.held

@@ -9,6 +9,7 @@ import io
 import os
 import select
 import signal
+import threading
 import time
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 
 import loader
 from loader import FileDataset, ShmLoader
+from loader.datasets.remote.dataset import RemoteFiles
 from loader.errors import (AccessDenied, EndpointUnreachable, FetcherDied,
                                            ObjectChanged, ObjectNotFound, RemoteError, Throttled,
                                            TruncatedObject)
@@ -348,6 +350,65 @@ def test_train_on_cached_trains_on_a_set_that_grows(store):
 
 # --- races made to happen every time -------------------------------------------------------
 
+class HeldForTheNextSnapshot(RemoteFiles):
+    """In a worker thread, the first sample of each epoch's second-to-last
+    batch waits (at most 30 s) until main has taken the next epoch's
+    snapshot: the other worker claims the rest of the epoch meanwhile, so
+    the next epoch's run is started ahead while it waits (every time)."""
+
+    def epoch_snapshot(self, info=None):
+        snap = super().epoch_snapshot(info)
+        self.taken.setdefault(info.epoch, threading.Event()).set()
+        if info.epoch not in self.holds_made:
+            self.holds_made.add(info.epoch)
+            last_two = (-(-snap.count // self.batch_size) - 2) * self.batch_size
+            self.holds[last_two] = self.taken.setdefault(info.epoch + 1, threading.Event())
+        return snap
+
+    def __getitem__(self, i):
+        info = loader.get_worker_info()
+        hold = self.holds.pop(i, None) if info is not None else None
+        if hold is not None:
+            self.held.append(hold.wait(30))
+        return super().__getitem__(i)
+
+
+def test_thread_workers_read_each_epoch_through_its_own_listing(store):
+    """R161, remote.  Thread workers, train_on="all": 40 objects that sort
+    in front are added in each epoch (and listed, so the run started ahead
+    adopts the grown listing while this epoch's held sample still loads).
+    Every epoch delivers exactly the listing it began with, each object
+    once; before the fix the held sample was read through the next epoch's
+    listing (index i is another object there: one object twice, one
+    missed)."""
+    store.fill(600)
+    ds = HeldForTheNextSnapshot(store.url(), cache_dir=store.cache, cache_limit_bytes=1 << 30)
+    ds.batch_size, ds.holds, ds.held, ds.taken, ds.holds_made = 20, {}, [], {}, set()
+    value = {f"sims/{i:05}.npy": i for i in range(600)}
+    sets, got = [list(range(600))], []   # each listing's objects, in its (the keys') order
+    try:
+        with ShmLoader(ds, batch_size=20, num_workers=2, worker_mode="thread",
+                       timeout=60) as ld:
+            for k in range(1, 5):
+                it, epoch = iter(ld), []
+                for n, b in enumerate(it):
+                    epoch += ids(b)
+                    if n == 0:   # the next listing: in front, done before the run ahead
+                        added = {f"sims/0-{k}{j:03}.npy": 1000 * k + j for j in range(40)}
+                        store.server.put_many(store.bucket,
+                                              {key: npy(v) for key, v in added.items()})
+                        _listed_again(ds)
+                        value.update(added)
+                        sets.append([value[key] for key in sorted(value)])
+                got.append(epoch)
+        for epoch in got:   # each epoch: one listing's objects exactly, once each, in order
+            assert epoch in sets, (len(epoch), len(set(epoch)), [len(s) for s in sets])
+        assert len(ds.held) >= 4 and all(ds.held), ds.held
+    finally:
+        ds.close()
+
+
+
 PAUSE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "fetcher_pause")
 
 
@@ -355,8 +416,8 @@ PAUSE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "fet
 def paused_fetch(monkeypatch, tmp_path):
     """The fetcher of the next dataset made stops its first fetch for board
     slot 0 just before Fetcher._get (tests/support/fetcher_pause): yields
-    (wait, go): wait() -> the object's index once it has stopped there;
-    go() lets it on."""
+    (wait, go, done): wait() -> the object's index once it has stopped
+    there; go() lets it on; done() returns once that fetch has ended."""
     import socket
 
     path = str(tmp_path / "pause.sock")
@@ -381,8 +442,16 @@ def paused_fetch(monkeypatch, tmp_path):
     def go() -> None:
         held[0].sendall(b"g")
 
+    def done() -> None:
+        said = b""
+        while not said.endswith(b"\n"):
+            got = held[0].recv(64)   # (60 s at most: its timeout)
+            assert got, f"the fetcher closed the pause without saying done (said {said!r})"
+            said += got
+        assert said == b"done\n", said
+
     try:
-        yield wait, go
+        yield wait, go, done
     finally:
         for conn in held:
             conn.close()
@@ -398,7 +467,7 @@ def test_a_fetch_whose_epoch_was_retired_meanwhile_is_dropped(store, paused_fetc
     a KeyError before commit 97109e4), every epoch delivers its set exactly
     once in order, the paused object in none before it is released, and
     the sets grow until all 120 objects are trained in one epoch."""
-    wait, go = paused_fetch
+    wait, go, _ = paused_fetch
     store.fill(120)
     ds = store.dataset(train_on="cached", cache_limit_bytes=1 << 30, requests_in_flight=8)
     try:
@@ -422,6 +491,67 @@ def test_a_fetch_whose_epoch_was_retired_meanwhile_is_dropped(store, paused_fetc
         assert all(paused not in got for got in epochs[:released_after])
         assert ds._proc.poll() is None and remote["fetch_errors"] == 0
         assert remote["objects_fetched"] == 120
+    finally:
+        ds.close()
+
+
+def _listed_again(ds) -> None:
+    """A listing begun after now is the dataset's newest (the next epoch
+    adopts it): the one asked for in the background may have begun before."""
+    ds._list_now(60)
+    ds._list_now(60)
+
+
+def test_a_fetch_paused_until_its_slot_is_adopted_again_is_dropped(store, paused_fetch):
+    """R162.  train_on="cached", no run started ahead (each epoch adopts
+    the next board slot in turn): a fetch for the listing adopted at
+    construction (slot 0, 120 objects) stops before Fetcher._get; 40
+    objects that sort in front are added before each of 4 epochs, so the
+    4th adopts slot 0 again with a listing of 280.  Released then, the fetch
+    is dropped: before the fix its slot number was found active and it
+    wrote its result through its old view of the slot (laid out for 120),
+    over the digest of another object of the new listing (its path in the
+    cache, so a COMPLETE object named a file that is not there).  Every
+    epoch delivers exactly the objects cached as it began, in order; the
+    slot's names and sizes are untouched, every object it marks complete
+    is in the cache."""
+    wait, go, done = paused_fetch
+    store.fill(120)
+    value = {f"sims/{i:05}.npy": i for i in range(120)}
+    ds = store.dataset(train_on="cached", cache_limit_bytes=1 << 30, requests_in_flight=8)
+    try:
+        paused = wait()
+        assert 0 <= paused < 120
+        with ShmLoader(ds, batch_size=10, num_workers=2, timeout=60,
+                       persistent_workers=False) as ld:
+
+            def exact_epoch(slot: int) -> None:
+                got = one_epoch(ld)
+                snap, keys = ds.current, sorted(value)
+                assert snap.slot == slot and snap.count == len(keys)
+                assert got == [value[keys[p]] for p in snap.positions]
+                assert len(got) >= 10
+
+            for k in range(1, 5):   # slots 1, 2, 3, then 0 again
+                added = {f"sims/0-{k}{j:03}.npy": 1000 * k + j for j in range(40)}
+                store.server.put_many(store.bucket, {key: npy(v) for key, v in added.items()})
+                value.update(added)
+                _listed_again(ds)
+                exact_epoch(k % 4)
+            slot = ds._board.slot(0)
+            assert slot.count == 280
+            before = (slot.digests.copy(), slot.exts.copy(), slot.sizes.copy())
+            go()
+            done()
+            after = (slot.digests, slot.exts, slot.sizes)
+            for was, now in zip(before, after):
+                np.testing.assert_array_equal(now, was)
+            complete = np.flatnonzero((slot.state & 3) == 1)   # (board.COMPLETE)
+            missing = [int(i) for i in complete if not os.path.exists(ds._path(slot, int(i)))]
+            assert missing == [], f"slot 0 marks objects complete that are not cached: {missing}"
+            exact_epoch(1)
+            remote = ld.stats()["remote"]
+        assert ds._proc.poll() is None and remote["fetch_errors"] == 0
     finally:
         ds.close()
 

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from loader.datasets.files import FileDataset, npy_array, open_regular, raw_array
+from loader.datasets.snapshot import EpochView
 from loader.datasets.remote import board as B
 from loader.datasets.remote import fetcher as F
 from loader.errors import REMOTE_ERRORS_BY_KIND as KINDS, FetcherDied, RemoteError
@@ -41,6 +42,8 @@ class RemoteSnapshot(NamedTuple):
 
 class RemoteFiles(FileDataset):
     """FileDataset(url) for an object store: see FileDataset's docstring."""
+
+    current = EpochView()   # the epoch's RemoteSnapshot: a worker thread's own
 
     def __init__(self, pattern: str, decode=None, *, cache_dir=None, cache_limit_bytes=None,
                  train_on: str = "all", storage_options: dict | None = None,

@@ -385,12 +385,18 @@ class Fetcher:
             else:
                 got = None
                 try:
-                    got = self._get(url, key, etag, size, s, i)
+                    got = self._get(url, key, etag, size, s, i, active)
                 finally:
                     with self.lock:
                         del self.fetching[(url, etag)]
                     done.set(got)   # (None after an exception: the other parks)
             with self.lock:
+                if self.active.get(s) is not active:
+                    # its epoch was retired meanwhile, and the slot may hold a newer
+                    # listing (adopted into it again): object i there is another
+                    # object, or none.  What was fetched is in the cache, found
+                    # there by the newer epochs.
+                    return
                 if got is None:
                     if active.next > 0 and not slot.state[i] & B.WANTED:
                         # parked: not fetched now; go back to it when the cache changes
@@ -410,15 +416,20 @@ class Fetcher:
                 self.in_flight.discard((s, i))
                 self.lock.notify()
 
-    def _get(self, url: str, key: str, etag: str, size: int, slot: int, index: int):
+    def _get(self, url: str, key: str, etag: str, size: int, slot: int, index: int,
+             active: Active):
         """The object's cache Entry (fetched now, or found complete), its
         RemoteError, or None: parked until the cache changes (no room, or
-        another job is fetching it)."""
+        another job is fetching it).  `active`: the adoption of `slot` the
+        fetch is for (its index means something in that listing only)."""
         from loader.datasets.remote import store as S
 
         with self.lock:
-            if slot not in self.active:
-                return None   # its epoch was retired by a newer one's adoption meanwhile
+            if self.active.get(slot) is not active:
+                # its epoch was retired by a newer one's adoption meanwhile; after
+                # SLOTS adoptions the slot number is active again with another
+                # listing, so the adoption itself is compared, not its number
+                return None
             try:
                 got = self.cache.reserve(url, etag, size, slot, self._spare(slot, index, size))
             except NoRoom:
@@ -449,7 +460,7 @@ class Fetcher:
                 with self.lock:
                     self.cache.abort(res)
                 raise
-            return self._disk_full(res, url, e, slot, index)
+            return self._disk_full(res, url, e, slot, index, active)
         except BaseException:
             with self.lock:
                 self.cache.abort(res)
@@ -486,7 +497,8 @@ class Fetcher:
             raise got
         return got
 
-    def _disk_full(self, res: Reservation, url: str, err: OSError, s: int, i: int):
+    def _disk_full(self, res: Reservation, url: str, err: OSError, s: int, i: int,
+                   active: Active):
         """The disk filled up before cache_limit_bytes (a disk shared with
         other programs, or smaller than the limit): the limit comes down
         below what the cache holds now, and this object waits for the room
@@ -502,7 +514,7 @@ class Fetcher:
             # (room may also come from objects needed later than this one:
             # the next reserve() evicts them down to the lower limit)
             if self._lower_limit(res.size, err.strerror or str(err)) or \
-                    (s in self.active and self._needed_later(s, i, res.size)) or \
+                    (self.active.get(s) is active and self._needed_later(s, i, res.size)) or \
                     self._holds_untrained():
                 return None
         self.board.add(B.W_ERRORS)

@@ -8,7 +8,8 @@ SHMQ_TEST_PAUSE_SLOT.  The first fetch of an object for that slot then stops
 just before `Fetcher._get` (after `_fetch` looked its slot up and let go of
 the lock: the window a newer epoch's adoption may retire the slot in),
 connects to the socket, and goes on when the test sends a byte (or after
-PAUSE_LIMIT_S).  Nothing happens without those variables."""
+PAUSE_LIMIT_S); once that fetch's `_fetch` has returned, it writes "done".
+Nothing happens without those variables."""
 
 from __future__ import annotations
 
@@ -25,19 +26,35 @@ PAUSE_LIMIT_S = 120.0
 
 def _pause_before_get(module) -> None:
     path, slot = os.environ["SHMQ_TEST_PAUSE_SOCKET"], int(os.environ["SHMQ_TEST_PAUSE_SLOT"])
-    real = module.Fetcher._get
+    real_get, real_fetch = module.Fetcher._get, module.Fetcher._fetch
     first = threading.Lock()
+    held = {}   # pool thread -> its connection to the test, until its _fetch returns
 
-    def _get(self, url, key, etag, size, s, index):
+    def _get(self, url, key, etag, size, s, index, *rest):
         if s == slot and first.acquire(blocking=False):
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as test:
-                test.settimeout(PAUSE_LIMIT_S)
-                test.connect(path)
-                test.sendall(f"{s} {index}\n".encode())
-                test.recv(1)   # the test's go (or its close, or the limit: an OSError)
-        return real(self, url, key, etag, size, s, index)
+            test = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            test.settimeout(PAUSE_LIMIT_S)
+            held[threading.get_ident()] = test
+            test.connect(path)
+            test.sendall(f"{s} {index}\n".encode())
+            test.recv(1)   # the test's go (or its close, or the limit: an OSError)
+        return real_get(self, url, key, etag, size, s, index, *rest)
 
-    module.Fetcher._get = _get
+    def _fetch(self, s, i):
+        """The paused fetch, to its end (its result written, or dropped):
+        then the test is told "done" (what it checks comes after it)."""
+        try:
+            return real_fetch(self, s, i)
+        finally:
+            test = held.pop(threading.get_ident(), None)
+            if test is not None:
+                with test:
+                    try:
+                        test.sendall(b"done\n")
+                    except OSError:
+                        pass
+
+    module.Fetcher._get, module.Fetcher._fetch = _get, _fetch
 
 
 class _Loader(importlib.abc.Loader):
