@@ -2,14 +2,26 @@
 item 5): what Grain's worker processes log about JAX's profiler is counted
 and left out, and everything else they write still reaches stderr."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
 
-from peer_noise import PeerStderr, QuietStart  # noqa: E402  (bench/)
+
+def _bench_module(name: str):
+    """bench/NAME.py, loaded by its path: bench/ must not go on sys.path,
+    where its conftest.py would shadow the tests' for every process this
+    session spawns."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+peer_noise = _bench_module("peer_noise")
+PeerStderr, QuietStart = peer_noise.PeerStderr, peer_noise.QuietStart
 
 NOISE = "WARNING:absl:Failed to load jax profiler: No module named 'jax'"
 
