@@ -202,6 +202,7 @@ class ObjectCache:
 
     def _open_index(self) -> sqlite3.Connection:
         path = os.path.join(self.dir, "index.sqlite")
+        db = None
         try:
             db = _connect(path)
             version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -216,6 +217,8 @@ class ObjectCache:
                         self._rebuild(db, in_transaction=True)
             return db
         except sqlite3.DatabaseError:
+            if db is not None:
+                db.close()
             # A corrupt or foreign index: the files are the truth (their
             # extended attributes say what each is): start a new index from them.
             for suffix in ("", "-wal", "-shm"):
@@ -557,6 +560,15 @@ def _create_tables(db: sqlite3.Connection) -> None:
 def _connect(path: str) -> sqlite3.Connection:
     db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
                          check_same_thread=False)
+    try:
+        _configure(db)
+    except BaseException:
+        db.close()   # (a corrupt file fails here: the caller rebuilds, leaving no connection)
+        raise
+    return db
+
+
+def _configure(db: sqlite3.Connection) -> None:
     db.execute("PRAGMA journal_mode = WAL")
     db.execute("PRAGMA synchronous = NORMAL")  # a crash of the machine may lose the last commits,
                                                # never leave the index inconsistent
@@ -566,7 +578,6 @@ def _connect(path: str) -> sqlite3.Connection:
     # objects and took most of the fetcher's time.
     db.execute("PRAGMA wal_autocheckpoint = 256")
     db.execute("PRAGMA journal_size_limit = 1048576")
-    return db
 
 
 class _transaction:
