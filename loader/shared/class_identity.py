@@ -80,7 +80,9 @@ def _reachable(limit: int = 4_000_000):
     roots = []
     for frame in sys._current_frames().values():
         while frame is not None:
-            roots += [frame.f_locals, frame.f_globals]
+            # dict(): from 3.13 f_locals is a proxy (PEP 667) whose referents
+            # are not the locals
+            roots += [dict(frame.f_locals), frame.f_globals]
             frame = frame.f_back
     todo, seen = collections.deque(roots + list(sys.modules.values())), set()
     while todo and len(seen) < limit:
