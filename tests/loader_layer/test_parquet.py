@@ -3,6 +3,7 @@ their order shuffled per epoch with the seed, rows as dicts of numpy
 values; every row exactly once per epoch."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -174,8 +175,11 @@ def test_a_file_replaced_mid_epoch_names_the_row_group_and_both_counts(tmp_path)
             list(it)
     msg = str(e.value)
     assert f"{b} was rewritten during the epoch: it is now " in msg, msg
-    assert "now has 10 rows (4 row group(s)) but this epoch planned 1000" in msg, msg
-    assert "row group 1 " in msg or "row group 2 " in msg or "row group 3 " in msg, msg
+    # which of b's 4 planned groups worker 1 reached first after the rename
+    # depends on the machine's load (group 0 if it had not begun b yet)
+    named = re.search(r"row group (\d+) now has 10 rows \(4 row group\(s\)\) but this epoch "
+                      r"planned 1000;", msg)
+    assert named and int(named.group(1)) in range(4), msg
 
 
 @pytest.mark.parametrize("change", ["schema", "identity", "rows"])
