@@ -5,6 +5,7 @@ on the batch that needs the object (issue 26; NOTE [ Remote data ]).
 Objects are .npy arrays of 1,024 int64 values, all equal to the object's
 number, so every row of every batch says which object it came from."""
 
+import concurrent.futures
 import io
 import os
 import select
@@ -253,8 +254,18 @@ def test_a_cache_of_a_quarter_of_the_data_holds_its_bound(store):
     peak = 0
 
     def cached_bytes():
-        top = os.path.join(store.cache, "objects")
-        return sum(e.stat().st_size for d in os.scandir(top) for e in os.scandir(d.path))
+        """What the cache's files hold now (one the fetcher evicts while
+        they are counted is gone: 0)."""
+        total = 0
+        with os.scandir(os.path.join(store.cache, "objects")) as dirs:
+            for d in dirs:
+                with os.scandir(d.path) as files:
+                    for e in files:
+                        try:
+                            total += e.stat().st_size
+                        except FileNotFoundError:
+                            pass
+        return total
 
     try:
         with ShmLoader(ds, batch_size=16, shuffle=True, seed=1, num_workers=2, timeout=60) as ld:
@@ -593,13 +604,19 @@ def test_an_object_replaced_after_its_listing_is_object_changed(store):
         held = proxy.hold(method="GET", path=f"/{store.bucket}/sims/00005.npy")
         try:
             ds = store.dataset(cache_limit_bytes=1 << 30)
-            store.server.put(store.bucket, "sims/00005.npy", npy(500))  # after the listing
-            proxy.remove(held)
             with ShmLoader(ds, batch_size=8, num_workers=1, timeout=60) as ld:
                 it = iter(ld)
-                with pytest.raises(Exception) as info:
-                    for _ in range(4):
-                        next(it)
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    first = pool.submit(next, it)   # batch 0 needs 00005: its GET is held
+                    assert proxy.wait_held(held, 60), "the fetcher never asked for 00005.npy"
+                    # replaced after the epoch adopted its listing (and its ETag): the
+                    # GET asks If-Match the listed ETag, and the store says 412
+                    store.server.put(store.bucket, "sims/00005.npy", npy(500))
+                    proxy.remove(held)
+                    with pytest.raises(Exception) as info:
+                        first.result(timeout=90)
+                        for _ in range(3):
+                            next(it)
             assert "ObjectChanged" in str(info.value) or isinstance(info.value, ObjectChanged)
             assert "412" in str(info.value)
         finally:

@@ -97,6 +97,8 @@ class Rule:
     _rng: random.Random = field(init=False, repr=False)
     # hold: the requests waiting for remove(), each an asyncio.Event of the proxy's loop
     _held: list = field(init=False, repr=False, default_factory=list)
+    # hold: set once a request is held (FaultProxy.wait_held)
+    _holding: threading.Event = field(init=False, repr=False, default_factory=threading.Event)
 
     def __post_init__(self):
         if self.action not in ACTIONS:
@@ -417,6 +419,7 @@ class _Connection:
             if rule not in self.shared.rules:
                 return   # removed while this request was being matched
             rule._held.append(released)
+        rule._holding.set()
         await released.wait()
 
     async def _stall(self) -> None:
@@ -594,6 +597,11 @@ class FaultProxy:
         """Keep matching requests waiting, unanswered, until `remove(rule)`;
         then forward them (the client's own deadline still applies)."""
         return self._add(Rule("hold", **match))
+
+    def wait_held(self, rule: Rule, timeout: float) -> bool:
+        """Wait until a request is held by `rule` (a hold()); False if none
+        came within timeout seconds."""
+        return rule._holding.wait(timeout)
 
     def remove(self, rule: Rule) -> None:
         with self._shared.lock:
