@@ -128,6 +128,13 @@ def grain_available():
         import grain.python  # noqa: F401
     except ImportError:
         return False
+    # Grain reads absl flags (worker profiling) that only an absl app parses;
+    # with JAX installed it reads them here and raises UnparsedFlagAccessError
+    # unless they are marked parsed: their defaults, as in a plain program
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
     return True
 
 
