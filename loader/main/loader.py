@@ -291,15 +291,21 @@ class ShmLoader(FrozenState):
                           "pinned (pin_memory=False says the same without this warning)",
                           UserWarning, stacklevel=2)
         if spec.num_workers == 0:
-            return InlineEpoch(spec, current.number, resume, planner=self._planner,
-                               tracer=self._tracer, current=current, stats=self._stats)
-        if self._session is None:
-            self._start()
-        spec = self._live.now
-        host = EpochHost(spec, current=current, runs=self._runs, session=self._session,
-                         stats=self._stats, tracer=self._tracer,
-                         materializer=self._materializer, autoscaler=self._autoscaler)
-        return (StreamEpoch if spec.iterable else MapEpoch)(host, current.number, resume)
+            epoch = InlineEpoch(spec, current.number, resume, planner=self._planner,
+                                tracer=self._tracer, current=current, stats=self._stats)
+        else:
+            if self._session is None:
+                self._start()
+            spec = self._live.now
+            host = EpochHost(spec, current=current, runs=self._runs, session=self._session,
+                             stats=self._stats, tracer=self._tracer,
+                             materializer=self._materializer, autoscaler=self._autoscaler)
+            epoch = (StreamEpoch if spec.iterable else MapEpoch)(host, current.number, resume)
+        # The loader lives as long as an iterator of it (`for b in ShmLoader(...)`
+        # keeps no other reference; collected, the loader would close under
+        # the loop).  A reference for lifetime only: the epoch never calls it.
+        epoch.keep_alive = self
+        return epoch
 
     def steps(self, n: int | None = None):
         """Yield n batches (None: for ever), going from one epoch into the

@@ -765,6 +765,23 @@ def _path_to(start, target):
     return None
 
 
+@pytest.mark.parametrize("workers,iterable", [(2, False), (2, True), (0, False), (0, True)],
+                         ids=["map", "stream", "inline", "inline-stream"])
+def test_a_loader_iterated_without_a_name_lives_until_its_epoch_ends(workers, iterable):
+    """`for batch in ShmLoader(...)`: nothing but the iterator holds the
+    loader; a collection in the middle of the epoch does not close it under
+    the loop, every sample comes once, and once the iterator is gone so are
+    the loader's processes."""
+    data = Stream(960) if iterable else np.arange(960)
+    got = []
+    for k, b in enumerate(ShmLoader(data, batch_size=8, num_workers=workers)):
+        if k in (1, 60):
+            gc.collect()
+        got += b.tolist()
+    assert sorted(got) == list(range(960))
+    gc.collect()   # the iterator, and with it the loader: closed, its processes stopped
+
+
 class Stream:
     def __init__(self, n):
         self.n = n
@@ -791,7 +808,12 @@ def test_an_epoch_holds_nothing_that_leads_back_to_its_loader(workers, iterable,
                    persistent_workers=persistent) as ld:
         it = iter(ld)
         got = [next(it) for _ in range(4)]
+        # its one reference to the loader keeps it alive (for b in ShmLoader(...)),
+        # and is never called: without it, nothing leads back
+        assert it.keep_alive is ld
+        it.keep_alive = None
         assert _path_to(it, ld) is None
+        it.keep_alive = ld
         state = ld.state_dict()
         if iterable:
             assert sum(s["prefix"] for s in state["stream"]) == 32

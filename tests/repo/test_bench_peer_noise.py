@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench_module(name: str):
-    """bench/NAME.py, loaded by its path: bench/ must not go on sys.path,
+    """A module of bench/, loaded by its path: bench/ must not go on sys.path,
     where its conftest.py would shadow the tests' for every process this
     session spawns."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")

@@ -48,6 +48,16 @@ def missing_extras(code: str) -> list[str]:
     return sorted(m for m in needed & EXTRAS if importlib.util.find_spec(m) is None)
 
 
+# Examples that show an open bug, with the bug: run (and reported), but not
+# counted against the suite.  Each names its issue and where the bug is written.
+KNOWN_BUGS = {
+    "object-stores-block0": "issue 26, open: with train_on='cached' and persistent workers "
+    "the fetcher can deadlock (parked, the cache full of both epochs' pinned objects) while "
+    "workers wait for objects they asked for; 2 of 4 runs hung under load. "
+    "docs/object-stores.md, 'Known problem'",
+}
+
+
 def test_every_page_has_its_examples_found():
     """The pages that teach by example keep runnable blocks (a fence typo
     would silently drop a page's examples from the test)."""
@@ -57,11 +67,14 @@ def test_every_page_has_its_examples_found():
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("code", [code for _, code in BLOCKS], ids=[i for i, _ in BLOCKS])
+@pytest.mark.parametrize("code", [
+    pytest.param(code, marks=pytest.mark.xfail(reason=KNOWN_BUGS[i], strict=False,
+                                               raises=subprocess.TimeoutExpired))
+    if i in KNOWN_BUGS else code for i, code in BLOCKS], ids=[i for i, _ in BLOCKS])
 def test_example_runs(code):
     missing = missing_extras(code)
     if missing:
         pytest.skip(f"the example needs {', '.join(missing)}, not installed here")
     out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True,
-                         text=True, timeout=200, cwd=ROOT)  # (a loaded 2-core machine)
+                         text=True, timeout=120, cwd=ROOT)  # (a loaded 2-core machine)
     assert out.returncode == 0, out.stderr
