@@ -293,6 +293,9 @@ class _Epoch:
                 self.host.epoch_ended(self.epoch, self.run_ended, self.clock)
         finally:
             self.close()
+            # ended, the iterator no longer keeps its loader alive (main/loader.py,
+            # __iter__): the loader goes when the loop's own reference does
+            self.keep_alive = None
         raise StopIteration
 
     def close(self) -> None:
