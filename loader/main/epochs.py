@@ -27,7 +27,9 @@ into the loader:
   marked by the epoch.
 
 An epoch asks its loader's parts for things only through an EpochHost,
-made by the loader for each iter() with exactly those parts.
+made by the loader for each iter() with exactly those parts.  It holds
+the loader itself only to keep it alive until the epoch ends (`for b in
+ShmLoader(...)` holds nothing else), and never calls it.
 """
 
 from __future__ import annotations
@@ -188,6 +190,7 @@ class _Epoch:
         self.finished = False     # every batch handed out (or raised)
         self.fatal = None         # a Failed that ended the run (raised at every next())
         self.pid = os.getpid()
+        self.keep_alive = None    # its loader until the end, for lifetime only (ShmLoader.__iter__)
 
     def __iter__(self):
         return self

@@ -76,6 +76,7 @@ class InlineEpoch:
         self.plan = None  # made at the first next()
         self.clock = None
         self.batches = self.samples = 0   # delivered (a batch that raised is not)
+        self.keep_alive = None  # its loader, for lifetime only (ShmLoader.__iter__)
 
     def __iter__(self):
         return self

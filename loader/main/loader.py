@@ -301,10 +301,7 @@ class ShmLoader(FrozenState):
                              stats=self._stats, tracer=self._tracer,
                              materializer=self._materializer, autoscaler=self._autoscaler)
             epoch = (StreamEpoch if spec.iterable else MapEpoch)(host, current.number, resume)
-        # The loader lives as long as an iterator of it (`for b in ShmLoader(...)`
-        # keeps no other reference; collected, the loader would close under
-        # the loop).  A reference for lifetime only: the epoch never calls it.
-        epoch.keep_alive = self
+        epoch.keep_alive = self  # NOTE [ Who decides on main's batch path ] in main/epochs.py
         return epoch
 
     def steps(self, n: int | None = None):
