@@ -864,3 +864,53 @@ def _gone(pid: int, timeout: float) -> bool:
         except FileNotFoundError:
             pass
     return False
+
+
+class SetsRecorded(RemoteFiles):
+    """Records each epoch's set of objects as main takes its snapshot."""
+
+    def epoch_snapshot(self, info=None):
+        snap = super().epoch_snapshot(info)
+        if info is not None and snap.positions is not None:
+            self.sets[info.epoch] = sorted(int(i) for i in snap.positions)
+        return snap
+
+
+def test_train_on_cached_rotates_without_taking_from_a_live_epoch(store):
+    """train_on="cached" with a cache of half the data (400 objects, room
+    for 200) and persistent workers, so the next epoch's run starts ahead
+    and both epochs' sets are pinned at once: 6 shuffled epochs, each
+    exactly its set, once each; no worker ever finds an object of its
+    epoch missing (the fetcher made room for the rotation by evicting
+    objects of the live epochs' sets, which the workers then waited for,
+    and with both sets waiting and the cache full it parked for ever: a
+    hang, 2 of 4 runs of docs/object-stores.md's example under load).
+    The cache is warmed first by an epoch of train_on="all", which leaves
+    it full of objects spread over the listing: the rotation starts at once."""
+    store.fill(400)
+    size = len(npy(0))
+    warm = store.dataset(cache_limit_bytes=200 * size)
+    try:
+        with ShmLoader(warm, batch_size=16, num_workers=2, timeout=60) as ld:
+            assert [i for b in ld for i in ids(b)] == list(range(400))
+    finally:
+        warm.close()
+    ds = SetsRecorded(store.url(), cache_dir=store.cache, cache_limit_bytes=200 * size,
+                      train_on="cached", requests_in_flight=8)
+    ds.sets = {}
+    try:
+        epochs = []
+        with ShmLoader(ds, batch_size=16, shuffle=True, seed=0, num_workers=2,
+                       persistent_workers=True, timeout=60) as ld:
+            for _ in range(6):
+                epochs.append([i for b in ld for i in ids(b)])
+            remote = ld.stats()["remote"]
+        for e, got in enumerate(epochs, 1):
+            assert sorted(got) == ds.sets[e], (e, len(got), len(ds.sets[e]))
+        # the cache stays full (less what is in flight), and rotates through the data
+        assert all(len(ds.sets[e]) >= 190 for e in range(1, 7)), [len(ds.sets[e]) for e in ds.sets]
+        assert len(set().union(*epochs)) > 200 and remote["evictions"] >= 1, remote
+        assert remote["objects_waited_for"] == 0, remote
+        assert remote["fetch_errors"] == 0
+    finally:
+        ds.close()

@@ -50,12 +50,7 @@ def missing_extras(code: str) -> list[str]:
 
 # Examples that show an open bug, with the bug: run (and reported), but not
 # counted against the suite.  Each names its issue and where the bug is written.
-KNOWN_BUGS = {
-    "object-stores-block0": "issue 26, open: with train_on='cached' and persistent workers "
-    "the fetcher can deadlock (parked, the cache full of both epochs' pinned objects) while "
-    "workers wait for objects they asked for; 2 of 4 runs hung under load. "
-    "docs/object-stores.md, 'Known problem'",
-}
+KNOWN_BUGS: dict[str, str] = {}   # block id -> why it fails (an open issue): xfail
 
 
 def test_every_page_has_its_examples_found():

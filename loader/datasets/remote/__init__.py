@@ -48,6 +48,13 @@ about `requests_in_flight` hits, whatever the cache's size (a cache of a
 fraction f of the data serves 0.95 f or more once it holds some 20 times
 that many objects: tests/remote_layer/test_remote_files.py).
 
+With train_on="cached" an epoch's objects are local as it starts, and stay
+so: the objects fetched for the epochs to come get their room only from
+objects no live epoch still needs (its set is pinned until trained, and
+with a run started ahead two epochs' sets are pinned at once).  Making that
+room from an epoch's set sent its workers to wait for the network and, with
+both sets waiting and the cache full, hung the fetcher.
+
 Errors are RemoteError's subclasses (loader/errors.py), raised by the worker that
 needed the object, so next() raises them on the batch that needs it.
 """

@@ -44,7 +44,7 @@ PER_OBJECT = DIGEST + EXT + 8 + 4
 
 # header words (int64)
 (W_MAGIC, W_STATE, W_PARKED, W_FETCHED, W_FETCHED_BYTES, W_HITS, W_EVICTED, W_ERRORS,
- W_LISTINGS, W_WAIT_NS, W_NEXT_ERROR, W_LIMIT) = range(12)
+ W_LISTINGS, W_WAIT_NS, W_NEXT_ERROR, W_LIMIT, W_ASKED) = range(13)
 W_SLOTS = 32                   # per slot: GEN, COUNT (SLOTS of them)
 W_HISTOGRAM, HISTOGRAM = 96, 32  # objects this job trained k times, k = 1..31 (31: or more)
 W_BELLS = 64                   # int32 words from here (as int64 index): ARRIVED, WORK

@@ -261,9 +261,13 @@ class RemoteFiles(FileDataset):
     def epoch_order(self, snapshot: RemoteSnapshot, indices: np.ndarray) -> None:
         """In main, as a run starts: the order its workers will ask for the
         objects in, for the fetcher to follow (NOTE [ Datasets that change
-        with the epoch ])."""
-        if os.getpid() != self._owner or snapshot.positions is not None:
-            return   # ("cached": the epoch's objects are local already)
+        with the epoch ]).  train_on="cached": the epoch's objects are local
+        already, and the order tells the fetcher which ones its epoch still
+        needs, and when (it never evicts those to make room)."""
+        if os.getpid() != self._owner:
+            return
+        if snapshot.positions is not None:
+            indices = snapshot.positions[np.asarray(indices, np.int64)]
         order = np.ascontiguousarray(indices, np.int64)
         fd = os.memfd_create("shmloader-fetch-order", os.MFD_CLOEXEC)
         try:
@@ -340,6 +344,7 @@ class RemoteFiles(FileDataset):
                 if not asked:
                     slot.mark(index, B.WANTED)
                     self._board.work.ring()
+                    self._board.add(B.W_ASKED)
                     asked = True
                 state = self._board.get(B.W_STATE)
                 if state in (B.FAILED, B.STOPPED) or not self._fetcher_alive():
@@ -384,7 +389,9 @@ class RemoteFiles(FileDataset):
         """What the fetcher did since the dataset was made (ShmLoader.stats()
         shows it as "remote"): objects and bytes fetched, objects an epoch
         found in the cache as it began, evictions by this job, failed
-        fetches, listings made, the workers' total wait for objects, and
+        fetches, listings made, the objects a worker found missing and asked
+        for (train_on="cached": none, unless a file went from the cache
+        behind its back), the workers' total wait for them, and
         for train_on="cached" how many objects were trained how many times
         ({times: objects})."""
         b = self._board
@@ -395,7 +402,7 @@ class RemoteFiles(FileDataset):
         out = {"objects_fetched": b.get(B.W_FETCHED), "bytes_fetched": b.get(B.W_FETCHED_BYTES),
                "cache_hits": b.get(B.W_HITS), "evictions": b.get(B.W_EVICTED),
                "fetch_errors": b.get(B.W_ERRORS), "listings": b.get(B.W_LISTINGS),
-               "fetch_wait_s": b.get(B.W_WAIT_NS) / 1e9,
+               "objects_waited_for": b.get(B.W_ASKED), "fetch_wait_s": b.get(B.W_WAIT_NS) / 1e9,
                "cache_limit_bytes": b.get(B.W_LIMIT)}   # (lowered if the disk filled up first)
         times = {k: b.get(B.W_HISTOGRAM + k) for k in range(1, B.HISTOGRAM)}
         out["times_trained"] = {k: n for k, n in times.items() if n}

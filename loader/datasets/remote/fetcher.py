@@ -260,7 +260,9 @@ class Fetcher:
                     place = np.full(active.slot.count, len(order), np.int64)
                     valid = (order >= 0) & (order < active.slot.count)
                     place[order[valid]] = np.flatnonzero(valid)
-                    active.order, active.place, active.next = order, place, 0
+                    active.order, active.place = order, place
+                    if not self.cached_mode:   # (which walks the listing, for later epochs)
+                        active.next = 0
                 self.lock.notify()
 
     def _fail(self, e: BaseException) -> None:
@@ -350,6 +352,12 @@ class Fetcher:
         older = (self.newest_slot - 1) % B.SLOTS
         return [(s, self.active[s]) for s in (older, self.newest_slot) if s in self.active]
 
+    def _cursor(self, active: Active, i: int) -> int:
+        """Where _next_absent() finds object i: its place in the epoch's
+        order, or for train_on="cached" (which fetches the listing's absent
+        objects, for the epochs to come) its index in the listing."""
+        return i if self.cached_mode else _place(active, i)
+
     def _next_absent(self, s: int, active: Active, order):
         """The next object of the slot (in `order`, else in the listing's)
         that is neither complete nor being fetched."""
@@ -400,7 +408,7 @@ class Fetcher:
                 if got is None:
                     if active.next > 0 and not slot.state[i] & B.WANTED:
                         # parked: not fetched now; go back to it when the cache changes
-                        active.next = min(active.next, _place(active, i))
+                        active.next = min(active.next, self._cursor(active, i))
                     return
                 if isinstance(got, RemoteError):
                     k = self.board.record_error(got.kind, got.status, got.url, str(got))
@@ -553,9 +561,16 @@ class Fetcher:
         lock).  The next epoch's objects come after every one of this
         epoch's; within an epoch, by their place in its order.  Never one
         a worker has asked for, is reading, or trained."""
+        wanted = self.active[s].slot.state[i] & B.WANTED
+        if self.cached_mode and not wanted:
+            # The rotation: an object for the epochs to come.  Its room comes
+            # from objects no live epoch still needs (unpinned), never from an
+            # epoch's set: a worker would find that one missing, and with both
+            # live epochs' sets waiting and the cache full, nothing is left to
+            # evict (the fetcher parked for ever: a hang).
+            return []
         ahead = _place(self.active[s], i) - self.active[s].trained
-        if not self.cached_mode and ahead > self.in_flight_max and \
-                not self.active[s].slot.state[i] & B.WANTED:
+        if not self.cached_mode and ahead > self.in_flight_max and not wanted:
             # Every object of the cache is trained again this epoch: reading
             # further ahead than the requests in flight would evict one the
             # epoch still trains (a miss later) for one it needs no sooner.
@@ -645,7 +660,7 @@ class Fetcher:
                 active.ids[i] = -1
                 active.slot.settle(int(i), B.ABSENT)
             if len(evicted):   # fetched again when their turn comes
-                active.next = min(active.next, min(_place(active, int(i)) for i in evicted))
+                active.next = min(active.next, min(self._cursor(active, int(i)) for i in evicted))
         self.board.set(B.W_EVICTED, self.cache.evicted)
         self.board.arrived.ring()   # (a worker whose open lost the race waits for this)
 
