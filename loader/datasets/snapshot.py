@@ -26,6 +26,21 @@ for a dataset that fetches ahead of the workers (a remote FileDataset).  It
 is not called for a sampler that streams (no len(), or a window ahead of
 the workers): such a dataset fetches as it is asked.
 
+A dataset whose epoch a new job cannot take again from the data as it is
+then (a remote FileDataset with train_on="cached": its set is what the
+cache held as the epoch began) defines three more, so that a state taken
+mid-epoch resumes exactly in a new job:
+
+    record = dataset.epoch_record(snapshot)     # in main, at state_dict(): a plain
+                                                # picklable dict, or None (nothing needed)
+    n = dataset.record_len(record)              # at load_state_dict(): the epoch's
+                                                # length (ValueError: not its record)
+    dataset.resume_epoch(epoch, record)         # then: epoch_snapshot() for that
+                                                # epoch returns the recorded one
+
+The loader keeps the record in its state ("dataset_epoch") and checks the
+state's length against record_len(), not against len(dataset) now.
+
 With worker_mode="thread", main and every worker thread share ONE dataset
 object, and two epochs' runs overlap in it: main takes the next epoch's
 snapshot for a run started ahead (persistent workers) while the threads

@@ -24,6 +24,7 @@ from loader.main.runs import Runs
 from loader.order.progress import MapProgress
 from loader.order.feed import sampler_length
 from loader.shared.spec import SHM_RULES, TORCH_RULES, LiveSpec, public_fields
+from loader.errors import StateError
 from loader.main.state import ABSENT, Expected, LoaderState
 from loader.main.stats import StatsBook
 from loader.shared.trace import ROLE_MAIN, tracer_of
@@ -364,11 +365,22 @@ class ShmLoader(FrozenState):
                 epoch.update(map=progress.state(), complete=progress.complete())
             else:
                 epoch.update(stream=progress.state(), complete=progress.complete)
+        record = None if epoch["complete"] else self._epoch_record(plan)
         return LoaderState(
             epoch=self._current.number, seed=spec.seed, rank=spec.rank, world=spec.world,
             workers=spec.num_workers, iterable=spec.iterable, batch_size=spec.batch_size,
-            dataset_len=spec.map_len(), sampler=spec.sampler_name,
-            dataset=self._own_state_entry(epoch["complete"], plan), **epoch)
+            dataset_len=spec.map_len() if record is None else spec.dataset.record_len(record),
+            sampler=spec.sampler_name, dataset=self._own_state_entry(epoch["complete"], plan),
+            dataset_epoch=ABSENT if record is None else record, **epoch)
+
+    def _epoch_record(self, plan: Plan | None) -> dict | None:
+        """The dataset's record of the epoch in progress, if a new job could
+        not take the epoch again without it (NOTE [ Datasets that change
+        with the epoch ])."""
+        record_of = getattr(self._live.now.dataset, "epoch_record", None)
+        if plan is None or plan.snapshot is None or not callable(record_of):
+            return None
+        return record_of(plan.snapshot)
 
     def _own_state_entry(self, complete: bool, plan: Plan | None):
         """The "dataset" entry of a dataset that keeps its own state: its
@@ -403,7 +415,9 @@ class ShmLoader(FrozenState):
         epoch the state was taken in (or the next epoch, if it was over)."""
         self._current.check_owner()
         # checked before anything changes (main/state.py)
-        loaded = LoaderState.from_dict(state, self._expected_state())
+        loaded = LoaderState.from_dict(state, self._expected_state(self._record_len(state)))
+        if loaded.dataset_epoch is not ABSENT:   # (the epoch's set, not the data's now)
+            self._live.now.dataset.resume_epoch(loaded.epoch, loaded.dataset_epoch)
         own_load = self._own_states_to_load(loaded)
         self._freeze_loaded(state)
         if self._session is not None:
@@ -439,33 +453,56 @@ class ShmLoader(FrozenState):
                                            spec.dataset_copies()[0])
         return states if spec.takes_own_state() else None
 
-    def _epoch_positions(self, world: int) -> int | None:
+    def _record_len(self, state) -> int | None:
+        """The length of the epoch a state's "dataset_epoch" records (None:
+        it has none, or this dataset records no epochs: the checks say so)."""
+        record = state.get("dataset_epoch") if isinstance(state, dict) else None
+        length_of = getattr(self._live.now.dataset, "record_len", None)
+        if record is None or not callable(length_of) or not isinstance(record, dict):
+            return None
+        try:
+            return length_of(record)
+        except ValueError as e:
+            raise StateError(f"load_state_dict: field 'dataset_epoch' is not a record of this "
+                             f"loader's dataset: {e}; load a state from state_dict() of a "
+                             f"loader of the same dataset and arguments") from None
+
+    def _epoch_positions(self, world: int, dataset_len: int | None = None) -> int | None:
         """The positions of a map-style epoch of this rank, as plan_run counts
-        them (None: a batch sampler's, known only by iterating it)."""
+        them (None: a batch sampler's, known only by iterating it), for a
+        dataset of dataset_len (None: its length now)."""
         spec = self._live.now
         if spec.iterable or spec.batch_sampler is not None:
             return None
-        n = sampler_length(spec.sampler) if spec.sampler is not None else spec.map_len()
+        if dataset_len is None:
+            dataset_len = spec.map_len()
+        n = sampler_length(spec.sampler) if spec.sampler is not None else dataset_len
         if n is None:
             return None
         share = n if spec.sampler is not None else _order.shard_size(n, world)
         return share if spec.batch_size is None else _order.kept_of(share, spec.batch_size,
                                                                     spec.drop_last)
 
-    def _expected_state(self) -> Expected:
+    def _expected_state(self, dataset_len: int | None = None) -> Expected:
+        """What a state must match; dataset_len: the length of the epoch it
+        records (None: the dataset's now)."""
         rank, world = self._planner.ranks()
         spec = self._live.now
+        if dataset_len is None:
+            dataset_len = spec.map_len()
+        record_len = getattr(spec.dataset, "record_len", None)
         return Expected(
             iterable=spec.iterable, num_workers=spec.num_workers, streams=spec.streams,
             rank=rank, world=world,
             seed=spec.seed if spec.seed_given else None, batch_size=spec.batch_size,
-            positions=self._epoch_positions(world), dataset_len=spec.map_len(),
+            positions=self._epoch_positions(world, dataset_len), dataset_len=dataset_len,
             sampler=spec.sampler_name,
             rng_bytes={k: len(v) for k, v in self._planner.rng_states().items()},
             seeded_shuffle=(spec.shuffle and spec.generator is None and spec.sampler is None
                             and spec.batch_sampler is None and not spec.iterable),
             own_state=(_own_state.name_of(spec.dataset) if _own_state.keeps_state(spec.dataset)
-                       else None))
+                       else None),
+            epoch_record=type(spec.dataset).__name__ if callable(record_len) else None)
 
 
 def _spec_attribute(name: str) -> property:

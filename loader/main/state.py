@@ -51,7 +51,9 @@ STATE_KEYS = {
                                    _STREAM_KEYS),
     # "dataset": written for a dataset that keeps its own state (NOTE [ Datasets
     # that keep their own state ] in datasets/own_state.py)
-    STATE_FORMAT: StateKeys(_TOP_KEYS | _IDENTITY_KEYS, frozenset({"dataset"}),
+    # "dataset_epoch": written for a dataset whose epoch a new job cannot take
+    # again (NOTE [ Datasets that change with the epoch ] in datasets/snapshot.py)
+    STATE_FORMAT: StateKeys(_TOP_KEYS | _IDENTITY_KEYS, frozenset({"dataset", "dataset_epoch"}),
                             frozenset({"positions", "done_prefix", "done_ranges"}), _STREAM_KEYS),
 }
 
@@ -75,7 +77,9 @@ class LoaderState:
     order to_dict() writes them; map and stream are the progress of the
     epoch (MapProgress.state, StreamProgress.state in order/progress.py),
     dataset a dataset's own state (NOTE [ Datasets that keep their own
-    state ]; ABSENT for a dataset that keeps none)."""
+    state ]; ABSENT for a dataset that keeps none), dataset_epoch the
+    dataset's record of the epoch in progress (NOTE [ Datasets that change
+    with the epoch ]; ABSENT if it needs none)."""
     format: str = STATE_FORMAT
     epoch: int
     seed: int
@@ -92,6 +96,7 @@ class LoaderState:
     sampler: Any = ABSENT
     complete: bool
     dataset: Any = ABSENT
+    dataset_epoch: Any = ABSENT
 
     def to_dict(self) -> dict:
         """The state as state_dict() returns it and checkpoints keep it."""
@@ -138,6 +143,8 @@ class Expected(NamedTuple):
                                   # order ] in order/indices.py)
     own_state: str | None = None  # the class of a dataset that keeps its own state (NOTE
                                   # [ Datasets that keep their own state ]); None: it keeps none
+    epoch_record: str | None = None  # the class of a dataset that records its epochs (NOTE
+                                  # [ Datasets that change with the epoch ]); None: it does not
 
 
 def _fail(field: str, got, expected: str, remedy: str = "") -> StateError:
@@ -204,6 +211,7 @@ def check_state(state, exp: Expected) -> None:
     _int(state, "epoch", 0 if complete else 1)
     _check_identity(state, exp)
     _check_own_state(state, exp)
+    _check_epoch_record(state, exp)
     if complete:
         return  # the next epoch starts afresh: nothing of an epoch to check
     _check_rng(state, exp)
@@ -324,6 +332,21 @@ def _check_own_state(state: dict, exp: Expected) -> None:
                     "state per copy of the dataset", _FOREIGN)
     if not (record["why"] is None or isinstance(record["why"], str)):
         raise _fail("dataset.why", record["why"], "it must be None or a str", _FOREIGN)
+
+
+def _check_epoch_record(state: dict, exp: Expected) -> None:
+    """A "dataset_epoch" record is of an epoch in progress, for a dataset
+    that takes one (its contents are the dataset's to check: record_len)."""
+    if "dataset_epoch" not in state:
+        return
+    record = state["dataset_epoch"]
+    if exp.epoch_record is None:
+        raise _fail("dataset_epoch", "a record", "this loader's dataset records no epochs (the "
+                    "state is of a dataset whose epoch a new job cannot take again: a remote "
+                    "FileDataset with train_on='cached')", _FOREIGN)
+    if state["complete"] or not isinstance(record, dict):
+        raise _fail("dataset_epoch", type(record).__name__, "it must be a dict, of an epoch in "
+                    "progress (complete=False)", _FOREIGN)
 
 
 def _check_rng(state: dict, exp: Expected) -> None:

@@ -866,6 +866,18 @@ def _gone(pid: int, timeout: float) -> bool:
     return False
 
 
+def _warm(store, limit: int) -> None:
+    """An epoch of train_on="all" through the store's cache: it leaves the
+    cache full (limit bytes, or every object)."""
+    warm = store.dataset(cache_limit_bytes=limit)
+    try:
+        with ShmLoader(warm, batch_size=16, num_workers=2, timeout=60) as ld:
+            got = [i for b in ld for i in ids(b)]
+        assert got == list(range(len(got))) and got
+    finally:
+        warm.close()
+
+
 class SetsRecorded(RemoteFiles):
     """Records each epoch's set of objects as main takes its snapshot."""
 
@@ -889,12 +901,7 @@ def test_train_on_cached_rotates_without_taking_from_a_live_epoch(store):
     it full of objects spread over the listing: the rotation starts at once."""
     store.fill(400)
     size = len(npy(0))
-    warm = store.dataset(cache_limit_bytes=200 * size)
-    try:
-        with ShmLoader(warm, batch_size=16, num_workers=2, timeout=60) as ld:
-            assert [i for b in ld for i in ids(b)] == list(range(400))
-    finally:
-        warm.close()
+    _warm(store, 200 * size)
     ds = SetsRecorded(store.url(), cache_dir=store.cache, cache_limit_bytes=200 * size,
                       train_on="cached", requests_in_flight=8)
     ds.sets = {}
@@ -914,3 +921,107 @@ def test_train_on_cached_rotates_without_taking_from_a_live_epoch(store):
         assert remote["fetch_errors"] == 0
     finally:
         ds.close()
+
+
+@pytest.mark.parametrize("cache,workers", [("the same cache", 2), ("a cold cache", 2),
+                                           ("a cold cache", 0)])
+def test_a_cached_epoch_resumes_exactly_in_a_new_job(store, tmp_path, cache, workers):
+    """train_on="cached", a cache of half the data (300 objects, room for
+    150), persistent workers: a state taken 3 batches into the second
+    epoch (whose set is what the cache held as it began).  A new job, with
+    the same cache (rotated since) or a cold one (another machine's),
+    resumes it (with workers, or num_workers=0): exactly the rest of that
+    epoch, in order, then epochs of what its cache holds.  Before, the state's length was len() of the set
+    at state_dict() (the next epoch's, once its run was started ahead),
+    and a new job either refused it (StateError) or, with equal counts,
+    trained another set of objects."""
+    store.fill(300)
+    size = len(npy(0))
+    _warm(store, 150 * size)   # (so that the epochs are long: 15 batches)
+    kw = dict(train_on="cached", cache_limit_bytes=150 * size, requests_in_flight=8)
+    ds = store.dataset(**kw)
+    try:
+        with ShmLoader(ds, batch_size=10, shuffle=True, seed=4, num_workers=2, timeout=60) as ld:
+            first = one_epoch(ld)
+            it = iter(ld)
+            head = [i for _ in range(3) for i in ids(next(it))]
+            state = ld.state_dict()
+            rest = [i for b in it for i in ids(b)]
+    finally:
+        ds.close()
+    assert len(first) == len(set(first)) and len(head + rest) == len(set(head + rest))
+    assert state["dataset_len"] == len(head + rest) >= 140 and not state["complete"]
+    assert state["epoch"] == 2
+    other = str(tmp_path / "other") if cache == "a cold cache" else store.cache
+    again = store.dataset(**dict(kw, cache_dir=other))
+    try:
+        with ShmLoader(again, batch_size=10, shuffle=True, seed=4, num_workers=workers,
+                       timeout=60 if workers else None) as ld:
+            ld.load_state_dict(state)
+            assert one_epoch(ld) == rest
+            after = one_epoch(ld)
+            assert len(after) == len(set(after)) and set(after) <= set(range(300))
+        remote = again.remote_stats()
+        assert remote["fetch_errors"] == 0
+        if cache == "a cold cache":   # the rest of the epoch was fetched for it
+            assert remote["objects_fetched"] >= len(set(rest))
+    finally:
+        again.close()
+
+
+def test_a_cached_state_of_another_dataset_is_refused(store):
+    """A state whose epoch record names another URL, or was edited, is a
+    StateError naming the field, and the loader stays usable."""
+    store.fill(40)
+    _warm(store, 1 << 30)   # (all 40 cached: the first epoch has 4 batches)
+    ds = store.dataset(train_on="cached", cache_limit_bytes=1 << 30)
+    try:
+        with ShmLoader(ds, batch_size=10, shuffle=True, seed=4, num_workers=2, timeout=60) as ld:
+            it = iter(ld)
+            next(it)
+            state = ld.state_dict()
+            for bad, says in (
+                    (dict(state["dataset_epoch"], url="s3://other/x/*.npy"), "s3://other"),
+                    (dict(state["dataset_epoch"], count=state["dataset_epoch"]["count"] + 1),
+                     "do not hold"),
+                    (dict(state["dataset_epoch"], objects=b"junk"), "not a record")):
+                with pytest.raises(loader.StateError, match="dataset_epoch") as e:
+                    ld.load_state_dict(dict(state, dataset_epoch=bad))
+                assert says in str(e.value)
+            rest = [i for b in it for i in ids(b)]
+            assert len(rest) == len(set(rest)) and rest
+    finally:
+        ds.close()
+
+
+def test_a_resumed_cached_epoch_whose_object_is_gone_fails_on_its_batch(store, tmp_path):
+    """The state's set holds an object deleted from the store since: the
+    resumed epoch (cold cache) delivers the batches before the one that
+    needs it exactly, then ObjectNotFound naming it, as an epoch of
+    train_on="all" does."""
+    store.fill(100)
+    _warm(store, 1 << 30)
+    kw = dict(train_on="cached", cache_limit_bytes=1 << 30)
+    ds = store.dataset(**kw)
+    try:
+        with ShmLoader(ds, batch_size=10, shuffle=True, seed=4, num_workers=2, timeout=60) as ld:
+            it = iter(ld)
+            next(it)
+            state = ld.state_dict()
+            rest = [ids(b) for b in it]
+    finally:
+        ds.close()
+    assert len(rest) == 9
+    gone = rest[5][3]
+    store.server.delete(store.bucket, f"sims/{gone:05}.npy")
+    again = store.dataset(**dict(kw, cache_dir=str(tmp_path / "cold")))
+    try:
+        with ShmLoader(again, batch_size=10, shuffle=True, seed=4, num_workers=2,
+                       timeout=60) as ld:
+            ld.load_state_dict(state)
+            it = iter(ld)
+            assert [ids(next(it)) for _ in range(5)] == rest[:5]
+            with pytest.raises(ObjectNotFound, match=f"{gone:05}.npy"):
+                next(it)
+    finally:
+        again.close()

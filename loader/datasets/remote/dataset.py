@@ -68,6 +68,8 @@ class RemoteFiles(FileDataset):
         self.first_batch_timeout = first_batch_timeout
         self._owner = os.getpid()
         self._by_epoch: dict = {}  # epoch -> its snapshot (asked again for a run started ahead)
+        self._resumed: dict = {}   # epoch -> its snapshot, of a state's record (resume_epoch)
+        self._records: dict = {}   # (slot, gen, count) -> epoch_record()
         self._board = B.Board.create()
         self._turn = -1            # the slot last adopted
         self._gen = 0              # the listing last asked for
@@ -115,8 +117,8 @@ class RemoteFiles(FileDataset):
         return tail.decode("utf-8", "replace").strip()
 
     def _reply(self, kinds: tuple, timeout: float):
-        """The fetcher's next message of one of these kinds (others are
-        handled on the way), waiting at most timeout seconds."""
+        """(message, fds) of the fetcher's next message of one of these kinds
+        (others are handled on the way), waiting at most timeout seconds."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -127,7 +129,7 @@ class RemoteFiles(FileDataset):
                                   f"{timeout:.0f} s; its stacks:\n{self._last_words()}")
             self._sock.settimeout(min(left, WAIT_SLICE_S))
             try:
-                msg, _ = F.receive(self._sock)
+                msg, fds = F.receive(self._sock)
             except socket.timeout:
                 if self._proc.poll() is not None:
                     raise self._died() from None
@@ -140,7 +142,9 @@ class RemoteFiles(FileDataset):
                 self._listing_pending = False
                 self._listed = msg
             if type(msg) in kinds:
-                return msg
+                return msg, fds
+            for fd in fds:
+                os.close(fd)
 
     def _died(self) -> FetcherDied:
         self._proc.wait(5)
@@ -155,7 +159,7 @@ class RemoteFiles(FileDataset):
 
     def _list_now(self, timeout: float) -> None:
         self._ask_listing()
-        done = self._reply((F.ListDone,), timeout)
+        done, _ = self._reply((F.ListDone,), timeout)
         if done.error is not None:
             kind, status, url, text = done.error
             err = KINDS.get(kind, RemoteError).__new__(KINDS.get(kind, RemoteError))
@@ -183,16 +187,84 @@ class RemoteFiles(FileDataset):
         finally:
             self._sock.setblocking(True)
 
-    def _adopt(self) -> RemoteSnapshot:
-        """The newest listing, in the next slot: this epoch's objects."""
+    def _adopt(self, gen: int | None = None) -> RemoteSnapshot:
+        """The newest listing (or listing gen: all of its objects), in the
+        next slot: this epoch's objects."""
         self._turn = (self._turn + 1) % B.SLOTS
-        F.send(self._sock, F.Adopt(slot=self._turn, gen=self._listed.gen))
-        done = self._reply((F.Adopted,), REPLY_TIMEOUT_S)
+        F.send(self._sock, F.Adopt(slot=self._turn, gen=self._listed.gen if gen is None else gen))
+        done, _ = self._reply((F.Adopted,), REPLY_TIMEOUT_S)
         positions = None
-        if self.train_on == "cached":
+        if gen is not None:
+            positions = np.arange(done.count)
+        elif self.train_on == "cached":
             state = self._board.slot(done.slot).state
             positions = np.flatnonzero((state & B.STATUS_MASK) == B.COMPLETE)
         return RemoteSnapshot(slot=done.slot, gen=done.gen, count=done.count, positions=positions)
+
+    # --- an exact resume of a train_on="cached" epoch (NOTE [ Datasets that change
+    # with the epoch ]): its set is the cache's as it began, which a new job does not see
+
+    def epoch_record(self, snapshot: RemoteSnapshot) -> dict | None:
+        """The epoch's set of objects (keys, ETags and sizes, compressed), for
+        a state taken now; None for train_on="all" (every listed object).
+        Asked of the fetcher once per epoch."""
+        if snapshot.positions is None or os.getpid() != self._owner:
+            return None
+        key = (snapshot.slot, snapshot.gen, len(snapshot.positions))
+        record = self._records.get(key)
+        if record is None:
+            order = np.ascontiguousarray(snapshot.positions, np.int64)
+            with F.memfd_of(memoryview(order).cast("B")) as fd:
+                F.send(self._sock, F.Describe(slot=snapshot.slot, gen=snapshot.gen,
+                                              count=len(order)), fds=[fd])
+            said, fds = self._reply((F.Described,), REPLY_TIMEOUT_S)
+            try:
+                if not fds:
+                    raise RuntimeError(f"FileDataset({self.pattern!r}): the epoch's listing "
+                                       f"(board slot {snapshot.slot}) was retired before its "
+                                       f"state was taken (more than {B.SLOTS - 1} epochs live)")
+                objects = F.read_bytes(fds[0], said.nbytes)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            record = {"url": self.pattern, "count": len(order), "objects": objects}
+            self._records = {k: v for k, v in self._records.items() if k[0] != snapshot.slot}
+            self._records[key] = record
+        return record
+
+    def record_len(self, record) -> int:
+        """The length of the epoch epoch_record() described (ValueError if
+        it is not such a record of this dataset)."""
+        if not (isinstance(record, dict) and set(record) == {"url", "count", "objects"}):
+            raise ValueError("it must be a dict of 'url', 'count' and 'objects' "
+                             "(FileDataset.epoch_record)")
+        if record["url"] != self.pattern:
+            raise ValueError(f"it is an epoch of FileDataset({record['url']!r}), and this "
+                             f"dataset is FileDataset({self.pattern!r})")
+        count = record["count"]
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0 or \
+                not isinstance(record["objects"], bytes):
+            raise ValueError("its 'count' must be an int >= 0 and its 'objects' bytes")
+        if len(F.parse_record(record["objects"])[0]) != count:
+            raise ValueError(f"its 'objects' do not hold {count} objects")
+        return count
+
+    def resume_epoch(self, epoch: int, record: dict) -> None:
+        """The epoch trains the objects of the record, whatever the cache
+        holds now (those not in it are fetched; one gone from the store is
+        the batch's ObjectNotFound, one changed its ObjectChanged, as in
+        an epoch of train_on="all")."""
+        self.record_len(record)
+        self._drain()
+        self._gen += 1
+        gen = self._gen
+        with F.memfd_of(record["objects"]) as fd:
+            F.send(self._sock, F.Install(gen=gen, nbytes=len(record["objects"])), fds=[fd])
+        self._reply((F.Installed,), REPLY_TIMEOUT_S)
+        snap = self._adopt(gen)
+        self._by_epoch = {e: v for e, v in self._by_epoch.items() if e != "first"}
+        self._by_epoch[epoch] = self._resumed[epoch] = snap
+        self.current = snap
 
     def close(self) -> None:
         """Stop the fetcher (it also stops when the dataset is collected, and
@@ -221,6 +293,9 @@ class RemoteFiles(FileDataset):
         (waited for, if the cache has less)."""
         self._drain()
         epoch = None if info is None else info.epoch
+        if epoch in self._resumed:   # (resume_epoch: exactly the state's set)
+            self.current = self._resumed[epoch]
+            return self.current
         known = self._by_epoch.get(epoch) or self._by_epoch.pop("first", None)
         if known is not None and known.gen == self._listed.gen and (
                 self.train_on == "all" or known.positions is not None):
@@ -269,13 +344,8 @@ class RemoteFiles(FileDataset):
         if snapshot.positions is not None:
             indices = snapshot.positions[np.asarray(indices, np.int64)]
         order = np.ascontiguousarray(indices, np.int64)
-        fd = os.memfd_create("shmloader-fetch-order", os.MFD_CLOEXEC)
-        try:
-            with os.fdopen(os.dup(fd), "wb") as f:
-                f.write(memoryview(order).cast("B"))
+        with F.memfd_of(memoryview(order).cast("B")) as fd:
             F.send(self._sock, F.Order(slot=snapshot.slot, count=len(order)), fds=[fd])
-        finally:
-            os.close(fd)
 
     def restore_snapshot(self, snapshot: RemoteSnapshot) -> None:
         self.current = snapshot

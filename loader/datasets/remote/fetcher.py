@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import traceback
+import zlib
 from typing import NamedTuple
 
 import numpy as np
@@ -80,6 +81,31 @@ class Adopted(NamedTuple):
 class Order(NamedTuple):
     slot: int
     count: int             # positions; the order's int64 object indices come as an fd
+
+
+class Describe(NamedTuple):
+    """What the objects at these positions of a slot's listing are (the
+    positions come as an fd of int64): for a state that resumes the epoch
+    in a new job (RemoteFiles.epoch_record)."""
+    slot: int
+    gen: int
+    count: int
+
+
+class Described(NamedTuple):
+    nbytes: int            # the record (an fd; 0 and no fd: the slot holds another listing)
+
+
+class Install(NamedTuple):
+    """A listing main has (a record of Described, as an fd), under gen:
+    adopted next, as an epoch resumed from a state trains exactly it."""
+    gen: int
+    nbytes: int
+
+
+class Installed(NamedTuple):
+    gen: int
+    count: int
 
 
 class Count(NamedTuple):
@@ -252,6 +278,24 @@ class Fetcher:
                 self.counted_at = 0.0
                 self._count_trained()
             send(self.sock, Counted())
+        elif kind is Describe:
+            positions = _read_order(fds[0], msg.count)
+            with self.lock:
+                active = self.active.get(msg.slot)
+                listing = active.listing if active is not None and \
+                    active.slot.gen == msg.gen else None
+            if listing is None:
+                send(self.sock, Described(nbytes=0))
+            else:
+                record = listing_record(listing, positions)
+                with memfd_of(record) as fd:
+                    send(self.sock, Described(nbytes=len(record)), fds=[fd])
+        elif kind is Install:
+            keys, etags, sizes = parse_record(read_bytes(fds[0], msg.nbytes))
+            listing = self._listing(msg.gen, keys, etags, sizes)
+            with self.lock:
+                self.listings[msg.gen] = listing
+            send(self.sock, Installed(gen=msg.gen, count=len(keys)))
         elif kind is Order:
             order = _read_order(fds[0], msg.count) if fds else None
             with self.lock:
@@ -282,14 +326,8 @@ class Fetcher:
             except RemoteError as e:
                 send(self.sock, ListDone(gen=gen, count=0, error=(e.kind, e.status, e.url, str(e))))
                 return
-            urls = [f"{self.pattern.root}/{k}" for k in listed.keys]
-            n = len(urls)
-            digests = np.frombuffer(b"".join(digest(u, t) for u, t in zip(urls, listed.etags)),
-                                    np.uint8).reshape(n, B.DIGEST)
-            exts = np.frombuffer(b"".join(extension(u).encode().ljust(B.EXT, b"\0")
-                                          for u in urls), np.uint8).reshape(n, B.EXT)
-            listing = Listing(gen=gen, keys=listed.keys, sizes=np.array(listed.sizes, np.int64),
-                              etags=listed.etags, digests=digests, exts=exts)
+            listing = self._listing(gen, listed.keys, listed.etags, listed.sizes)
+            n = len(listing.keys)
             with self.lock:
                 latest = self.latest
                 if latest is not None and latest.keys == listing.keys and \
@@ -301,6 +339,17 @@ class Fetcher:
             send(self.sock, ListDone(gen=gen, count=n, error=None))
         except BaseException as e:
             self._fail(e)
+
+    def _listing(self, gen: int, keys: list, etags: list, sizes) -> Listing:
+        """A Listing of these objects, with their names in the cache."""
+        urls = [f"{self.pattern.root}/{k}" for k in keys]
+        n = len(urls)
+        digests = np.frombuffer(b"".join(digest(u, t) for u, t in zip(urls, etags)),
+                                np.uint8).reshape(n, B.DIGEST)
+        exts = np.frombuffer(b"".join(extension(u).encode().ljust(B.EXT, b"\0")
+                                      for u in urls), np.uint8).reshape(n, B.EXT)
+        return Listing(gen=gen, keys=list(keys), sizes=np.array(sizes, np.int64),
+                       etags=list(etags), digests=digests, exts=exts)
 
     def _adopt(self, s: int, gen: int) -> None:
         listing = self.listings[gen]
@@ -707,6 +756,69 @@ def _place(active: Active, i: int) -> int:
     if active.place is None:
         return i
     return int(active.place[i])
+
+
+def listing_record(listing: Listing, positions: np.ndarray) -> bytes:
+    """The objects at these positions of a listing (keys, ETags, sizes),
+    compressed: what a state keeps of a train_on="cached" epoch's set."""
+    objects = {"keys": [listing.keys[i] for i in positions],
+               "etags": [listing.etags[i] for i in positions],
+               "sizes": [int(listing.sizes[i]) for i in positions]}
+    return zlib.compress(json.dumps(objects, separators=(",", ":")).encode(), 6)
+
+
+def parse_record(record: bytes) -> tuple[list, list, list]:
+    """(keys, etags, sizes) of listing_record()'s bytes; ValueError if they
+    are not such a record."""
+    try:
+        objects = json.loads(zlib.decompress(record))
+        keys, etags, sizes = objects["keys"], objects["etags"], objects["sizes"]
+    except (zlib.error, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"not a record of an epoch's objects ({type(e).__name__}: {e})") from None
+    if not (isinstance(keys, list) and isinstance(etags, list) and isinstance(sizes, list)
+            and len(keys) == len(etags) == len(sizes)
+            and all(isinstance(k, str) for k in keys) and all(isinstance(t, str) for t in etags)
+            and all(isinstance(n, int) and n >= 0 for n in sizes)):
+        raise ValueError("not a record of an epoch's objects (its keys, ETags and sizes differ "
+                         "in kind or count)")
+    return keys, etags, sizes
+
+
+class memfd_of:
+    """A memfd holding these bytes, closed on exit (sent as an fd: an order
+    or a record can be larger than one message)."""
+
+    def __init__(self, data):
+        self.fd = os.memfd_create("shmloader-record", os.MFD_CLOEXEC)
+        try:
+            _write_all(self.fd, data)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def __enter__(self) -> int:
+        return self.fd
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+
+def _write_all(fd: int, data) -> None:
+    view, done = memoryview(data).cast("B"), 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+
+
+def read_bytes(fd: int, nbytes: int) -> bytes:
+    """nbytes from the start of the memfd fd (its writer moved the shared offset)."""
+    out = bytearray(nbytes)
+    view, done = memoryview(out), 0
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], done)
+        if got == 0:
+            raise EOFError(f"the record ends after {done} of {nbytes} bytes")
+        done += got
+    return bytes(out)
 
 
 def _read_order(fd: int, count: int) -> np.ndarray:
