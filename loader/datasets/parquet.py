@@ -47,10 +47,12 @@ class FileIdentity(NamedTuple):
 
 
 class RowGroup(NamedTuple):
-    path: str
+    path: str              # (an object's URL, for one in an object store)
     index: int
     rows: int
-    file: FileIdentity | None = None   # None: not checked (a snapshot made by hand)
+    file: FileIdentity | None = None   # None: not checked (a snapshot made by hand, or an
+                                       # object: its cache file is of its listed ETag)
+    object: int = -1       # an object's index in the epoch's listing (-1: a local file)
 
 
 class EpochRows(NamedTuple):
@@ -59,20 +61,29 @@ class EpochRows(NamedTuple):
     groups: tuple          # RowGroup, in the epoch's order
     start: int             # this rank's first row of the order (padding wraps around)
     count: int             # rows this rank reads
+    objects: object = None  # files in an object store: the listing's RemoteSnapshot
 
 
 class ParquetDataset:
     """Rows of Parquet files as a stream (an iterable dataset).
 
     paths_or_glob: a path, a glob pattern, or a list of them (matched again
-    at the start of every epoch).  columns: the columns to read (None: all).
-    shuffle: shuffle the order of the row groups at every epoch with the
-    loader's seed."""
+    at the start of every epoch); or one object-store URL pattern
+    ("s3://bucket/tables/**/*.parquet"), listed again at every epoch, its
+    objects fetched into a local cache ahead of the workers as a remote
+    FileDataset's are (docs/object-stores.md; the keyword arguments after
+    shuffle are FileDataset's for a URL).  columns: the columns to read
+    (None: all).  shuffle: shuffle the order of the row groups at every
+    epoch with the loader's seed."""
 
     # a worker thread's own: NOTE [ Datasets that change with the epoch ]
     rows_of_epoch = EpochView()
 
-    def __init__(self, paths_or_glob, columns=None, shuffle=True):
+    def __init__(self, paths_or_glob, columns=None, shuffle=True, *, cache_dir=None,
+                 cache_limit_bytes=None, storage_options=None, requests_in_flight=32,
+                 request_deadline=60.0, listing_timeout=600.0):
+        from loader.datasets.remote.store import is_remote
+
         _pyarrow()
         if isinstance(paths_or_glob, (str, os.PathLike)):
             paths_or_glob = [paths_or_glob]
@@ -81,6 +92,31 @@ class ParquetDataset:
         self.shuffle = shuffle
         self.rows_of_epoch: EpochRows | None = None
         self._groups_cache: dict = {}
+        self._remote = None
+        self._planned: dict = {}   # EpochInfo -> its EpochRows (an object-store URL's)
+        remote = [p for p in self.patterns if is_remote(p)]
+        if remote and len(self.patterns) > 1:
+            raise ValueError(f"ParquetDataset: an object-store URL is given alone (one pattern: "
+                             f"use ** or a common prefix), got {self.patterns}")
+        if remote:
+            from loader.datasets.remote.dataset import RemoteFiles
+
+            self._remote = RemoteFiles(
+                remote[0], cache_dir=cache_dir, cache_limit_bytes=cache_limit_bytes,
+                storage_options=storage_options, requests_in_flight=requests_in_flight,
+                request_deadline=request_deadline, listing_timeout=listing_timeout)
+            # what the fetcher did (ShmLoader.stats()["remote"]): only a URL's has one
+            self.remote_stats = self._remote.remote_stats
+        elif cache_dir is not None or cache_limit_bytes is not None or storage_options:
+            raise ValueError("ParquetDataset: cache_dir, cache_limit_bytes and storage_options "
+                             "are for an object-store URL (s3://...); these paths are local")
+
+    def close(self) -> None:
+        """Stop the fetcher of an object-store URL (it also stops when the
+        dataset is collected, and with the process)."""
+        if self._remote is not None:
+            self._remote.close()
+
 
     # --- the epoch's row groups (main) ----------------------------------------------
 
@@ -103,17 +139,73 @@ class ParquetDataset:
                                            for i in range(meta.num_row_groups)]
         return self._groups_cache[key]
 
+    def _objects(self, info: EpochInfo):
+        """(The RemoteSnapshot of an object-store URL's listing for the epoch,
+        its row groups, in the listing's order)."""
+        snap = self._remote.epoch_snapshot(info)
+        groups = []
+        for i, found in enumerate(self._remote.footers(snap)):
+            if "failed" in found:
+                kind, status, url, text = found["failed"]
+                raise _remote_error(kind, status, url, text, self._remote.endpoint)
+            if "error" in found:
+                raise ParquetFileError(f"{found['url']} cannot be read as Parquet "
+                                       f"({found['error']}); it is corrupt, truncated or not a "
+                                       f"Parquet file: rewrite it, or leave it out of the URL's "
+                                       f"pattern")
+            groups += [RowGroup(found["url"], k, rows, None, i)
+                       for k, rows in enumerate(found["rows"])]
+        return snap, groups
+
     def epoch_snapshot(self, info: EpochInfo | None = None) -> EpochRows:
         info = info or EpochInfo(0, 0, 0, 1)
-        groups = [g for path in self._files() for g in self._groups(path) if g.rows]
+        objects = None
+        if self._remote is not None:
+            objects, groups = self._objects(info)
+            planned = self._planned.get(info)
+            if planned is not None and planned.objects == objects:
+                # the same epoch asked again (a run started ahead): its fetches are
+                # planned, and its rows may be in the workers' hands already
+                self.rows_of_epoch = planned
+                return planned
+        else:
+            groups = [g for path in self._files() for g in self._groups(path)]
+        groups = [g for g in groups if g.rows]
         if self.shuffle:
-            order = np.random.default_rng([info.seed & ((1 << 63) - 1), info.epoch]).permutation(
-                len(groups))
-            groups = [groups[i] for i in order]
+            rng = np.random.default_rng([info.seed & ((1 << 63) - 1), info.epoch])
+            groups = _shuffled(groups, rng, by_file=objects is not None)
         total = sum(g.rows for g in groups)
         per_rank = -(-total // info.world_size) if info.world_size > 1 else total
-        self.rows_of_epoch = EpochRows(tuple(groups), info.rank * per_rank, per_rank)
+        self.rows_of_epoch = EpochRows(tuple(groups), info.rank * per_rank, per_rank, objects)
+        if objects is not None:
+            self._plan_fetches(self.rows_of_epoch, max(1, info.num_workers or 0))
+            self._planned = {k: v for k, v in self._planned.items() if k.epoch >= info.epoch - 1}
+            self._planned[info] = self.rows_of_epoch
         return self.rows_of_epoch
+
+    def _plan_fetches(self, epoch: EpochRows, workers: int) -> None:
+        """Tell the fetcher which objects this rank's rows read, in the
+        order they are needed (each worker reads its share from its start,
+        and the batches come from the workers in turn: an object's place is
+        how far into its share a worker first reads it), and how many rows
+        of each, so that each is unpinned once read."""
+        snap, groups = epoch.objects, epoch.groups
+        rows = np.array([g.rows for g in groups], np.int64)
+        obj = np.array([g.object for g in groups], np.int64)
+        starts = np.concatenate([[0], np.cumsum(rows)])
+        total = int(starts[-1])
+        per_object = np.zeros(snap.count, np.int64)
+        never = np.iinfo(np.int64).max
+        first_at = np.full(snap.count, never)
+        for first, count in _shares(epoch.start, epoch.count, workers):
+            for lo, hi, offset in _spans(first, count, total):
+                read = np.clip(np.minimum(starts[1:], hi) - np.maximum(starts[:-1], lo), 0, None)
+                np.add.at(per_object, obj, read)
+                at = np.where(read > 0, np.maximum(starts[:-1], lo) - lo + offset, never)
+                np.minimum.at(first_at, obj, at)
+        self._remote.rows_to_read(snap, per_object)
+        needed = np.flatnonzero(per_object > 0)
+        self._remote.epoch_order(snap, needed[np.argsort(first_at[needed], kind="stable")])
 
     def restore_snapshot(self, snapshot: EpochRows) -> None:
         self.rows_of_epoch = snapshot
@@ -128,14 +220,13 @@ class ParquetDataset:
         epoch = self.rows_of_epoch if self.rows_of_epoch is not None else self.epoch_snapshot()
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        # this worker's part of this rank's rows: an even split
-        base, extra = divmod(epoch.count, workers)
-        first = epoch.start + worker * base + min(worker, extra)
-        return self._rows(epoch.groups, first, base + (worker < extra))
+        first, count = _shares(epoch.start, epoch.count, workers)[worker]
+        return self._rows(epoch, first, count)
 
-    def _rows(self, groups, first: int, count: int):
+    def _rows(self, epoch: EpochRows, first: int, count: int):
         """count rows of the epoch's order from row `first` (wrapping
         around its end: the padding of the last rank)."""
+        groups = epoch.groups
         total = sum(g.rows for g in groups)
         if total == 0 or count == 0:
             return
@@ -146,12 +237,17 @@ class ParquetDataset:
             g = groups[k]
             lo = pos - int(starts[k])
             hi = min(g.rows, lo + left)
-            yield from self._read(g, lo, hi)
+            yield from self._read(g, lo, hi, epoch.objects)
             left -= hi - lo
             k, pos = (k + 1) % len(groups), int(starts[(k + 1) % len(groups)])
 
-    def _read(self, g: RowGroup, lo: int, hi: int):
-        table = _read_group(g, self.columns)
+    def _read(self, g: RowGroup, lo: int, hi: int, snap=None):
+        if g.object >= 0:
+            path, fd = self._remote.open_object(snap, g.object)
+            table = _read_group(g, self.columns, fd)
+            self._remote.read_rows(snap, g.object, hi - lo)
+        else:
+            table = _read_group(g, self.columns)
         if lo or hi < table.num_rows:
             table = table.slice(lo, hi - lo)
         names = table.column_names
@@ -160,13 +256,50 @@ class ParquetDataset:
             yield {name: col[r] for name, col in zip(names, columns)}
 
 
+def _shares(start: int, count: int, workers: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each worker's part of a rank's rows: an even split."""
+    base, extra = divmod(count, workers)
+    return [(start + w * base + min(w, extra), base + (w < extra)) for w in range(workers)]
+
+
+def _spans(first: int, count: int, total: int) -> list[tuple[int, int, int]]:
+    """Rows [first, first + count) of an order of total rows, wrapping
+    around its end (the last rank's padding): (lo, hi, rows before it)."""
+    out, done, pos = [], 0, first % total if total else 0
+    while done < count and total:
+        hi = min(total, pos + count - done)
+        out.append((pos, hi, done))
+        done += hi - pos
+        pos = 0
+    return out
+
+
+def _shuffled(groups: list, rng, by_file: bool) -> list:
+    """The row groups in a random order; by_file (objects of a store): the
+    files in a random order, each one's groups together in a random order
+    of their own, so that a file is fetched once an epoch and read whole
+    before it can be evicted (ShmLoader(shuffle_buffer=N) mixes rows
+    across files)."""
+    if not by_file:
+        return [groups[i] for i in rng.permutation(len(groups))]
+    files: dict = {}
+    for g in groups:
+        files.setdefault(g.object, []).append(g)
+    out = []
+    for k in rng.permutation(sorted(files)):
+        mine = files[int(k)]
+        out += [mine[i] for i in rng.permutation(len(mine))]
+    return out
+
+
 @contextlib.contextmanager
-def _open_parquet(path: str):
-    """(pyarrow ParquetFile, FileIdentity) of path, opened without blocking
-    (open_regular: a FIFO in its place is an error, not a hang).  Any
-    failure to read it as Parquet is a ParquetFileError naming the file."""
+def _open_parquet(path: str, fd: int | None = None):
+    """(pyarrow ParquetFile, FileIdentity) of path (or of fd, opened for
+    it, which is then closed), opened without blocking (open_regular: a
+    FIFO in its place is an error, not a hang).  Any failure to read it as
+    Parquet is a ParquetFileError naming the file."""
     pa = _pyarrow()
-    with os.fdopen(open_regular(path), "rb") as f:
+    with os.fdopen(open_regular(path) if fd is None else fd, "rb") as f:
         st = os.fstat(f.fileno())
         try:
             pf = pa.parquet.ParquetFile(f)
@@ -179,13 +312,14 @@ def _open_parquet(path: str):
         yield pf, FileIdentity(st.st_size, st.st_mtime_ns, schema)
 
 
-def _read_group(g: RowGroup, columns):
-    """Row group g of its file, checked against the epoch's snapshot of it:
-    a file rewritten since then (the snapshot's rows are planned into this
-    epoch's shares) is an error naming what changed, never fewer rows."""
+def _read_group(g: RowGroup, columns, fd: int | None = None):
+    """Row group g of its file (or of fd, its cached object's, closed
+    after), checked against the epoch's snapshot of it: a file rewritten
+    since then (the snapshot's rows are planned into this epoch's shares)
+    is an error naming what changed, never fewer rows."""
     pa = _pyarrow()
     try:
-        with _open_parquet(g.path) as (pf, ident):
+        with _open_parquet(g.path, fd) as (pf, ident):
             if g.file is not None and ident != g.file:
                 _raise_changed(g, ident, pf)
             try:
@@ -206,10 +340,22 @@ def _read_group(g: RowGroup, columns):
     return table
 
 
+def _remote_error(kind: str, status, url: str, text: str, endpoint: str):
+    from loader.errors import REMOTE_ERRORS_BY_KIND, RemoteError
+
+    cls = REMOTE_ERRORS_BY_KIND.get(kind, RemoteError)
+    err = cls.__new__(cls)
+    OSError.__init__(err, text)
+    err.url, err.endpoint, err.status = url, endpoint, status
+    return err
+
+
 def _raise_if_rewritten_meanwhile(g: RowGroup, error: ParquetFileError) -> None:
     """A file rewritten in place WHILE it is read (after the identity check
     on the open fd) reads as torn: if it is no longer the snapshot's file,
     say that, not "corrupt"."""
+    if g.object >= 0:
+        return   # (an object's cache file is never rewritten: a new ETag, a new file)
     try:
         st = os.stat(g.path)
     except OSError:

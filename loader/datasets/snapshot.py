@@ -8,7 +8,8 @@ A dataset may define these methods to see each epoch as a whole:
     dataset.epoch_order(snapshot, indices)      # in main, as a run starts: what it loads
 
 `info` is an EpochInfo: the epoch number, the loader's seed, this
-process's rank and the world size (distributed=True), and the batch size.
+process's rank and the world size (distributed=True), the batch size and
+the number of workers.
 The snapshot is any picklable value; it travels with the epoch's run (a
 memfd, see SNAPSHOT in NOTE [ Runs ]), so every process of the loader sees
 the same one even while the data changes under them.  epoch_snapshot() may
@@ -67,6 +68,7 @@ class EpochInfo(NamedTuple):
     rank: int
     world_size: int
     batch_size: int | None = None
+    num_workers: int | None = None    # the loader's worker processes or threads (0: none)
 
 
 class EpochView:

@@ -147,7 +147,7 @@ class EpochPlanner:
         if not callable(take):
             return None
         return take(EpochInfo(epoch=epoch, seed=ld.seed, rank=ld.rank, world_size=ld.world,
-                              batch_size=ld.batch_size))
+                              batch_size=ld.batch_size, num_workers=ld.num_workers))
 
     def tell_order(self, plan: Plan) -> None:
         """A dataset that fetches ahead of the workers learns what the run

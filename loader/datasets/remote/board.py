@@ -9,7 +9,9 @@ name.  Laid out as
     errors    ERROR_RECORDS records: an error's kind, HTTP status and text
     slots     SLOTS of them, each the objects of one listing as an epoch uses
               it: digest[n][32] and ext[n][16] (the cache's file name),
-              size[n] int64, state[n] int32
+              size[n] int64, left[n] int64 (a remote ParquetDataset: the rows
+              of the object this rank's epoch still reads; 0 otherwise),
+              state[n] int32
 
 A listing is put into the next slot, in turn, as each epoch starts: the
 next epoch's slot is filled while this one's is still read (and a second
@@ -40,7 +42,7 @@ HEADER_BYTES = 64 << 10
 SLOTS = 4                      # listings in use at once: a run's, the next's, and a spare pair
 SLOT_SPAN = 1 << 36            # file offsets per slot: sparse, mapped as used
 DIGEST, EXT = 32, 16
-PER_OBJECT = DIGEST + EXT + 8 + 4
+PER_OBJECT = DIGEST + EXT + 8 + 8 + 4
 
 # header words (int64)
 (W_MAGIC, W_STATE, W_PARKED, W_FETCHED, W_FETCHED_BYTES, W_HITS, W_EVICTED, W_ERRORS,
@@ -115,6 +117,7 @@ class Board:
         slot.digests[:] = digests
         slot.exts[:] = exts
         slot.sizes[:] = sizes
+        slot.left[:] = 0
         slot.state[:] = state
         self.set(W_SLOTS + 2 * s, gen)
         return slot
@@ -167,6 +170,8 @@ class Slot:
         at += EXT * count
         self.sizes = region[at:at + 8 * count].view(np.int64)
         at += 8 * count
+        self.left = region[at:at + 8 * count].view(np.int64)
+        at += 8 * count
         self.state = region[at:at + 4 * count].view(np.int32)
 
     def status(self, i: int) -> int:
@@ -186,6 +191,11 @@ class Slot:
             new = (old & (WANTED | TRAINED)) | status | (error << ERROR_SHIFT)
             if sync.atomic_cas(self.state, i, old, new):
                 return
+
+    def read_rows(self, i: int, rows: int) -> bool:
+        """A worker read rows of object i: whether they were the last this
+        rank's epoch reads of it (atomic; then it may be marked TRAINED)."""
+        return sync.atomic_add(self.left, i, -rows) == rows
 
     def name(self, i: int) -> str:
         """The object's file name in the cache (cache.object_name)."""

@@ -23,6 +23,7 @@ from loader.datasets.snapshot import EpochView
 from loader.datasets.remote import board as B
 from loader.datasets.remote import fetcher as F
 from loader.errors import REMOTE_ERRORS_BY_KIND as KINDS, FetcherDied, RemoteError
+from loader.datasets.remote.footers import parse_footers
 from loader.datasets.remote.store import endpoint_of, parse
 
 _pidfds: dict[int, int] = {}   # the fetchers' pidfds, per process (_fetcher_alive)
@@ -70,6 +71,8 @@ class RemoteFiles(FileDataset):
         self._by_epoch: dict = {}  # epoch -> its snapshot (asked again for a run started ahead)
         self._resumed: dict = {}   # epoch -> its snapshot, of a state's record (resume_epoch)
         self._records: dict = {}   # (slot, gen, count) -> epoch_record()
+        self._footers: dict = {}   # cache name -> Parquet footer (a remote ParquetDataset)
+        self.listing_timeout = listing_timeout
         self._board = B.Board.create()
         self._turn = -1            # the slot last adopted
         self._gen = 0              # the listing last asked for
@@ -355,26 +358,87 @@ class RemoteFiles(FileDataset):
         index = int(i) if snap.positions is None else int(snap.positions[i])
         if not 0 <= index < snap.count:
             raise IndexError(f"FileDataset({self.pattern!r}) has {len(self)} objects; got {i}")
+        if self.decode is not None:
+            return self._use(snap, index, self.decode)
+        path, fd = self._use(snap, index, lambda path: (path, open_regular(path)))
+        return npy_array(path, fd) if path.endswith(".npy") else raw_array(path, fd)
+
+    def _use(self, snap: RemoteSnapshot, index: int, use, trained: bool = True):
+        """use(path) of object index of the epoch, once it is in the cache
+        (waited for; asked for again if it was evicted between the look and
+        the open); then, if `trained`, marked trained (an opened file stays
+        readable through its fd once evicted)."""
+        slot = self._slot_of(snap)
+        for attempt in range(EVICTED_RETRIES + 1):
+            self._wait_for(slot, index)
+            path = self._path(slot, index)
+            try:
+                out = use(path)
+            except FileNotFoundError:
+                if attempt == EVICTED_RETRIES or not self._evicted_meanwhile(slot, index, path):
+                    raise
+                continue
+            if trained:
+                self._trained(slot, index)
+            return out
+
+    def _slot_of(self, snap: RemoteSnapshot) -> B.Slot:
         slot = self._board.slot(snap.slot)
         if slot.gen != snap.gen:
             raise RemoteError(f"FileDataset({self.pattern!r}): the epoch's listing was replaced "
                               f"in the board while it was read (more than {B.SLOTS - 1} epochs "
                               f"or iterators live at once)")
-        for attempt in range(EVICTED_RETRIES + 1):
-            self._wait_for(slot, index)
-            path = self._path(slot, index)
+        return slot
+
+    # --- a remote ParquetDataset's objects (loader/datasets/parquet.py) ----------------
+
+    def footers(self, snap: RemoteSnapshot) -> list[dict]:
+        """Each object's Parquet footer (footers.footer(), with its "url"),
+        read by the fetcher for those not known yet (known by their name in
+        the cache, which holds the ETag)."""
+        slot = self._slot_of(snap)
+        names = [slot.name(i) for i in range(snap.count)]
+        missing = np.array([i for i, name in enumerate(names) if name not in self._footers],
+                           np.int64)
+        if len(missing):
+            with F.memfd_of(memoryview(missing).cast("B")) as fd:
+                F.send(self._sock, F.Footers(slot=snap.slot, gen=snap.gen, count=len(missing)),
+                       fds=[fd])
+            said, fds = self._reply((F.Footed,), self.listing_timeout)
             try:
-                if self.decode is not None:
-                    out = self.decode(path)
-                    self._trained(slot, index)
-                    return out
-                fd = open_regular(path)
-            except FileNotFoundError:
-                if attempt == EVICTED_RETRIES or not self._evicted_meanwhile(slot, index, path):
-                    raise
-                continue
-            self._trained(slot, index)   # (evicted from now on, it stays readable through fd)
-            return npy_array(path, fd) if path.endswith(".npy") else raw_array(path, fd)
+                if not fds:
+                    raise RemoteError(f"FileDataset({self.pattern!r}): the epoch's listing was "
+                                      f"retired before its footers were read")
+                found = parse_footers(F.read_bytes(fds[0], said.nbytes))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            got = {names[i]: f for i, f in zip(missing, found)}
+            self._footers.update((k, f) for k, f in got.items() if "rows" in f)
+            return [self._footers.get(name) or got[name] for name in names]
+        return [self._footers[name] for name in names]
+
+    def rows_to_read(self, snap: RemoteSnapshot, rows: np.ndarray) -> None:
+        """In main, as a ParquetDataset's epoch starts: rows[i] of object i
+        this rank reads.  An object it reads none of is trained now (not
+        needed: unpinned, never fetched); the others once their last row is
+        read (read_rows)."""
+        slot = self._slot_of(snap)
+        slot.left[:] = rows
+        for i in np.flatnonzero(rows == 0):
+            slot.mark(int(i), B.TRAINED)
+        self._board.work.ring()
+
+    def open_object(self, snap: RemoteSnapshot, index: int) -> tuple[str, int]:
+        """(path, fd) of object index in the cache, not yet marked trained."""
+        return self._use(snap, index, lambda path: (path, open_regular(path)), trained=False)
+
+    def read_rows(self, snap: RemoteSnapshot, index: int, rows: int) -> None:
+        """A worker read rows of object index: trained once this rank's
+        epoch has read all it reads of it."""
+        slot = self._slot_of(snap)
+        if slot.read_rows(index, rows):
+            self._trained(slot, index)
 
     def _evicted_meanwhile(self, slot: B.Slot, index: int, path: str) -> bool:
         """The object was complete when looked at and its file gone when

@@ -49,10 +49,12 @@ import numpy as np
 
 from loader.datasets.remote import board as B
 from loader.datasets.remote.cache import Entry, ObjectCache, Reservation, digest, extension
+from loader.datasets.remote.footers import footers_record
 from loader.errors import CacheFull, NoRoom, RemoteError
 
 WAIT_SLICE_S = 1.0      # the scheduler's bounded wait (it is notified of every event)
 COUNT_EVERY_S = 0.1     # trained objects are counted at most this often, unless parked
+FOOTER_THREADS = 16     # Parquet footers read at once (a remote ParquetDataset's epoch plan)
 
 
 # --- messages (both directions; pickled over the socketpair) ------------------------------
@@ -106,6 +108,18 @@ class Install(NamedTuple):
 class Installed(NamedTuple):
     gen: int
     count: int
+
+
+class Footers(NamedTuple):
+    """The Parquet footers of the objects at these positions of a slot's
+    listing (positions as an fd of int64; a remote ParquetDataset)."""
+    slot: int
+    gen: int
+    count: int
+
+
+class Footed(NamedTuple):
+    nbytes: int            # footers.footers_record() (an fd; 0 and no fd: the slot moved on)
 
 
 class Count(NamedTuple):
@@ -290,6 +304,18 @@ class Fetcher:
                 record = listing_record(listing, positions)
                 with memfd_of(record) as fd:
                     send(self.sock, Described(nbytes=len(record)), fds=[fd])
+        elif kind is Footers:
+            positions = _read_order(fds[0], msg.count)
+            with self.lock:
+                active = self.active.get(msg.slot)
+                listing = active.listing if active is not None and \
+                    active.slot.gen == msg.gen else None
+            if listing is None:
+                send(self.sock, Footed(nbytes=0))
+            else:
+                record = footers_record(self._footers(listing, positions))
+                with memfd_of(record) as fd:
+                    send(self.sock, Footed(nbytes=len(record)), fds=[fd])
         elif kind is Install:
             keys, etags, sizes = parse_record(read_bytes(fds[0], msg.nbytes))
             listing = self._listing(msg.gen, keys, etags, sizes)
@@ -339,6 +365,26 @@ class Fetcher:
             send(self.sock, ListDone(gen=gen, count=n, error=None))
         except BaseException as e:
             self._fail(e)
+
+    def _footers(self, listing: Listing, positions: np.ndarray) -> list[dict]:
+        """footers.footer() of each object, FOOTER_THREADS requests at once;
+        a RemoteError of the store's becomes that object's {"failed": ...}
+        (its error's kind, status, url and text): the worker that reads
+        the object raises it."""
+        from loader.datasets.remote.footers import footer
+
+        def one(i: int) -> dict:
+            key = listing.keys[i]
+            url = f"{self.pattern.root}/{key}"
+            try:
+                out = footer(self.store, key, listing.etags[i], int(listing.sizes[i]), url,
+                             self.endpoint)
+            except RemoteError as e:
+                out = {"failed": [e.kind, e.status, e.url, str(e)]}
+            return dict(out, url=url)
+
+        with concurrent.futures.ThreadPoolExecutor(FOOTER_THREADS, "footers") as pool:
+            return list(pool.map(one, (int(i) for i in positions)))
 
     def _listing(self, gen: int, keys: list, etags: list, sizes) -> Listing:
         """A Listing of these objects, with their names in the cache."""
