@@ -218,6 +218,8 @@ class Fetcher:
         self.in_flight: set = set()                      # (slot, index) being fetched
         self.fetching: dict = {}                         # (url, etag) -> Event of its fetch
         self.parked = False                              # waiting for room or another job
+        self.wanted: list = []                           # (slot, Active, index) asked for,
+        self.wanted_rang = -1                            # as of this count of WORK's rings
         self.counted_at = 0.0
         self.times_trained: dict = {}                    # (key, etag) -> epochs it was trained in
         self.stopping = False
@@ -421,14 +423,9 @@ class Fetcher:
 
     def _next_job(self):
         """(slot, index) of the next object to fetch, or None."""
-        for s, active in self._by_age():
-            state = active.slot.state
-            # asked for, not here, and not trained this epoch already (a trained
-            # object evicted since keeps its flags: it is not needed again)
-            wanted = np.flatnonzero((state & (B.WANTED | B.TRAINED | B.STATUS_MASK)) == B.WANTED)
-            for i in wanted:
-                if (s, int(i)) not in self.in_flight:
-                    return s, int(i)
+        job = self._next_wanted()
+        if job is not None:
+            return job
         if self.parked:
             return None
         if not self.cached_mode:
@@ -438,6 +435,30 @@ class Fetcher:
                     return job
         elif self.newest_slot >= 0:
             return self._next_absent(self.newest_slot, self.active[self.newest_slot], None)
+        return None
+
+    def _next_wanted(self):
+        """The next object a worker asked for: not here, not being fetched,
+        and not trained this epoch already (a trained object evicted since
+        keeps its flags: it is not needed again).  The slots' state words
+        are read again only after a worker rang WORK (it marks WANTED
+        before it rings), not for every job: a listing of a million objects
+        took 1.3 ms a read."""
+        rang = self.board.work.changes()
+        if rang != self.wanted_rang:
+            self.wanted_rang = rang
+            self.wanted = []
+            for s, active in self._by_age():
+                state = active.slot.state
+                asked = np.flatnonzero((state & (B.WANTED | B.TRAINED | B.STATUS_MASK))
+                                       == B.WANTED)
+                self.wanted += [(s, active, int(i)) for i in asked]
+            self.wanted.reverse()   # (popped from the end: the older slot's first)
+        while self.wanted:
+            s, active, i = self.wanted.pop()
+            if self.active.get(s) is active and (s, i) not in self.in_flight and \
+                    active.slot.state[i] & (B.TRAINED | B.STATUS_MASK) == B.ABSENT:
+                return s, i
         return None
 
     def _by_age(self):
@@ -501,8 +522,10 @@ class Fetcher:
                     # there by the newer epochs.
                     return
                 if got is None:
-                    if active.next > 0 and not slot.state[i] & B.WANTED:
-                        # parked: not fetched now; go back to it when the cache changes
+                    # parked: not fetched now; go back to it when the cache changes
+                    if slot.state[i] & B.WANTED:
+                        self.wanted_rang = -1   # (read the asked-for objects again)
+                    elif active.next > 0:
                         active.next = min(active.next, self._cursor(active, i))
                     return
                 if isinstance(got, RemoteError):
