@@ -48,6 +48,12 @@ HOLD_INTERVALS = 4     # after a change that did not pay
 WARM_INTERVALS = 1     # the first: the pipeline fills, the loop waits for its first batches
 
 
+def workers_loading(scaler: "Autoscaler | None", num_workers: int) -> int:
+    """The workers that load now: the autoscaler's active count under
+    num_workers="auto", else the fixed num_workers."""
+    return scaler.active if scaler is not None else num_workers
+
+
 def cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))

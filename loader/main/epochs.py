@@ -41,6 +41,7 @@ from loader.shared import messages as _protocol
 from loader.errors import WorkerError, raise_reported
 from loader.shared.layout import align
 from loader.shared.spec import LoaderSpec
+from loader.main.autoscale import workers_loading
 from loader.main.stats import EpochClock, StatsBook
 
 # _next_ready()'s "the next batch is not here yet": never None, which is a
@@ -163,8 +164,7 @@ class EpochHost:
 
     def epoch_ended(self, epoch: int, msg: _protocol.RunEnded, clock: EpochClock) -> None:
         """The epoch ran to its end: its figures for stats() and the trace."""
-        scaler = self._autoscaler
-        self.stats.record(epoch, msg, clock, scaler.active if scaler is not None else self._workers)
+        self.stats.record(epoch, msg, clock, workers_loading(self._autoscaler, self._workers))
         self.tracer.epoch(clock.t0, time.perf_counter_ns(), epoch=epoch, batches=msg.batches,
                           samples=msg.samples, complete=True)
 

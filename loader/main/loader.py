@@ -11,7 +11,7 @@ import weakref
 
 from loader.order import indices as _order
 from loader.main.arguments import check_arguments, positive_int, torch_positions
-from loader.main.autoscale import Autoscaler
+from loader.main.autoscale import Autoscaler, workers_loading
 from loader.main.epochs import CurrentEpoch, EpochHost, MapEpoch, StreamEpoch
 from loader.main.lookahead import FrozenState
 from loader.main.inline import InlineEpoch
@@ -335,8 +335,7 @@ class ShmLoader(FrozenState):
                                  "to step through")
 
     def _workers_loading(self) -> int:
-        scaler = self._autoscaler
-        return scaler.active if scaler is not None else self._live.now.num_workers
+        return workers_loading(self._autoscaler, self._live.now.num_workers)
 
     # --- resuming ---------------------------------------------------------------------
 
