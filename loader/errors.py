@@ -222,12 +222,19 @@ REMOTE_ERRORS_BY_KIND = {cls.kind: cls for cls in (
     EndpointUnreachable, Throttled, CacheFull, FetcherDied)}
 
 
-def _remake_remote(name: str, text: str, url: str, endpoint: str, status):
-    cls = next(c for c in REMOTE_ERRORS_BY_KIND.values() if c.__name__ == name)
+def remote_error_of(kind: str, text: str, url: str, endpoint: str, status) -> RemoteError:
+    """The RemoteError a fetcher reported by its kind (over the board or a
+    message), with its text as it was made."""
+    cls = REMOTE_ERRORS_BY_KIND.get(kind, RemoteError)
     err = cls.__new__(cls)
     OSError.__init__(err, text)
     err.url, err.endpoint, err.status = url, endpoint, status
     return err
+
+
+def _remake_remote(name: str, text: str, url: str, endpoint: str, status):
+    cls = next(c for c in REMOTE_ERRORS_BY_KIND.values() if c.__name__ == name)
+    return remote_error_of(cls.kind, text, url, endpoint, status)
 
 
 class CacheError(LoaderError, OSError):

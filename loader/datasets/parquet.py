@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from loader.datasets.snapshot import EpochInfo, EpochView
-from loader.errors import ParquetFileChanged, ParquetFileError
+from loader.errors import ParquetFileChanged, ParquetFileError, remote_error_of
 from loader.datasets.files import match_files, open_regular
 
 
@@ -117,7 +117,6 @@ class ParquetDataset:
         if self._remote is not None:
             self._remote.close()
 
-
     # --- the epoch's row groups (main) ----------------------------------------------
 
     def _files(self) -> list[str]:
@@ -147,13 +146,13 @@ class ParquetDataset:
         for i, found in enumerate(self._remote.footers(snap)):
             if "failed" in found:
                 kind, status, url, text = found["failed"]
-                raise _remote_error(kind, status, url, text, self._remote.endpoint)
+                raise remote_error_of(kind, text, url, self._remote.endpoint, status)
             if "error" in found:
                 raise ParquetFileError(f"{found['url']} cannot be read as Parquet "
                                        f"({found['error']}); it is corrupt, truncated or not a "
                                        f"Parquet file: rewrite it, or leave it out of the URL's "
                                        f"pattern")
-            groups += [RowGroup(found["url"], k, rows, None, i)
+            groups += [RowGroup(path=found["url"], index=k, rows=rows, object=i)
                        for k, rows in enumerate(found["rows"])]
         return snap, groups
 
@@ -338,16 +337,6 @@ def _read_group(g: RowGroup, columns, fd: int | None = None):
                                  f"epoch?); write new files under new names, or rewrite them "
                                  f"between epochs")
     return table
-
-
-def _remote_error(kind: str, status, url: str, text: str, endpoint: str):
-    from loader.errors import REMOTE_ERRORS_BY_KIND, RemoteError
-
-    cls = REMOTE_ERRORS_BY_KIND.get(kind, RemoteError)
-    err = cls.__new__(cls)
-    OSError.__init__(err, text)
-    err.url, err.endpoint, err.status = url, endpoint, status
-    return err
 
 
 def _raise_if_rewritten_meanwhile(g: RowGroup, error: ParquetFileError) -> None:

@@ -41,7 +41,8 @@ How far the fetcher reads ahead: with train_on="all" every object in the
 cache is trained again each epoch, so room made for an object further ahead
 by evicting one the epoch has still to train is a miss later.  The fetcher
 makes such room only for objects at most `requests_in_flight` places past
-what the workers have trained (or one a worker asks for); further ahead it
+what the workers have trained, and at most a quarter of the objects the
+cache holds (or one a worker asks for); further ahead it
 waits for the room that objects trained free, and an epoch's objects still
 to be trained are never evicted for the next epoch's.  An epoch so loses
 about `requests_in_flight` hits, whatever the cache's size (a cache of a

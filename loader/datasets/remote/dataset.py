@@ -21,8 +21,8 @@ import numpy as np
 from loader.datasets.files import FileDataset, npy_array, open_regular, raw_array
 from loader.datasets.snapshot import EpochView
 from loader.datasets.remote import board as B
-from loader.datasets.remote import fetcher as F
-from loader.errors import REMOTE_ERRORS_BY_KIND as KINDS, FetcherDied, RemoteError
+from loader.datasets.remote import messages as M
+from loader.errors import FetcherDied, RemoteError, remote_error_of
 from loader.datasets.remote.footers import parse_footers
 from loader.datasets.remote.store import endpoint_of, parse
 
@@ -132,16 +132,16 @@ class RemoteFiles(FileDataset):
                                   f"{timeout:.0f} s; its stacks:\n{self._last_words()}")
             self._sock.settimeout(min(left, WAIT_SLICE_S))
             try:
-                msg, fds = F.receive(self._sock)
+                msg, fds = M.receive(self._sock)
             except socket.timeout:
                 if self._proc.poll() is not None:
                     raise self._died() from None
                 continue
             if msg is None:
                 raise self._died()
-            if type(msg) is F.Fatal:
+            if type(msg) is M.Fatal:
                 raise FetcherDied(f"the fetcher (pid {self._proc.pid}) failed:\n{msg.text}")
-            if type(msg) is F.ListDone:
+            if type(msg) is M.ListDone:
                 self._listing_pending = False
                 self._listed = msg
             if type(msg) in kinds:
@@ -158,17 +158,15 @@ class RemoteFiles(FileDataset):
         if not self._listing_pending:
             self._gen += 1
             self._listing_pending = True
-            F.send(self._sock, F.ListRequest(gen=self._gen))
+            M.send(self._sock, M.ListRequest(gen=self._gen))
 
     def _list_now(self, timeout: float) -> None:
         self._ask_listing()
-        done, _ = self._reply((F.ListDone,), timeout)
+        done, _ = self._reply((M.ListDone,), timeout)
         if done.error is not None:
             kind, status, url, text = done.error
-            err = KINDS.get(kind, RemoteError).__new__(KINDS.get(kind, RemoteError))
-            OSError.__init__(err, f"FileDataset({self.pattern!r}): {text}")
-            err.url, err.endpoint, err.status = url, self.endpoint, status
-            raise err
+            raise remote_error_of(kind, f"FileDataset({self.pattern!r}): {text}", url,
+                                  self.endpoint, status)
 
     def _drain(self) -> None:
         """Take what the fetcher said meanwhile (a listing done), without waiting."""
@@ -176,16 +174,16 @@ class RemoteFiles(FileDataset):
         try:
             while True:
                 try:
-                    msg, _ = F.receive(self._sock)
+                    msg, _ = M.receive(self._sock)
                 except (BlockingIOError, socket.timeout):
                     return
                 if msg is None:
                     raise self._died()
-                if type(msg) is F.ListDone:
+                if type(msg) is M.ListDone:
                     self._listing_pending = False
                     if msg.error is None:
                         self._listed = msg
-                elif type(msg) is F.Fatal:
+                elif type(msg) is M.Fatal:
                     raise FetcherDied(f"the fetcher (pid {self._proc.pid}) failed:\n{msg.text}")
         finally:
             self._sock.setblocking(True)
@@ -194,8 +192,8 @@ class RemoteFiles(FileDataset):
         """The newest listing (or listing gen: all of its objects), in the
         next slot: this epoch's objects."""
         self._turn = (self._turn + 1) % B.SLOTS
-        F.send(self._sock, F.Adopt(slot=self._turn, gen=self._listed.gen if gen is None else gen))
-        done, _ = self._reply((F.Adopted,), REPLY_TIMEOUT_S)
+        M.send(self._sock, M.Adopt(slot=self._turn, gen=self._listed.gen if gen is None else gen))
+        done, _ = self._reply((M.Adopted,), REPLY_TIMEOUT_S)
         positions = None
         if gen is not None:
             positions = np.arange(done.count)
@@ -217,16 +215,16 @@ class RemoteFiles(FileDataset):
         record = self._records.get(key)
         if record is None:
             order = np.ascontiguousarray(snapshot.positions, np.int64)
-            with F.memfd_of(memoryview(order).cast("B")) as fd:
-                F.send(self._sock, F.Describe(slot=snapshot.slot, gen=snapshot.gen,
+            with M.memfd_of(memoryview(order).cast("B")) as fd:
+                M.send(self._sock, M.Describe(slot=snapshot.slot, gen=snapshot.gen,
                                               count=len(order)), fds=[fd])
-            said, fds = self._reply((F.Described,), REPLY_TIMEOUT_S)
+            said, fds = self._reply((M.Described,), REPLY_TIMEOUT_S)
             try:
                 if not fds:
                     raise RuntimeError(f"FileDataset({self.pattern!r}): the epoch's listing "
                                        f"(board slot {snapshot.slot}) was retired before its "
                                        f"state was taken (more than {B.SLOTS - 1} epochs live)")
-                objects = F.read_bytes(fds[0], said.nbytes)
+                objects = M.read_bytes(fds[0], said.nbytes)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -248,7 +246,7 @@ class RemoteFiles(FileDataset):
         if not isinstance(count, int) or isinstance(count, bool) or count < 0 or \
                 not isinstance(record["objects"], bytes):
             raise ValueError("its 'count' must be an int >= 0 and its 'objects' bytes")
-        if len(F.parse_record(record["objects"])[0]) != count:
+        if len(M.parse_record(record["objects"])[0]) != count:
             raise ValueError(f"its 'objects' do not hold {count} objects")
         return count
 
@@ -261,9 +259,9 @@ class RemoteFiles(FileDataset):
         self._drain()
         self._gen += 1
         gen = self._gen
-        with F.memfd_of(record["objects"]) as fd:
-            F.send(self._sock, F.Install(gen=gen, nbytes=len(record["objects"])), fds=[fd])
-        self._reply((F.Installed,), REPLY_TIMEOUT_S)
+        with M.memfd_of(record["objects"]) as fd:
+            M.send(self._sock, M.Install(gen=gen, nbytes=len(record["objects"])), fds=[fd])
+        self._reply((M.Installed,), REPLY_TIMEOUT_S)
         snap = self._adopt(gen)
         self._by_epoch = {e: v for e, v in self._by_epoch.items() if e != "first"}
         self._by_epoch[epoch] = self._resumed[epoch] = snap
@@ -347,8 +345,8 @@ class RemoteFiles(FileDataset):
         if snapshot.positions is not None:
             indices = snapshot.positions[np.asarray(indices, np.int64)]
         order = np.ascontiguousarray(indices, np.int64)
-        with F.memfd_of(memoryview(order).cast("B")) as fd:
-            F.send(self._sock, F.Order(slot=snapshot.slot, count=len(order)), fds=[fd])
+        with M.memfd_of(memoryview(order).cast("B")) as fd:
+            M.send(self._sock, M.Order(slot=snapshot.slot, count=len(order)), fds=[fd])
 
     def restore_snapshot(self, snapshot: RemoteSnapshot) -> None:
         self.current = snapshot
@@ -401,15 +399,15 @@ class RemoteFiles(FileDataset):
         missing = np.array([i for i, name in enumerate(names) if name not in self._footers],
                            np.int64)
         if len(missing):
-            with F.memfd_of(memoryview(missing).cast("B")) as fd:
-                F.send(self._sock, F.Footers(slot=snap.slot, gen=snap.gen, count=len(missing)),
+            with M.memfd_of(memoryview(missing).cast("B")) as fd:
+                M.send(self._sock, M.Footers(slot=snap.slot, gen=snap.gen, count=len(missing)),
                        fds=[fd])
-            said, fds = self._reply((F.Footed,), self.listing_timeout)
+            said, fds = self._reply((M.Footed,), self.listing_timeout)
             try:
                 if not fds:
                     raise RemoteError(f"FileDataset({self.pattern!r}): the epoch's listing was "
                                       f"retired before its footers were read")
-                found = parse_footers(F.read_bytes(fds[0], said.nbytes))
+                found = parse_footers(M.read_bytes(fds[0], said.nbytes))
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -493,11 +491,7 @@ class RemoteFiles(FileDataset):
             self._board.add(B.W_WAIT_NS, time.perf_counter_ns() - t0)
         if status == B.FAILED_OBJECT:
             kind, code, url, text = self._board.error(slot.status(index) >> B.ERROR_SHIFT)
-            cls = KINDS.get(kind, RemoteError)
-            err = cls.__new__(cls)
-            OSError.__init__(err, text)
-            err.url, err.endpoint, err.status = url, self.endpoint, code
-            raise err
+            raise remote_error_of(kind, text, url, self.endpoint, code)
 
     def _fetcher_alive(self) -> bool:
         """Whether the fetcher process still runs: its pidfd, opened once in
@@ -531,8 +525,8 @@ class RemoteFiles(FileDataset):
         b = self._board
         if os.getpid() == self._owner and self._proc.poll() is None:
             self._drain()
-            F.send(self._sock, F.Count())
-            self._reply((F.Counted,), REPLY_TIMEOUT_S)
+            M.send(self._sock, M.Count())
+            self._reply((M.Counted,), REPLY_TIMEOUT_S)
         out = {"objects_fetched": b.get(B.W_FETCHED), "bytes_fetched": b.get(B.W_FETCHED_BYTES),
                "cache_hits": b.get(B.W_HITS), "evictions": b.get(B.W_EVICTED),
                "fetch_errors": b.get(B.W_ERRORS), "listings": b.get(B.W_LISTINGS),
@@ -558,7 +552,7 @@ def _child_env() -> dict:
 
 def _stop(proc, sock, board, stderr) -> None:
     try:
-        F.send(sock, F.Stop())
+        M.send(sock, M.Stop())
     except OSError:
         pass
     try:

@@ -35,126 +35,29 @@ import errno
 import faulthandler
 import json
 import os
-import pickle
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
-import zlib
 from typing import NamedTuple
 
 import numpy as np
 
 from loader.datasets.remote import board as B
+from loader.datasets.remote.messages import (
+    Adopt, Adopted, Count, Counted, Describe, Described, Fatal, Footed, Footers,
+    Install, Installed, ListDone, ListRequest, Order, Stop, listing_record, memfd_of,
+    parse_record, read_bytes, read_int64, receive, send)
 from loader.datasets.remote.cache import Entry, ObjectCache, Reservation, digest, extension
 from loader.datasets.remote.footers import footers_record
 from loader.errors import CacheFull, NoRoom, RemoteError
 
 WAIT_SLICE_S = 1.0      # the scheduler's bounded wait (it is notified of every event)
 COUNT_EVERY_S = 0.1     # trained objects are counted at most this often, unless parked
+WINDOW_SHARE = 4        # read ahead at most a 1/WINDOW_SHARE of the cache's objects (_window)
 FOOTER_THREADS = 16     # Parquet footers read at once (a remote ParquetDataset's epoch plan)
-
-
-# --- messages (both directions; pickled over the socketpair) ------------------------------
-
-class ListRequest(NamedTuple):
-    gen: int
-
-
-class ListDone(NamedTuple):
-    gen: int
-    count: int
-    error: tuple | None    # (kind, status, url, text) of a RemoteError
-
-
-class Adopt(NamedTuple):
-    slot: int
-    gen: int
-
-
-class Adopted(NamedTuple):
-    slot: int
-    gen: int
-    count: int
-
-
-class Order(NamedTuple):
-    slot: int
-    count: int             # positions; the order's int64 object indices come as an fd
-
-
-class Describe(NamedTuple):
-    """What the objects at these positions of a slot's listing are (the
-    positions come as an fd of int64): for a state that resumes the epoch
-    in a new job (RemoteFiles.epoch_record)."""
-    slot: int
-    gen: int
-    count: int
-
-
-class Described(NamedTuple):
-    nbytes: int            # the record (an fd; 0 and no fd: the slot holds another listing)
-
-
-class Install(NamedTuple):
-    """A listing main has (a record of Described, as an fd), under gen:
-    adopted next, as an epoch resumed from a state trains exactly it."""
-    gen: int
-    nbytes: int
-
-
-class Installed(NamedTuple):
-    gen: int
-    count: int
-
-
-class Footers(NamedTuple):
-    """The Parquet footers of the objects at these positions of a slot's
-    listing (positions as an fd of int64; a remote ParquetDataset)."""
-    slot: int
-    gen: int
-    count: int
-
-
-class Footed(NamedTuple):
-    nbytes: int            # footers.footers_record() (an fd; 0 and no fd: the slot moved on)
-
-
-class Count(NamedTuple):
-    """Count what the workers trained now (stats() reads it next)."""
-
-
-class Counted(NamedTuple):
-    pass
-
-
-class Stop(NamedTuple):
-    pass
-
-
-class Fatal(NamedTuple):
-    text: str
-
-
-MAX_MESSAGE = 1 << 16
-
-
-def send(sock: socket.socket, msg, fds=()) -> None:
-    sock.sendmsg([pickle.dumps(msg)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                        np.array(fds, np.int32).tobytes())] if fds else [])
-
-
-def receive(sock: socket.socket):
-    """(message, fds) of the next packet; (None, []) once the peer closed."""
-    try:
-        data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
-    except ConnectionResetError:
-        return None, []
-    if not data:
-        return None, fds
-    return pickle.loads(data), fds
 
 
 # --- the fetcher --------------------------------------------------------------------------
@@ -180,6 +83,7 @@ class Active:
         self.reported = np.zeros(slot.count, bool)       # TRAINED counted in the cache
         self.same_as: dict = {}                          # older Active -> _same_objects()
         self.trained = 0                                 # objects counted TRAINED so far
+        self.window: int | None = None                   # Fetcher._window(), once known
 
 
 def _same_objects(older: Active, newer: Active) -> bool:
@@ -295,7 +199,7 @@ class Fetcher:
                 self._count_trained()
             send(self.sock, Counted())
         elif kind is Describe:
-            positions = _read_order(fds[0], msg.count)
+            positions = read_int64(fds[0], msg.count)
             with self.lock:
                 active = self.active.get(msg.slot)
                 listing = active.listing if active is not None and \
@@ -307,7 +211,7 @@ class Fetcher:
                 with memfd_of(record) as fd:
                     send(self.sock, Described(nbytes=len(record)), fds=[fd])
         elif kind is Footers:
-            positions = _read_order(fds[0], msg.count)
+            positions = read_int64(fds[0], msg.count)
             with self.lock:
                 active = self.active.get(msg.slot)
                 listing = active.listing if active is not None and \
@@ -325,7 +229,7 @@ class Fetcher:
                 self.listings[msg.gen] = listing
             send(self.sock, Installed(gen=msg.gen, count=len(keys)))
         elif kind is Order:
-            order = _read_order(fds[0], msg.count) if fds else None
+            order = read_int64(fds[0], msg.count) if fds else None
             with self.lock:
                 active = self.active.get(msg.slot)
                 if active is not None and order is not None:
@@ -687,14 +591,28 @@ class Fetcher:
             # live epochs' sets waiting and the cache full, nothing is left to
             # evict (the fetcher parked for ever: a hang).
             return []
-        ahead = _place(self.active[s], i) - self.active[s].trained
-        if not self.cached_mode and ahead > self.in_flight_max and not wanted:
+        active = self.active[s]
+        ahead = _place(active, i) - active.trained
+        if not self.cached_mode and ahead > self._window(active) and not wanted:
             # Every object of the cache is trained again this epoch: reading
-            # further ahead than the requests in flight would evict one the
-            # epoch still trains (a miss later) for one it needs no sooner.
+            # further ahead than the window would evict one the epoch still
+            # trains (a miss later) for one it needs no sooner.
             # Beyond that, room comes from objects trained (NOTE [ Remote data ]).
             return []
         return self._needed_later(s, i, nbytes)
+
+    def _window(self, active: Active) -> int:
+        """How far past what the workers trained the fetcher reads ahead by
+        evicting objects needed later: requests_in_flight places, and at
+        most a quarter of what the cache holds (a cache of a few large objects,
+        Parquet files, otherwise had its objects for the next places evicted
+        for nearer ones over and over: 38 fetches of 20 files in an epoch
+        through a cache of 10)."""
+        if active.window is None:
+            mean = float(active.slot.sizes.mean()) if active.slot.count else 1.0
+            active.window = int(min(self.in_flight_max, max(1, self.cache.limit // max(mean, 1)
+                                                            // WINDOW_SHARE)))
+        return active.window
 
     def _needed_later(self, s: int, i: int, nbytes: int) -> list[int]:
         """_spare() however far ahead object i is."""
@@ -827,82 +745,6 @@ def _place(active: Active, i: int) -> int:
     return int(active.place[i])
 
 
-def listing_record(listing: Listing, positions: np.ndarray) -> bytes:
-    """The objects at these positions of a listing (keys, ETags, sizes),
-    compressed: what a state keeps of a train_on="cached" epoch's set."""
-    objects = {"keys": [listing.keys[i] for i in positions],
-               "etags": [listing.etags[i] for i in positions],
-               "sizes": [int(listing.sizes[i]) for i in positions]}
-    return zlib.compress(json.dumps(objects, separators=(",", ":")).encode(), 6)
-
-
-def parse_record(record: bytes) -> tuple[list, list, list]:
-    """(keys, etags, sizes) of listing_record()'s bytes; ValueError if they
-    are not such a record."""
-    try:
-        objects = json.loads(zlib.decompress(record))
-        keys, etags, sizes = objects["keys"], objects["etags"], objects["sizes"]
-    except (zlib.error, ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"not a record of an epoch's objects ({type(e).__name__}: {e})") from None
-    if not (isinstance(keys, list) and isinstance(etags, list) and isinstance(sizes, list)
-            and len(keys) == len(etags) == len(sizes)
-            and all(isinstance(k, str) for k in keys) and all(isinstance(t, str) for t in etags)
-            and all(isinstance(n, int) and n >= 0 for n in sizes)):
-        raise ValueError("not a record of an epoch's objects (its keys, ETags and sizes differ "
-                         "in kind or count)")
-    return keys, etags, sizes
-
-
-class memfd_of:
-    """A memfd holding these bytes, closed on exit (sent as an fd: an order
-    or a record can be larger than one message)."""
-
-    def __init__(self, data):
-        self.fd = os.memfd_create("shmloader-record", os.MFD_CLOEXEC)
-        try:
-            _write_all(self.fd, data)
-        except BaseException:
-            os.close(self.fd)
-            raise
-
-    def __enter__(self) -> int:
-        return self.fd
-
-    def __exit__(self, *exc) -> None:
-        os.close(self.fd)
-
-
-def _write_all(fd: int, data) -> None:
-    view, done = memoryview(data).cast("B"), 0
-    while done < len(view):
-        done += os.write(fd, view[done:])
-
-
-def read_bytes(fd: int, nbytes: int) -> bytes:
-    """nbytes from the start of the memfd fd (its writer moved the shared offset)."""
-    out = bytearray(nbytes)
-    view, done = memoryview(out), 0
-    while done < nbytes:
-        got = os.preadv(fd, [view[done:]], done)
-        if got == 0:
-            raise EOFError(f"the record ends after {done} of {nbytes} bytes")
-        done += got
-    return bytes(out)
-
-
-def _read_order(fd: int, count: int) -> np.ndarray:
-    """The order main wrote into the memfd (read from its start: main's
-    writes moved the descriptor's offset, which the passed fd shares)."""
-    out = np.empty(count, np.int64)
-    view, done = memoryview(out).cast("B"), 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], done)
-        if got == 0:
-            raise EOFError(f"the epoch's order ends after {done} of {len(view)} bytes")
-        done += got
-    return out
-
-
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is main's to handle
@@ -941,8 +783,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # Run as loader.datasets.remote.fetcher, not as __main__: the messages
-    # main pickles name their classes in that module.
+    # Run as the module loader.datasets.remote.fetcher, not as __main__: one
+    # module object, whoever imports it (tests/support/fetcher_pause hooks it).
     from loader.datasets.remote.fetcher import main as fetcher_main
 
     fetcher_main()
