@@ -111,6 +111,13 @@ class ParquetDataset:
             raise ValueError("ParquetDataset: cache_dir, cache_limit_bytes and storage_options "
                              "are for an object-store URL (s3://...); these paths are local")
 
+    def forget_epochs(self) -> None:
+        """The loader dropped its runs (load_state_dict): epochs are planned
+        anew (an object-store URL's counts of rows to read are a run's)."""
+        self._planned = {}
+        if self._remote is not None:
+            self._remote.forget_epochs()
+
     def close(self) -> None:
         """Stop the fetcher of an object-store URL (it also stops when the
         dataset is collected, and with the process)."""

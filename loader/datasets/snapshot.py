@@ -33,14 +33,19 @@ cache held as the epoch began) defines three more, so that a state taken
 mid-epoch resumes exactly in a new job:
 
     record = dataset.epoch_record(snapshot)     # in main, at state_dict(): a plain
-                                                # picklable dict, or None (nothing needed)
-    n = dataset.record_len(record)              # at load_state_dict(): the epoch's
-                                                # length (ValueError: not its record)
+                                                # picklable dict with the epoch's length
+                                                # as "count", or None (nothing needed)
+    n = dataset.record_len(record)              # at load_state_dict(): that length,
+                                                # checked (ValueError: not its record)
     dataset.resume_epoch(epoch, record)         # then: epoch_snapshot() for that
                                                 # epoch returns the recorded one
 
 The loader keeps the record in its state ("dataset_epoch") and checks the
-state's length against record_len(), not against len(dataset) now.
+state's length against record_len(), not against len(dataset) now.  A
+dataset that remembers the snapshots it gave (to give a run started ahead
+the same one again) may define forget_epochs(): load_state_dict() calls it
+once it has dropped the loader's runs, before resume_epoch(), so that no
+epoch reuses a snapshot a dropped run has read part of.
 
 With worker_mode="thread", main and every worker thread share ONE dataset
 object, and two epochs' runs overlap in it: main takes the next epoch's

@@ -368,7 +368,7 @@ class ShmLoader(FrozenState):
         return LoaderState(
             epoch=self._current.number, seed=spec.seed, rank=spec.rank, world=spec.world,
             workers=spec.num_workers, iterable=spec.iterable, batch_size=spec.batch_size,
-            dataset_len=spec.map_len() if record is None else spec.dataset.record_len(record),
+            dataset_len=spec.map_len() if record is None else record["count"],
             sampler=spec.sampler_name, dataset=self._own_state_entry(epoch["complete"], plan),
             dataset_epoch=ABSENT if record is None else record, **epoch)
 
@@ -415,12 +415,11 @@ class ShmLoader(FrozenState):
         self._current.check_owner()
         # checked before anything changes (main/state.py)
         loaded = LoaderState.from_dict(state, self._expected_state(self._record_len(state)))
-        if loaded.dataset_epoch is not ABSENT:   # (the epoch's set, not the data's now)
-            self._live.now.dataset.resume_epoch(loaded.epoch, loaded.dataset_epoch)
         own_load = self._own_states_to_load(loaded)
         self._freeze_loaded(state)
         if self._session is not None:
             self._runs.abandon()
+        self._dataset_epochs_from(loaded)
         if loaded.seed != self.seed:
             self._shutdown()  # the workers know the old seed: new ones start at iter()
         self._steps_epoch = None
@@ -434,6 +433,17 @@ class ShmLoader(FrozenState):
         else:
             self._resume = loaded
         self._current.plan = None
+
+    def _dataset_epochs_from(self, loaded: LoaderState) -> None:
+        """A dataset that remembers its epochs' snapshots (NOTE [ Datasets
+        that change with the epoch ]) forgets them (the runs that read them
+        are dropped), and takes the state's record of its epoch."""
+        dataset = self._live.now.dataset
+        forget = getattr(dataset, "forget_epochs", None)
+        if callable(forget):
+            forget()
+        if loaded.dataset_epoch is not ABSENT:   # (the epoch's set, not the data's now)
+            dataset.resume_epoch(loaded.epoch, loaded.dataset_epoch)
 
     def _own_states_to_load(self, loaded: LoaderState) -> list | None:
         """What the dataset's copies load as the next run begins (NOTE

@@ -8,6 +8,7 @@ number, so every row of every batch says which object it came from."""
 import concurrent.futures
 import io
 import os
+import re
 import select
 import signal
 import threading
@@ -595,6 +596,36 @@ def test_a_missing_object_is_object_not_found_on_its_batch_and_the_epoch_goes_on
             ds.close()
 
 
+def test_more_failed_objects_than_error_records_keep_the_fetcher_alive(store):
+    """84 objects answered 404 (those whose number ends in 0-6), more than
+    the board's 64 error records (reused in turn): each is ObjectNotFound
+    on its batch, naming it, and the other 36 arrive (the fetcher died of
+    its 31st error before: the records past 64 KiB of the board's header
+    were cut)."""
+    store.fill(120)
+    with FaultProxy(store.server.endpoint_url) as proxy:
+        store.through(proxy)
+        proxy.respond(404, method="GET", path=f"/{store.bucket}/sims/00*[0-6].npy")
+        ds = store.dataset(cache_limit_bytes=1 << 30, requests_in_flight=8)
+        try:
+            with ShmLoader(ds, batch_size=1, num_workers=2, timeout=60) as ld:
+                it = iter(ld)
+                got, missing = [], []
+                while True:
+                    try:
+                        got += ids(next(it))
+                    except StopIteration:
+                        break
+                    except Exception as e:
+                        assert "ObjectNotFound" in str(e) or isinstance(e, ObjectNotFound), e
+                        missing += [int(k) for k in set(re.findall(r"sims/(\d{5})\.npy", str(e)))]
+            assert got == [i for i in range(120) if i % 10 > 6]
+            assert missing == [i for i in range(120) if i % 10 <= 6]
+            assert ds._proc.poll() is None and ds.remote_stats()["fetch_errors"] >= 84
+        finally:
+            ds.close()
+
+
 def test_an_object_replaced_after_its_listing_is_object_changed(store):
     store.fill(32)
     ds = None
@@ -1025,3 +1056,26 @@ def test_a_resumed_cached_epoch_whose_object_is_gone_fails_on_its_batch(store, t
                 next(it)
     finally:
         again.close()
+
+
+def test_a_state_loaded_into_the_same_loader_mid_epoch_through_a_small_cache(store):
+    """train_on="all", 200 objects through a cache of 30, a state taken
+    mid-epoch loaded back into the same loader after reading on: exactly
+    the rest of the epoch, then a whole one.  The dropped run's slot kept
+    its pins, and its objects their trained flags: the resumed run could
+    not fetch into a cache full of them."""
+    store.fill(200)
+    size = len(npy(0))
+    ds = store.dataset(cache_limit_bytes=30 * size, requests_in_flight=4)
+    try:
+        with ShmLoader(ds, batch_size=10, shuffle=True, seed=2, num_workers=2, timeout=60) as ld:
+            it = iter(ld)
+            head = [i for _ in range(8) for i in ids(next(it))]
+            state = ld.state_dict()
+            more = [i for _ in range(5) for i in ids(next(it))]
+            ld.load_state_dict(state)
+            rest = one_epoch(ld)
+            assert rest[:len(more)] == more and sorted(head + rest) == list(range(200))
+            assert sorted(one_epoch(ld)) == list(range(200))
+    finally:
+        ds.close()

@@ -38,7 +38,8 @@ from loader._native import Bell, arena_array
 MAGIC = 0x53484D51_52454D31   # "SHMQREM1"
 HEADER_WORDS = 512
 ERROR_RECORDS, ERROR_BYTES = 64, 2048
-HEADER_BYTES = 64 << 10
+HEADER_BYTES = 256 << 10      # the words, then the error records (64 KiB cut the
+                              # records from the 31st on: the fetcher died of the 31st error)
 SLOTS = 4                      # listings in use at once: a run's, the next's, and a spare pair
 SLOT_SPAN = 1 << 36            # file offsets per slot: sparse, mapped as used
 DIGEST, EXT = 32, 16

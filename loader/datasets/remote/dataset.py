@@ -174,9 +174,11 @@ class RemoteFiles(FileDataset):
         try:
             while True:
                 try:
-                    msg, _ = M.receive(self._sock)
+                    msg, fds = M.receive(self._sock)
                 except (BlockingIOError, socket.timeout):
                     return
+                for fd in fds:   # (a late answer's memfd)
+                    os.close(fd)
                 if msg is None:
                     raise self._died()
                 if type(msg) is M.ListDone:
@@ -249,6 +251,18 @@ class RemoteFiles(FileDataset):
         if len(M.parse_record(record["objects"])[0]) != count:
             raise ValueError(f"its 'objects' do not hold {count} objects")
         return count
+
+    def forget_epochs(self) -> None:
+        """The loader dropped its runs (load_state_dict): an epoch asked for
+        from now on gets a listing adopted anew, not one a dropped run read
+        part of (its objects' TRAINED flags and counts are that run's), and
+        the fetcher lets go of what the dropped runs' slots pinned (a small
+        cache full of them could fetch nothing for the new run: a hang)."""
+        self._by_epoch = {}
+        self._resumed = {}
+        if os.getpid() == self._owner:
+            self._drain()
+            M.send(self._sock, M.Forget())
 
     def resume_epoch(self, epoch: int, record: dict) -> None:
         """The epoch trains the objects of the record, whatever the cache
@@ -475,9 +489,10 @@ class RemoteFiles(FileDataset):
             while status == B.ABSENT:
                 if not asked:
                     slot.mark(index, B.WANTED)
-                    self._board.work.ring()
                     self._board.add(B.W_ASKED)
                     asked = True
+                # (again after each slice: the fetcher reads what is asked for after a ring)
+                self._board.work.ring()
                 state = self._board.get(B.W_STATE)
                 if state in (B.FAILED, B.STOPPED) or not self._fetcher_alive():
                     how = {B.FAILED: "failed", B.STOPPED: "was stopped"}.get(state, "was killed")

@@ -47,7 +47,7 @@ import numpy as np
 
 from loader.datasets.remote import board as B
 from loader.datasets.remote.messages import (
-    Adopt, Adopted, Count, Counted, Describe, Described, Fatal, Footed, Footers,
+    Adopt, Adopted, Count, Counted, Describe, Described, Fatal, Footed, Footers, Forget,
     Install, Installed, ListDone, ListRequest, Order, Stop, listing_record, memfd_of,
     parse_record, read_bytes, read_int64, receive, send)
 from loader.datasets.remote.cache import Entry, ObjectCache, Reservation, digest, extension
@@ -82,7 +82,7 @@ class Active:
         self.next = 0                                    # the next place in order (or listing)
         self.reported = np.zeros(slot.count, bool)       # TRAINED counted in the cache
         self.same_as: dict = {}                          # older Active -> _same_objects()
-        self.trained = 0                                 # objects counted TRAINED so far
+        self.trained = 0                                 # objects of the order counted TRAINED
         self.window: int | None = None                   # Fetcher._window(), once known
 
 
@@ -193,6 +193,10 @@ class Fetcher:
             with self.lock:
                 self._adopt(msg.slot, msg.gen)
                 self.lock.notify()
+        elif kind is Forget:
+            with self.lock:
+                self._forget()
+                self.lock.notify()
         elif kind is Count:
             with self.lock:
                 self.counted_at = 0.0
@@ -239,6 +243,7 @@ class Fetcher:
                     active.order, active.place = order, place
                     if not self.cached_mode:   # (which walks the listing, for later epochs)
                         active.next = 0
+                    active.trained = _in_order(active, np.flatnonzero(active.reported))
                 self.lock.notify()
 
     def _fail(self, e: BaseException) -> None:
@@ -291,6 +296,22 @@ class Fetcher:
 
         with concurrent.futures.ThreadPoolExecutor(FOOTER_THREADS, "footers") as pool:
             return list(pool.map(one, (int(i) for i in positions)))
+
+    def _forget(self) -> None:
+        """(Under the lock.)  Every live slot retired: main dropped the runs
+        that read them (a fetch in flight for one is dropped as it ends)."""
+        k = None
+        for s, active in self.active.items():
+            self.cache.unpin_slot(s)
+            state = active.slot.state
+            for i in np.flatnonzero((state & (B.WANTED | B.STATUS_MASK)) == B.WANTED):
+                if k is None:
+                    k = self.board.record_error("remote", None, self.pattern.root,
+                                                "its run was dropped (load_state_dict) before "
+                                                "the object was fetched")
+                active.slot.settle(int(i), B.FAILED_OBJECT, k)
+        self.active, self.newest_slot, self.wanted = {}, -1, []
+        self.board.arrived.ring()
 
     def _listing(self, gen: int, keys: list, etags: list, sizes) -> Listing:
         """A Listing of these objects, with their names in the cache."""
@@ -444,6 +465,12 @@ class Fetcher:
         finally:
             with self.lock:
                 self.in_flight.discard((s, i))
+                active = self.active.get(s)
+                if active is not None and active.slot.state[i] & (
+                        B.WANTED | B.TRAINED | B.STATUS_MASK) == B.WANTED:
+                    # still asked for, and no longer in flight: the list of asked-for
+                    # objects may have dropped it while it was (read them again)
+                    self.wanted_rang = -1
                 self.lock.notify()
 
     def _get(self, url: str, key: str, etag: str, size: int, slot: int, index: int,
@@ -569,6 +596,8 @@ class Fetcher:
         used = self.cache.used_bytes()
         limit = max(0, min(self.cache.limit, used - 2 * nbytes))
         self.cache.shrink(limit)
+        for active in self.active.values():
+            active.window = None   # (a share of what the cache holds: less now)
         self._evicted(self.cache.last_evicted)
         self.cache.make_ballast()   # again, from the room just made
         self.parked = True
@@ -666,7 +695,7 @@ class Fetcher:
                 self._histogram(active, new)
                 self._evicted(self.cache.last_evicted)
                 active.reported[new] = True
-                active.trained += len(new)
+                active.trained += _in_order(active, new)
                 freed = True
         if freed or self.parked:
             self.parked = False   # try again: room may have been made, or another job finished
@@ -695,6 +724,8 @@ class Fetcher:
             for i in evicted:
                 active.ids[i] = -1
                 active.slot.settle(int(i), B.ABSENT)
+                if active.slot.state[i] & (B.WANTED | B.TRAINED) == B.WANTED:
+                    self.wanted_rang = -1   # (asked for before, and absent again)
             if len(evicted):   # fetched again when their turn comes
                 active.next = min(active.next, min(self._cursor(active, int(i)) for i in evicted))
         self.board.set(B.W_EVICTED, self.cache.evicted)
@@ -736,6 +767,16 @@ class _Done:
     def wait(self):
         self.event.wait()
         return self.value
+
+
+def _in_order(active: Active, objects: np.ndarray) -> int:
+    """How many of these objects the slot's epoch reads (all, before its
+    order is known): what counts toward `trained`, against which places in
+    the order are measured (a rank of several marks the objects it reads
+    none of trained at once)."""
+    if active.place is None:
+        return len(objects)
+    return int(np.count_nonzero(active.place[objects] < len(active.order)))
 
 
 def _place(active: Active, i: int) -> int:

@@ -79,6 +79,12 @@ class Footed(NamedTuple):
     nbytes: int            # footers.footers_record() (an fd; 0 and no fd: the slot moved on)
 
 
+class Forget(NamedTuple):
+    """The loader dropped its runs (load_state_dict): no slot's epoch is
+    live; what they pinned is unpinned, and what their workers still wait
+    for fails (their runs are dropped: nobody sees it)."""
+
+
 class Count(NamedTuple):
     """Count what the workers trained now (stats() reads it next)."""
 
