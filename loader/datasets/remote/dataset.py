@@ -489,10 +489,9 @@ class RemoteFiles(FileDataset):
             while status == B.ABSENT:
                 if not asked:
                     slot.mark(index, B.WANTED)
+                    self._board.work.ring()
                     self._board.add(B.W_ASKED)
                     asked = True
-                # (again after each slice: the fetcher reads what is asked for after a ring)
-                self._board.work.ring()
                 state = self._board.get(B.W_STATE)
                 if state in (B.FAILED, B.STOPPED) or not self._fetcher_alive():
                     how = {B.FAILED: "failed", B.STOPPED: "was stopped"}.get(state, "was killed")
