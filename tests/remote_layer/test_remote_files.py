@@ -78,6 +78,19 @@ def ids(batch) -> list[int]:
     return b[:, 0].tolist()
 
 
+def epoch_and_errors(ld) -> tuple[list[int], list[Exception]]:
+    """An epoch's objects, and the error of each batch that raised one (the
+    epoch goes on after it, as torch's does)."""
+    it, got, errors = iter(ld), [], []
+    while True:
+        try:
+            got += ids(next(it))
+        except StopIteration:
+            return got, errors
+        except Exception as e:
+            errors.append(e)
+
+
 def one_epoch(ld) -> list[int]:
     return [i for b in ld for i in ids(b)]
 
@@ -578,15 +591,7 @@ def test_a_missing_object_is_object_not_found_on_its_batch_and_the_epoch_goes_on
         ds = store.dataset(cache_limit_bytes=1 << 30)
         try:
             with ShmLoader(ds, batch_size=8, num_workers=2, timeout=60) as ld:
-                it = iter(ld)
-                got, errors = [], []
-                while True:
-                    try:
-                        got += ids(next(it))
-                    except StopIteration:
-                        break
-                    except Exception as e:
-                        errors.append(e)
+                got, errors = epoch_and_errors(ld)
             assert got == [i for i in range(64) if not 8 <= i < 16]
             assert len(errors) == 1
             text = str(errors[0])
@@ -609,16 +614,11 @@ def test_more_failed_objects_than_error_records_keep_the_fetcher_alive(store):
         ds = store.dataset(cache_limit_bytes=1 << 30, requests_in_flight=8)
         try:
             with ShmLoader(ds, batch_size=1, num_workers=2, timeout=60) as ld:
-                it = iter(ld)
-                got, missing = [], []
-                while True:
-                    try:
-                        got += ids(next(it))
-                    except StopIteration:
-                        break
-                    except Exception as e:
-                        assert "ObjectNotFound" in str(e) or isinstance(e, ObjectNotFound), e
-                        missing += [int(k) for k in set(re.findall(r"sims/(\d{5})\.npy", str(e)))]
+                got, errors = epoch_and_errors(ld)
+            missing = []
+            for e in errors:
+                assert "ObjectNotFound" in str(e) or isinstance(e, ObjectNotFound), e
+                missing += [int(k) for k in set(re.findall(r"sims/(\d{5})\.npy", str(e)))]
             assert got == [i for i in range(120) if i % 10 > 6]
             assert missing == [i for i in range(120) if i % 10 <= 6]
             assert ds._proc.poll() is None and ds.remote_stats()["fetch_errors"] >= 84

@@ -216,24 +216,30 @@ class RemoteFiles(FileDataset):
         key = (snapshot.slot, snapshot.gen, len(snapshot.positions))
         record = self._records.get(key)
         if record is None:
-            order = np.ascontiguousarray(snapshot.positions, np.int64)
-            with M.memfd_of(memoryview(order).cast("B")) as fd:
-                M.send(self._sock, M.Describe(slot=snapshot.slot, gen=snapshot.gen,
-                                              count=len(order)), fds=[fd])
-            said, fds = self._reply((M.Described,), REPLY_TIMEOUT_S)
-            try:
-                if not fds:
-                    raise RuntimeError(f"FileDataset({self.pattern!r}): the epoch's listing "
-                                       f"(board slot {snapshot.slot}) was retired before its "
-                                       f"state was taken (more than {B.SLOTS - 1} epochs live)")
-                objects = M.read_bytes(fds[0], said.nbytes)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            record = {"url": self.pattern, "count": len(order), "objects": objects}
+            objects = self._ask_about(snapshot, snapshot.positions, M.Describe, M.Described,
+                                      REPLY_TIMEOUT_S)
+            if objects is None:
+                raise RuntimeError(f"FileDataset({self.pattern!r}): the epoch's listing "
+                                   f"(board slot {snapshot.slot}) was retired before its "
+                                   f"state was taken (more than {B.SLOTS - 1} epochs live)")
+            record = {"url": self.pattern, "count": len(snapshot.positions), "objects": objects}
             self._records = {k: v for k, v in self._records.items() if k[0] != snapshot.slot}
             self._records[key] = record
         return record
+
+    def _ask_about(self, snap: RemoteSnapshot, positions, ask, answer, timeout: float):
+        """The fetcher's record about the objects at these positions of the
+        epoch's listing (ask: Describe or Footers), as bytes; None if its
+        slot holds another listing by now."""
+        at = np.ascontiguousarray(positions, np.int64)
+        with M.memfd_of(memoryview(at).cast("B")) as fd:
+            M.send(self._sock, ask(slot=snap.slot, gen=snap.gen, count=len(at)), fds=[fd])
+        said, fds = self._reply((answer,), timeout)
+        try:
+            return M.read_bytes(fds[0], said.nbytes) if fds else None
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def record_len(self, record) -> int:
         """The length of the epoch epoch_record() described (ValueError if
@@ -413,18 +419,11 @@ class RemoteFiles(FileDataset):
         missing = np.array([i for i, name in enumerate(names) if name not in self._footers],
                            np.int64)
         if len(missing):
-            with M.memfd_of(memoryview(missing).cast("B")) as fd:
-                M.send(self._sock, M.Footers(slot=snap.slot, gen=snap.gen, count=len(missing)),
-                       fds=[fd])
-            said, fds = self._reply((M.Footed,), self.listing_timeout)
-            try:
-                if not fds:
-                    raise RemoteError(f"FileDataset({self.pattern!r}): the epoch's listing was "
-                                      f"retired before its footers were read")
-                found = parse_footers(M.read_bytes(fds[0], said.nbytes))
-            finally:
-                for fd in fds:
-                    os.close(fd)
+            found = self._ask_about(snap, missing, M.Footers, M.Footed, self.listing_timeout)
+            if found is None:
+                raise RemoteError(f"FileDataset({self.pattern!r}): the epoch's listing was "
+                                  f"retired before its footers were read")
+            found = parse_footers(found)
             got = {names[i]: f for i, f in zip(missing, found)}
             self._footers.update((k, f) for k, f in got.items() if "rows" in f)
             return [self._footers.get(name) or got[name] for name in names]

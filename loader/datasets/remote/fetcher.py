@@ -203,29 +203,10 @@ class Fetcher:
                 self._count_trained()
             send(self.sock, Counted())
         elif kind is Describe:
-            positions = read_int64(fds[0], msg.count)
-            with self.lock:
-                active = self.active.get(msg.slot)
-                listing = active.listing if active is not None and \
-                    active.slot.gen == msg.gen else None
-            if listing is None:
-                send(self.sock, Described(nbytes=0))
-            else:
-                record = listing_record(listing, positions)
-                with memfd_of(record) as fd:
-                    send(self.sock, Described(nbytes=len(record)), fds=[fd])
+            self._answer_about(msg, fds, Described, listing_record)
         elif kind is Footers:
-            positions = read_int64(fds[0], msg.count)
-            with self.lock:
-                active = self.active.get(msg.slot)
-                listing = active.listing if active is not None and \
-                    active.slot.gen == msg.gen else None
-            if listing is None:
-                send(self.sock, Footed(nbytes=0))
-            else:
-                record = footers_record(self._footers(listing, positions))
-                with memfd_of(record) as fd:
-                    send(self.sock, Footed(nbytes=len(record)), fds=[fd])
+            self._answer_about(msg, fds, Footed,
+                               lambda listing, at: footers_record(self._footers(listing, at)))
         elif kind is Install:
             keys, etags, sizes = parse_record(read_bytes(fds[0], msg.nbytes))
             listing = self._listing(msg.gen, keys, etags, sizes)
@@ -245,6 +226,23 @@ class Fetcher:
                         active.next = 0
                     active.trained = _in_order(active, np.flatnonzero(active.reported))
                 self.lock.notify()
+
+    def _answer_about(self, msg, fds, answer, record_of) -> None:
+        """A question about the objects at some positions of a slot's
+        listing (Describe, Footers: the positions as an fd): answer(nbytes)
+        with record_of(listing, positions) as a memfd, or answer(0) without
+        one if the slot no longer holds that listing."""
+        positions = read_int64(fds[0], msg.count)
+        with self.lock:
+            active = self.active.get(msg.slot)
+            listing = active.listing if active is not None and \
+                active.slot.gen == msg.gen else None
+        if listing is None:
+            send(self.sock, answer(nbytes=0))
+            return
+        record = record_of(listing, positions)
+        with memfd_of(record) as fd:
+            send(self.sock, answer(nbytes=len(record)), fds=[fd])
 
     def _fail(self, e: BaseException) -> None:
         with self.lock:
